@@ -1,0 +1,49 @@
+"""The kernel's launch ABI: one parameter struct passed by value.
+
+`PARAM_FIELDS` is the single definition of `ForwardParams`: the template renders the C++ struct
+from it and `pack_params` packs the same fields, so the two cannot drift.
+"""
+from __future__ import annotations
+
+import struct
+
+__all__ = ["PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names"]
+
+# (name, C++ type, struct format char). Pointers and 64-bit strides first keep the struct
+# free of padding on both sides.
+PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("q", "const void*", "Q"),
+    ("k", "const void*", "Q"),
+    ("v", "const void*", "Q"),
+    ("o", "void*", "Q"),
+    ("lse", "float*", "Q"),  # optional per-(batch, head, row) log-sum-exp; 0 = not written
+    ("q_batch_stride", "long long", "q"),
+    ("q_seq_stride", "long long", "q"),
+    ("q_head_stride", "long long", "q"),
+    ("k_batch_stride", "long long", "q"),
+    ("k_seq_stride", "long long", "q"),
+    ("k_head_stride", "long long", "q"),
+    ("v_batch_stride", "long long", "q"),
+    ("v_seq_stride", "long long", "q"),
+    ("v_head_stride", "long long", "q"),
+    ("o_batch_stride", "long long", "q"),
+    ("o_seq_stride", "long long", "q"),
+    ("o_head_stride", "long long", "q"),
+    ("seq_len_q", "int", "i"),
+    ("seq_len_k", "int", "i"),
+    ("n_heads", "int", "i"),
+    ("n_kv_heads", "int", "i"),
+    ("softmax_scale", "float", "f"),
+    ("softmax_scale_log2", "float", "f"),  # softmax_scale * log2(e)
+)
+
+PARAMS_STRUCT = struct.Struct("<" + "".join(f for _, _, f in PARAM_FIELDS))
+
+
+def param_names() -> tuple[str, ...]:
+    return tuple(name for name, _, _ in PARAM_FIELDS)
+
+
+def pack_params(*values) -> bytes:
+    """Pack positional values in `PARAM_FIELDS` order into the kernel's parameter bytes."""
+    return PARAMS_STRUCT.pack(*values)
