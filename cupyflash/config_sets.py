@@ -9,7 +9,7 @@ from .config import (
     B_C_VALUES, B_R_VALUES, N_WARPS_VALUES, SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig,
 )
 
-__all__ = ["should_autotune", "autotune_configs", "progression_configs", "all_configs",
+__all__ = ["default_config", "should_autotune", "autotune_configs", "progression_configs", "all_configs",
            "get_kernel_configs", "KERNEL_SET_KEYS"]
 
 KERNEL_SET_KEYS = ("all", "tune", "prog", "prog_all")
@@ -40,7 +40,8 @@ def should_autotune(cfg: FlashForwardKernelConfig) -> bool:
     - K loaded 1 or 2 k-fragments at a time (whole K tiles spill); Q either kept in registers
       (0) or loaded in step with K (the same count);
     - V loaded 1 or 2 k-fragments at a time, with or without register double buffering;
-    - at d_head 128 with B_c = 128 only V fragments of 1 (larger ones spill).
+    - at d_head 128 only B_c = 64: with B_c = 128 the S accumulators push the kernel past 255
+      registers and ptxas spills.
     """
     if not (cfg.async_copy and cfg.eager_load_blocks and cfg.swizzled and cfg.optimized_softmax):
         return False
@@ -50,7 +51,7 @@ def should_autotune(cfg: FlashForwardKernelConfig) -> bool:
         return False
     if cfg.Q_mma_load_K_fragments not in (0, cfg.K_mma_load_K_fragments):
         return False
-    if cfg.d_head == 128 and cfg.B_c == 128 and cfg.V_mma_load_K_fragments != 1:
+    if cfg.d_head == 128 and cfg.B_c == 128:
         return False
     return True
 
@@ -84,6 +85,13 @@ def all_configs(dtypes=tuple(DType), d_heads=SUPPORTED_D_HEADS) -> list[FlashFor
         for d in d_heads:
             out.update(progression_configs(dtype, d))
     return sorted(out)
+
+
+def default_config(dtype: DType, d_head: int) -> FlashForwardKernelConfig:
+    """The config `forward(cfg=None)` uses when no tuning table has an entry: the last step of the
+    progression (all optimisations on, 64 x 64 blocks, 4 warps), which compiles without spills
+    for every supported dtype and d_head."""
+    return progression_configs(DType(dtype), d_head)[-1]
 
 
 def get_kernel_configs(key: str | None = None) -> list[FlashForwardKernelConfig]:

@@ -41,7 +41,7 @@ def templates_dir() -> Path:
 @functools.cache
 def _environment() -> jinja2.Environment:
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader([str(templates_dir()), str(kernels_dir())]),
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         autoescape=False,
@@ -74,7 +74,8 @@ def _render_cached() -> str:
         dtypes=[(d.name, int(d)) for d in DType],
         config_fields=[(f.name, _cpp_type(f)) for f in dataclasses.fields(FlashForwardKernelConfig)],
         param_fields=[(name, ctype) for name, ctype, _ in PARAM_FIELDS],
-        headers=KERNEL_HEADERS,
+        # Headers are passed as text, not Jinja includes: their inline PTX is full of "{%".
+        headers=[(name, (kernels_dir() / name).read_text()) for name in KERNEL_HEADERS],
     )
 
 

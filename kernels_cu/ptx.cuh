@@ -1,1 +1,129 @@
-// placeholder
+// Thin wrappers around the PTX instructions the kernels use. Everything here is a single
+// instruction (or a fixed pair); no toolkit header is needed, so NVRTC compiles this on a
+// machine that has only the driver.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define CF_DEVICE __device__ __forceinline__
+
+// Generic -> shared-window address, as the 32-bit operand that cp.async/ldmatrix/st.shared take.
+CF_DEVICE u32 shared_address(const void* ptr) {
+    return static_cast<u32>(__cvta_generic_to_shared(ptr));
+}
+
+// ---- global -> shared copies --------------------------------------------------------------
+// 16-byte asynchronous copy, bypassing L1 (.cg). src_bytes = 0 writes zeros, which is how tail
+// rows beyond the sequence end are filled without a branch around the instruction.
+CF_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+
+CF_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N_PENDING>
+CF_DEVICE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N_PENDING));
+}
+
+CF_DEVICE uint4 ld_global_16(const void* src) {
+    uint4 v;
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(src));
+    return v;
+}
+
+CF_DEVICE void st_shared_16(u32 dst, uint4 v) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+CF_DEVICE uint4 ld_shared_16(u32 src) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(src));
+    return v;
+}
+
+CF_DEVICE void st_shared_4(u32 dst, u32 v) { asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dst), "r"(v)); }
+
+CF_DEVICE void st_global_16(void* dst, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// ---- shared -> registers ------------------------------------------------------------------
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i of every
+// lane receives its piece of matrix i (row lane/4, columns 2*(lane%4) and +1).
+CF_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// Same, transposed: the lane receives column lane/4, rows 2*(lane%4) and +1.
+CF_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// ---- tensor-core mma ----------------------------------------------------------------------
+// D = A(16x16, row) * B(16x8, col) + D with fp32 accumulators.
+template <DType T>
+CF_DEVICE void mma_m16n8k16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+
+template <>
+CF_DEVICE void mma_m16n8k16<DType::FP16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+CF_DEVICE void mma_m16n8k16<DType::BF16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- conversions and special functions ----------------------------------------------------
+// Two fp32 values -> one register of two 16-bit values, `lo` in the low half (round to nearest).
+template <DType T>
+CF_DEVICE u32 pack_pair(float lo, float hi);
+
+template <>
+CF_DEVICE u32 pack_pair<DType::FP16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <>
+CF_DEVICE u32 pack_pair<DType::BF16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+CF_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+CF_DEVICE float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+CF_DEVICE float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}

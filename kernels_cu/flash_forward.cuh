@@ -1,0 +1,368 @@
+// FlashAttention-2 forward kernel over a static configuration.
+//
+// One CTA computes B_r query rows of one (batch, head); each warp owns B_r / n_warps of those rows
+// (whole 16-row m-tiles), so softmax statistics never leave the warp. The CTA walks the key/value
+// sequence in blocks of B_c rows: S = Q K^T (mma.m16n8k16, fp32 accumulators), online softmax,
+// O += P V with P converted straight from the S accumulators into A fragments (the C layout of
+// two adjacent n-tiles is the A layout of one k-step). Tails past seq_len_q / seq_len_k are
+// zero-filled on load, masked to -inf in S and not stored.
+#pragma once
+
+template <FlashForwardKernelConfig C>
+struct StaticForwardKernelConfig {
+    static constexpr FlashForwardKernelConfig cfg = C;
+    static constexpr DType dtype = C.dtype;
+    static constexpr int D = C.d_head;
+    static constexpr int BR = C.B_r;
+    static constexpr int BC = C.B_c;
+    static constexpr int N_WARPS = C.n_warps;
+    static constexpr int N_THREADS = 32 * C.n_warps;
+    static constexpr int WARP_ROWS = BR / N_WARPS;
+    static constexpr int M_TILES = WARP_ROWS / 16;
+    static constexpr int S_N_TILES = BC / 8;   // n-tiles of S (keys)
+    static constexpr int O_N_TILES = D / 8;    // n-tiles of O (head dim)
+    static constexpr int QK_K_STEPS = D / 16;  // k-steps of Q K^T (over d_head)
+    static constexpr int PV_K_STEPS = BC / 16; // k-steps of P V (over keys)
+
+    // Fragment-load depths: k-steps loaded from shared memory per chunk (0 in the config = the
+    // whole tile in one chunk). Q with 0 is loaded once per CTA and kept in registers.
+    static constexpr bool Q_IN_REGISTERS = C.Q_mma_load_K_fragments == 0;
+    static constexpr int K_STEPS_PER_CHUNK = C.K_mma_load_K_fragments ? C.K_mma_load_K_fragments : QK_K_STEPS;
+    static constexpr int V_STEPS_PER_CHUNK = C.V_mma_load_K_fragments ? C.V_mma_load_K_fragments : PV_K_STEPS;
+    static constexpr int QK_CHUNKS = QK_K_STEPS / K_STEPS_PER_CHUNK;
+    static constexpr int PV_CHUNKS = PV_K_STEPS / V_STEPS_PER_CHUNK;
+    // Double buffering needs a next chunk to prefetch; a whole-tile operand has none.
+    static constexpr int QK_BUFFERS = (C.mma_double_buffer_loads && QK_CHUNKS > 1) ? 2 : 1;
+    static constexpr int PV_BUFFERS = (C.mma_double_buffer_loads && PV_CHUNKS > 1) ? 2 : 1;
+
+    using QTile = SmemTile<BR, D, C.swizzled>;
+    using KVTile = SmemTile<BC, D, C.swizzled>;
+    static constexpr int SMEM_BYTES = QTile::BYTES + 2 * KVTile::BYTES;
+
+    static_assert(WARP_ROWS % 16 == 0, "each warp owns whole 16-row m-tiles");
+    static_assert(C.Q_mma_load_K_fragments == 0 || C.Q_mma_load_K_fragments == K_STEPS_PER_CHUNK,
+                  "Q fragments advance in step with K fragments");
+    static_assert(!C.eager_load_blocks || C.async_copy, "eager K/V loads need cp.async");
+};
+
+template <class Cfg>
+struct ForwardCTA {
+    using Softmax = OnlineSoftmax<Cfg::M_TILES, Cfg::S_N_TILES, Cfg::cfg.optimized_softmax>;
+    static constexpr bool ASYNC = Cfg::cfg.async_copy;
+    static constexpr bool EAGER = Cfg::cfg.eager_load_blocks;
+
+    const ForwardParams& p;
+    const int tid, lane, warp_row0;  // warp_row0: first query row of this warp inside the CTA tile
+    const int q_rows_valid;           // query rows of this CTA inside seq_len_q
+    typename Cfg::QTile q_tile;
+    typename Cfg::KVTile k_tile, v_tile;
+    const u16* q_src;
+    const u16* k_src;
+    const u16* v_src;
+
+    float o_acc[Cfg::M_TILES][Cfg::O_N_TILES][4];
+    u32 q_regs[Cfg::Q_IN_REGISTERS ? Cfg::M_TILES : 1][Cfg::Q_IN_REGISTERS ? Cfg::QK_K_STEPS : 1][4];
+    Softmax softmax;
+
+    CF_DEVICE ForwardCTA(const ForwardParams& params, unsigned char* smem)
+        : p(params),
+          tid(threadIdx.x),
+          lane(threadIdx.x & 31),
+          warp_row0((threadIdx.x >> 5) * Cfg::WARP_ROWS),
+          q_rows_valid(min(Cfg::BR, params.seq_len_q - (int)blockIdx.x * Cfg::BR)) {
+        const int head = blockIdx.y, batch = blockIdx.z;
+        const int kv_head = head / (params.n_heads / params.n_kv_heads);
+        q_src = static_cast<const u16*>(params.q) + batch * params.q_batch_stride + head * params.q_head_stride +
+                (long long)blockIdx.x * Cfg::BR * params.q_seq_stride;
+        k_src = static_cast<const u16*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
+        v_src = static_cast<const u16*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
+        q_tile.base = shared_address(smem);
+        k_tile.base = q_tile.base + Cfg::QTile::BYTES;
+        v_tile.base = k_tile.base + Cfg::KVTile::BYTES;
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.f;
+        softmax.init();
+    }
+
+    // ---- global -> shared block loads ----
+    CF_DEVICE void load_q() {
+        copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(q_tile, q_src, p.q_seq_stride, q_rows_valid, tid);
+    }
+    CF_DEVICE void load_k(int block) {
+        copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(k_tile, k_src + (long long)block * Cfg::BC * p.k_seq_stride,
+                                                          p.k_seq_stride, p.seq_len_k - block * Cfg::BC, tid);
+    }
+    CF_DEVICE void load_v(int block) {
+        copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(v_tile, v_src + (long long)block * Cfg::BC * p.v_seq_stride,
+                                                          p.v_seq_stride, p.seq_len_k - block * Cfg::BC, tid);
+    }
+
+    CF_DEVICE void load_q_into_registers() {
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int k = 0; k < Cfg::QK_K_STEPS; ++k) load_a_fragment(q_regs[m][k], q_tile, warp_row0 + 16 * m, k, lane);
+    }
+
+    // ---- S = Q K^T for the current K tile, in chunks of K_STEPS_PER_CHUNK k-steps ----
+    struct QKChunk {
+        u32 k[Cfg::K_STEPS_PER_CHUNK][Cfg::S_N_TILES][2];
+        u32 q[Cfg::Q_IN_REGISTERS ? 1 : Cfg::K_STEPS_PER_CHUNK][Cfg::M_TILES][4];
+    };
+
+    CF_DEVICE void load_qk_chunk(QKChunk& chunk, int c) {
+#pragma unroll
+        for (int f = 0; f < Cfg::K_STEPS_PER_CHUNK; ++f) {
+            const int k_step = c * Cfg::K_STEPS_PER_CHUNK + f;
+#pragma unroll
+            for (int n = 0; n < Cfg::S_N_TILES; n += 2)
+                load_b_fragments_from_rows(*reinterpret_cast<u32(*)[2][2]>(&chunk.k[f][n][0]), k_tile, 8 * n, k_step,
+                                           lane);
+            if constexpr (!Cfg::Q_IN_REGISTERS) {
+#pragma unroll
+                for (int m = 0; m < Cfg::M_TILES; ++m)
+                    load_a_fragment(chunk.q[f][m], q_tile, warp_row0 + 16 * m, k_step, lane);
+            }
+        }
+    }
+
+    CF_DEVICE const u32 (&q_fragment(const QKChunk& chunk, int m, int f, int k_step) const)[4] {
+        if constexpr (Cfg::Q_IN_REGISTERS) return q_regs[m][k_step];
+        else return chunk.q[f][m];
+    }
+
+    CF_DEVICE void mma_qk_chunk(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4], const QKChunk& chunk, int c) {
+#pragma unroll
+        for (int f = 0; f < Cfg::K_STEPS_PER_CHUNK; ++f) {
+            const int k_step = c * Cfg::K_STEPS_PER_CHUNK + f;
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m) {
+                const u32(&a)[4] = q_fragment(chunk, m, f, k_step);
+#pragma unroll
+                for (int n = 0; n < Cfg::S_N_TILES; ++n)
+                    mma_m16n8k16<Cfg::dtype>(s[m][n], a, chunk.k[f][n][0], chunk.k[f][n][1]);
+            }
+        }
+    }
+
+    CF_DEVICE void compute_scores(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4]) {
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::S_N_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][n][e] = 0.f;
+        QKChunk chunks[Cfg::QK_BUFFERS];
+        if constexpr (Cfg::QK_BUFFERS == 2) {
+            // Fragments of chunk c+1 are requested before the mma of chunk c is issued, so
+            // ldmatrix latency hides behind tensor-core work.
+            load_qk_chunk(chunks[0], 0);
+#pragma unroll
+            for (int c = 0; c < Cfg::QK_CHUNKS; ++c) {
+                if (c + 1 < Cfg::QK_CHUNKS) load_qk_chunk(chunks[(c + 1) & 1], c + 1);
+                mma_qk_chunk(s, chunks[c & 1], c);
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < Cfg::QK_CHUNKS; ++c) {
+                load_qk_chunk(chunks[0], c);
+                mma_qk_chunk(s, chunks[0], c);
+            }
+        }
+    }
+
+    // ---- O += P V for the current V tile, in chunks of V_STEPS_PER_CHUNK k-steps ----
+    using VChunk = u32[Cfg::V_STEPS_PER_CHUNK][Cfg::O_N_TILES][2];
+
+    CF_DEVICE void load_v_chunk(VChunk& chunk, int c) {
+#pragma unroll
+        for (int f = 0; f < Cfg::V_STEPS_PER_CHUNK; ++f)
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; n += 2)
+                load_b_fragments_transposed(*reinterpret_cast<u32(*)[2][2]>(&chunk[f][n][0]), v_tile, 8 * n,
+                                            c * Cfg::V_STEPS_PER_CHUNK + f, lane);
+    }
+
+    CF_DEVICE void mma_pv_chunk(const u32 (&pa)[Cfg::M_TILES][Cfg::PV_K_STEPS][4], const VChunk& chunk, int c) {
+#pragma unroll
+        for (int f = 0; f < Cfg::V_STEPS_PER_CHUNK; ++f)
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int n = 0; n < Cfg::O_N_TILES; ++n)
+                    mma_m16n8k16<Cfg::dtype>(o_acc[m][n], pa[m][c * Cfg::V_STEPS_PER_CHUNK + f], chunk[f][n][0],
+                                             chunk[f][n][1]);
+    }
+
+    CF_DEVICE void accumulate_pv(const u32 (&pa)[Cfg::M_TILES][Cfg::PV_K_STEPS][4]) {
+        VChunk chunks[Cfg::PV_BUFFERS];
+        if constexpr (Cfg::PV_BUFFERS == 2) {
+            load_v_chunk(chunks[0], 0);
+#pragma unroll
+            for (int c = 0; c < Cfg::PV_CHUNKS; ++c) {
+                if (c + 1 < Cfg::PV_CHUNKS) load_v_chunk(chunks[(c + 1) & 1], c + 1);
+                mma_pv_chunk(pa, chunks[c & 1], c);
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < Cfg::PV_CHUNKS; ++c) {
+                load_v_chunk(chunks[0], c);
+                mma_pv_chunk(pa, chunks[0], c);
+            }
+        }
+    }
+
+    // Scores of keys at or past seq_len_k become -inf (only the last block can hold such keys).
+    CF_DEVICE void mask_key_tail(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4], int keys_valid) {
+#pragma unroll
+        for (int n = 0; n < Cfg::S_N_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool masked = 8 * n + 2 * (lane & 3) + e >= keys_valid;
+#pragma unroll
+                for (int m = 0; m < Cfg::M_TILES; ++m) {
+                    if (masked) s[m][n][e] = CF_NEG_INF;
+                    if (masked) s[m][n][2 + e] = CF_NEG_INF;
+                }
+            }
+    }
+
+    // Probabilities (fp32 C fragments of S) -> A fragments of P, per k-step of 16 keys.
+    CF_DEVICE void convert_probabilities(const float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4],
+                                         u32 (&pa)[Cfg::M_TILES][Cfg::PV_K_STEPS][4]) {
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int k = 0; k < Cfg::PV_K_STEPS; ++k) {
+                pa[m][k][0] = pack_pair<Cfg::dtype>(s[m][2 * k][0], s[m][2 * k][1]);
+                pa[m][k][1] = pack_pair<Cfg::dtype>(s[m][2 * k][2], s[m][2 * k][3]);
+                pa[m][k][2] = pack_pair<Cfg::dtype>(s[m][2 * k + 1][0], s[m][2 * k + 1][1]);
+                pa[m][k][3] = pack_pair<Cfg::dtype>(s[m][2 * k + 1][2], s[m][2 * k + 1][3]);
+            }
+    }
+
+    CF_DEVICE void rescale_output(const float (&rescale)[Cfg::M_TILES][2]) {
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; ++n) {
+                o_acc[m][n][0] *= rescale[m][0];
+                o_acc[m][n][1] *= rescale[m][0];
+                o_acc[m][n][2] *= rescale[m][1];
+                o_acc[m][n][3] *= rescale[m][1];
+            }
+    }
+
+    // One key/value block. Copy schedule with eager loads: on entry K(block) and V(block) are in
+    // flight; K(block+1) is issued once every warp is done reading K(block), and V(block+1) once
+    // every warp is done with V(block), so copies overlap the softmax and the mma work.
+    template <bool FIRST>
+    CF_DEVICE void process_kv_block(int block, int n_blocks) {
+        if constexpr (EAGER) {
+            cp_async_wait<1>();  // K(block) has landed; V(block) may still be in flight
+        } else {
+            load_k(block);
+            load_v(block);
+            if constexpr (ASYNC) {
+                cp_async_commit();
+                cp_async_wait<0>();
+            }
+        }
+        __syncthreads();
+
+        float s[Cfg::M_TILES][Cfg::S_N_TILES][4];
+        compute_scores(s);
+        const int keys_valid = p.seq_len_k - block * Cfg::BC;
+        if (keys_valid < Cfg::BC) mask_key_tail(s, keys_valid);
+
+        if constexpr (EAGER) {
+            __syncthreads();  // every warp has read K(block)
+            if (block + 1 < n_blocks) load_k(block + 1);
+            cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
+        }
+
+        float rescale[Cfg::M_TILES][2];
+        softmax.template update<FIRST>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        if (!(FIRST && Cfg::cfg.optimized_softmax)) rescale_output(rescale);
+        u32 pa[Cfg::M_TILES][Cfg::PV_K_STEPS][4];
+        convert_probabilities(s, pa);
+
+        if constexpr (EAGER) {
+            cp_async_wait<1>();  // V(block) has landed; K(block+1) may still be in flight
+            __syncthreads();
+        }
+        accumulate_pv(pa);
+        __syncthreads();  // every warp has read V(block) (and K(block) when not eager)
+        if constexpr (EAGER) {
+            if (block + 1 < n_blocks) load_v(block + 1);
+            cp_async_commit();
+        }
+    }
+
+    CF_DEVICE void run() {
+        const int n_blocks = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        load_q();
+        if constexpr (ASYNC) cp_async_commit();
+        if constexpr (EAGER) {
+            load_k(0);
+            cp_async_commit();
+            load_v(0);
+            cp_async_commit();
+        }
+        if constexpr (Cfg::Q_IN_REGISTERS) {
+            if constexpr (EAGER) cp_async_wait<2>();  // Q has landed; K(0), V(0) may be in flight
+            else if constexpr (ASYNC) cp_async_wait<0>();
+            __syncthreads();
+            load_q_into_registers();
+        }
+
+        if constexpr (Cfg::cfg.optimized_softmax) {
+            process_kv_block<true>(0, n_blocks);
+            for (int block = 1; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
+        } else {
+            for (int block = 0; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
+        }
+        store_output();
+    }
+
+    // Normalise O by the row sums, stage it through this warp's own rows of the Q tile (no other
+    // warp reads them), then write whole 16-byte chunks to global memory.
+    CF_DEVICE void store_output() {
+        float row_sum[Cfg::M_TILES][2];
+        softmax.finish(row_sum);
+        if constexpr (ASYNC) cp_async_wait<0>();
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m) {
+            const float inv0 = row_sum[m][0] > 0.f ? 1.f / row_sum[m][0] : 0.f;
+            const float inv1 = row_sum[m][1] > 0.f ? 1.f / row_sum[m][1] : 0.f;
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; ++n)
+                store_accumulator_tile<Cfg::dtype>(q_tile, o_acc[m][n], warp_row0 + 16 * m, 8 * n, inv0, inv1, lane);
+        }
+        if (p.lse != nullptr && (lane & 3) == 0) {
+            const long long row_base = ((long long)blockIdx.z * p.n_heads + blockIdx.y) * p.seq_len_q;
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = blockIdx.x * Cfg::BR + warp_row0 + 16 * m + 8 * h + (lane >> 2);
+                    if (row < p.seq_len_q) p.lse[row_base + row] = softmax.log_sum_exp(m, h, row_sum[m][h], p.softmax_scale);
+                }
+        }
+        __syncwarp();
+        u16* o_dst = static_cast<u16*>(p.o) + blockIdx.z * p.o_batch_stride + blockIdx.y * p.o_head_stride +
+                     (long long)blockIdx.x * Cfg::BR * p.o_seq_stride;
+        copy_warp_rows_shared_to_global<Cfg::WARP_ROWS>(q_tile, warp_row0, o_dst, p.o_seq_stride, q_rows_valid, lane);
+    }
+};
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::N_THREADS) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    ForwardCTA<Cfg> cta(params, smem);
+    cta.run();
+}

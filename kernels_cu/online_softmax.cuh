@@ -1,0 +1,106 @@
+// Online softmax over the key blocks of one warp's query rows (FlashAttention-2 style), in fp32.
+//
+// A lane holds, for each 16-row m-tile, two rows (lane/4 and lane/4 + 8) and in each 8-column
+// n-tile two columns of each; the four lanes of a quad share a row, so row reductions are
+// thread-local followed by two xor-shuffles. Row sums stay per-lane partial sums until the end:
+// nothing reads them before the final normalisation, so one quad reduction there replaces one
+// per block.
+#pragma once
+
+#define CF_NEG_INF (-__int_as_float(0x7f800000))
+#define CF_LOG2E 1.4426950408889634f
+
+template <int M_TILES, int N_TILES, bool OPTIMIZED>
+struct OnlineSoftmax {
+    // OPTIMIZED keeps the running max in raw score units and folds scale*log2(e) into one FFMA
+    // that feeds ex2; the plain path scales every score first and converts to base 2 separately.
+    float row_max[M_TILES][2];
+    float row_sum[M_TILES][2];
+
+    CF_DEVICE void init() {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                row_max[m][h] = CF_NEG_INF;
+                row_sum[m][h] = 0.f;
+            }
+    }
+
+    // Turn the scores of one key block into unnormalised probabilities in place and return in
+    // `rescale` the factor by which the running output rows must be multiplied. FIRST (only
+    // used by the optimized path) skips the rescale: nothing has been accumulated yet.
+    template <bool FIRST>
+    CF_DEVICE void update(float (&s)[M_TILES][N_TILES][4], float (&rescale)[M_TILES][2], float scale,
+                          float scale_log2) {
+        if constexpr (!OPTIMIZED) {
+#pragma unroll
+            for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+                for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[m][n][e] *= scale;
+        }
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float block_max = row_max[m][h];
+#pragma unroll
+                for (int n = 0; n < N_TILES; ++n) block_max = fmaxf(block_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                block_max = quad_max(block_max);
+                // A row whose keys are all masked so far has max -inf; use 0 so that
+                // (-inf) - (-inf) never produces NaN. Its probabilities are exp2(-inf) = 0.
+                const float safe_max = block_max == CF_NEG_INF ? 0.f : block_max;
+                if constexpr (OPTIMIZED) {
+                    const float max_scaled = safe_max * scale_log2;
+                    if constexpr (FIRST) {
+                        rescale[m][h] = 1.f;
+                    } else {
+                        rescale[m][h] = fast_exp2(fmaf(row_max[m][h], scale_log2, -max_scaled));
+                        row_sum[m][h] *= rescale[m][h];
+                    }
+                    float sum = 0.f;
+#pragma unroll
+                    for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = fast_exp2(fmaf(s[m][n][2 * h + e], scale_log2, -max_scaled));
+                            s[m][n][2 * h + e] = p;
+                            sum += p;
+                        }
+                    row_sum[m][h] += sum;
+                } else {
+                    rescale[m][h] = fast_exp2((row_max[m][h] - safe_max) * CF_LOG2E);
+                    row_sum[m][h] *= rescale[m][h];
+                    float sum = 0.f;
+#pragma unroll
+                    for (int n = 0; n < N_TILES; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float p = fast_exp2((s[m][n][2 * h + e] - safe_max) * CF_LOG2E);
+                            s[m][n][2 * h + e] = p;
+                            sum += p;
+                        }
+                    row_sum[m][h] += sum;
+                }
+                row_max[m][h] = block_max;
+            }
+        }
+    }
+
+    // Full row sums (after the quad reduction); call once, after the last block.
+    CF_DEVICE void finish(float (&total)[M_TILES][2]) const {
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) total[m][h] = quad_sum(row_sum[m][h]);
+    }
+
+    // Natural-log log-sum-exp of the scaled scores of row (m, h), given its full row sum.
+    CF_DEVICE float log_sum_exp(int m, int h, float total, float scale) const {
+        if (total == 0.f) return CF_NEG_INF;
+        const float max_scaled = OPTIMIZED ? row_max[m][h] * scale : row_max[m][h];
+        return max_scaled + __logf(total);
+    }
+};
