@@ -59,6 +59,8 @@ struct ForwardCTA {
     const u16* q_src;
     const u16* k_src;
     const u16* v_src;
+    // Per-lane ldmatrix addresses, computed once; every load displaces them by constants.
+    u32 q_frag_addr, k_frag_addr, v_frag_addr;
 
     float o_acc[Cfg::M_TILES][Cfg::O_N_TILES][4];
     u32 q_regs[Cfg::Q_IN_REGISTERS ? Cfg::M_TILES : 1][Cfg::Q_IN_REGISTERS ? Cfg::QK_K_STEPS : 1][4];
@@ -79,6 +81,9 @@ struct ForwardCTA {
         q_tile.base = shared_address(smem);
         k_tile.base = q_tile.base + Cfg::QTile::BYTES;
         v_tile.base = k_tile.base + Cfg::KVTile::BYTES;
+        q_frag_addr = a_fragment_lane_address(q_tile, warp_row0, lane);
+        k_frag_addr = b_fragment_lane_address(k_tile, lane);
+        v_frag_addr = b_transposed_fragment_lane_address(v_tile, lane);
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
@@ -105,7 +110,8 @@ struct ForwardCTA {
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
-            for (int k = 0; k < Cfg::QK_K_STEPS; ++k) load_a_fragment(q_regs[m][k], q_tile, warp_row0 + 16 * m, k, lane);
+            for (int k = 0; k < Cfg::QK_K_STEPS; ++k)
+                load_a_fragment<typename Cfg::QTile>(q_regs[m][k], q_frag_addr, 16 * m, k);
     }
 
     // ---- S = Q K^T for the current K tile, in chunks of K_STEPS_PER_CHUNK k-steps ----
@@ -120,12 +126,11 @@ struct ForwardCTA {
             const int k_step = c * Cfg::K_STEPS_PER_CHUNK + f;
 #pragma unroll
             for (int n = 0; n < Cfg::S_N_TILES; n += 2)
-                load_b_fragments_from_rows(*reinterpret_cast<u32(*)[2][2]>(&chunk.k[f][n][0]), k_tile, 8 * n, k_step,
-                                           lane);
+                load_b_fragments<typename Cfg::KVTile>(chunk.k[f][n], chunk.k[f][n + 1], k_frag_addr, 8 * n, k_step);
             if constexpr (!Cfg::Q_IN_REGISTERS) {
 #pragma unroll
                 for (int m = 0; m < Cfg::M_TILES; ++m)
-                    load_a_fragment(chunk.q[f][m], q_tile, warp_row0 + 16 * m, k_step, lane);
+                    load_a_fragment<typename Cfg::QTile>(chunk.q[f][m], q_frag_addr, 16 * m, k_step);
             }
         }
     }
@@ -183,8 +188,8 @@ struct ForwardCTA {
         for (int f = 0; f < Cfg::V_STEPS_PER_CHUNK; ++f)
 #pragma unroll
             for (int n = 0; n < Cfg::O_N_TILES; n += 2)
-                load_b_fragments_transposed(*reinterpret_cast<u32(*)[2][2]>(&chunk[f][n][0]), v_tile, 8 * n,
-                                            c * Cfg::V_STEPS_PER_CHUNK + f, lane);
+                load_b_fragments_transposed<typename Cfg::KVTile>(chunk[f][n], chunk[f][n + 1], v_frag_addr, 8 * n,
+                                                                  c * Cfg::V_STEPS_PER_CHUNK + f);
     }
 
     CF_DEVICE void mma_pv_chunk(const u32 (&pa)[Cfg::M_TILES][Cfg::PV_K_STEPS][4], const VChunk& chunk, int c) {
@@ -335,13 +340,14 @@ struct ForwardCTA {
         float row_sum[Cfg::M_TILES][2];
         softmax.finish(row_sum);
         if constexpr (ASYNC) cp_async_wait<0>();
+        const u32 o_addr = accumulator_lane_address(q_tile, warp_row0, lane);
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m) {
             const float inv0 = row_sum[m][0] > 0.f ? 1.f / row_sum[m][0] : 0.f;
             const float inv1 = row_sum[m][1] > 0.f ? 1.f / row_sum[m][1] : 0.f;
 #pragma unroll
             for (int n = 0; n < Cfg::O_N_TILES; ++n)
-                store_accumulator_tile<Cfg::dtype>(q_tile, o_acc[m][n], warp_row0 + 16 * m, 8 * n, inv0, inv1, lane);
+                store_accumulator_tile<Cfg::dtype, typename Cfg::QTile>(o_addr, o_acc[m][n], 16 * m, n, inv0, inv1);
         }
         if (p.lse != nullptr && (lane & 3) == 0) {
             const long long row_base = ((long long)blockIdx.z * p.n_heads + blockIdx.y) * p.seq_len_q;
@@ -362,7 +368,7 @@ struct ForwardCTA {
 
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::N_THREADS) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem[];
     ForwardCTA<Cfg> cta(params, smem);
     cta.run();
 }
