@@ -53,10 +53,8 @@ struct ForwardCTA {
 
     const ForwardParams& p;
     const int tid, lane, warp_row0;  // warp_row0: first query row of this warp inside the CTA tile
-    const int q_rows_valid;           // query rows of this CTA inside seq_len_q
     typename Cfg::QTile q_tile;
     typename Cfg::KVTile k_tile, v_tile;
-    const u16* q_src;
     const u16* k_src;
     const u16* v_src;
     // Per-lane ldmatrix addresses, computed once; every load displaces them by constants.
@@ -70,12 +68,9 @@ struct ForwardCTA {
         : p(params),
           tid(threadIdx.x),
           lane(threadIdx.x & 31),
-          warp_row0((threadIdx.x >> 5) * Cfg::WARP_ROWS),
-          q_rows_valid(min(Cfg::BR, params.seq_len_q - (int)blockIdx.x * Cfg::BR)) {
+          warp_row0((threadIdx.x >> 5) * Cfg::WARP_ROWS) {
         const int head = blockIdx.y, batch = blockIdx.z;
         const int kv_head = head / (params.n_heads / params.n_kv_heads);
-        q_src = static_cast<const u16*>(params.q) + batch * params.q_batch_stride + head * params.q_head_stride +
-                (long long)blockIdx.x * Cfg::BR * params.q_seq_stride;
         k_src = static_cast<const u16*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
         v_src = static_cast<const u16*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
         q_tile.base = shared_address(smem);
@@ -94,8 +89,13 @@ struct ForwardCTA {
     }
 
     // ---- global -> shared block loads ----
+    // Query rows of this CTA inside seq_len_q; recomputed where needed rather than held live.
+    CF_DEVICE int q_rows_valid() const { return min(Cfg::BR, p.seq_len_q - (int)blockIdx.x * Cfg::BR); }
+
     CF_DEVICE void load_q() {
-        copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(q_tile, q_src, p.q_seq_stride, q_rows_valid, tid);
+        const u16* q_src = static_cast<const u16*>(p.q) + blockIdx.z * p.q_batch_stride + blockIdx.y * p.q_head_stride +
+                           (long long)blockIdx.x * Cfg::BR * p.q_seq_stride;
+        copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(q_tile, q_src, p.q_seq_stride, q_rows_valid(), tid);
     }
     CF_DEVICE void load_k(int block) {
         copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(k_tile, k_src + (long long)block * Cfg::BC * p.k_seq_stride,
@@ -362,7 +362,7 @@ struct ForwardCTA {
         __syncwarp();
         u16* o_dst = static_cast<u16*>(p.o) + blockIdx.z * p.o_batch_stride + blockIdx.y * p.o_head_stride +
                      (long long)blockIdx.x * Cfg::BR * p.o_seq_stride;
-        copy_warp_rows_shared_to_global<Cfg::WARP_ROWS>(q_tile, warp_row0, o_dst, p.o_seq_stride, q_rows_valid, lane);
+        copy_warp_rows_shared_to_global<Cfg::WARP_ROWS>(q_tile, warp_row0, o_dst, p.o_seq_stride, q_rows_valid(), lane);
     }
 };
 
