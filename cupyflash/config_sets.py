@@ -1,6 +1,7 @@
 """Named sets of kernel configurations: autotuning, progression, all, and B_r,B_c selections."""
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from typing import Iterable
@@ -29,35 +30,55 @@ def _candidates(dtypes: Iterable[DType], d_heads: Iterable[int]) -> Iterable[Fla
             continue
 
 
+# Fragment registers one thread holds across the key loop: O and S accumulators (4 fp32 per
+# 16x8 tile) and, when Q stays in registers, its A fragments (4 per 16x16 tile), per 16-row m-tile.
+# Measured with --ptxas-options=-v for sm_80 and sm_90: up to 160 nothing spills; at 192 (32 rows
+# per warp) ptxas spills 36 bytes (9 words, reloaded from L1 a few times per key block), and
+# those configs are still the fastest at d_head 128 on the H100; above 192 spills reach
+# hundreds of bytes.
+ACCUMULATOR_REGISTER_BUDGET = 192
+
+
+def accumulator_registers(cfg: FlashForwardKernelConfig) -> int:
+    """Registers per thread held by the O and S accumulators (and Q if kept in registers)."""
+    m_tiles = cfg.rows_per_warp // 16
+    per_m_tile = cfg.d_head // 8 * 4 + cfg.B_c // 8 * 4
+    if cfg.Q_mma_load_K_fragments == 0:
+        per_m_tile += cfg.d_head // 16 * 4
+    return m_tiles * per_m_tile
+
+
 def should_autotune(cfg: FlashForwardKernelConfig) -> bool:
     """The autotuning rule: which valid configs are worth benchmarking.
 
     - async copies, eager K/V prefetch, swizzling and the optimized softmax are always on: each
       is a strict improvement in the progression benchmark, so tuning them wastes time;
-    - 16 query rows per warp (B_r=64 with 4 warps, B_r=128 with 8 warps): 32 rows per warp
-      doubles the O accumulator and spills at d_head 128;
-    - B_c in {64, 128}: B_c = 32 halves the work per barrier;
-    - K loaded 1 or 2 k-fragments at a time (whole K tiles spill); Q either kept in registers
-      (0) or loaded in step with K (the same count);
-    - V loaded 1 or 2 k-fragments at a time, with or without register double buffering;
-    - at d_head 128 only B_c = 64: with B_c = 128 the S accumulators push the kernel past 255
-      registers and ptxas spills.
+    - B_c in {64, 128}: B_c = 32 doubles the barriers per key and never won on the H100;
+    - K and V loaded 1 or 2 k-fragments at a time (whole tiles cost registers for nothing); Q
+      either kept in registers (0) or loaded in step with K (the same count);
+    - accumulator_registers(cfg) <= ACCUMULATOR_REGISTER_BUDGET: this admits 32 query rows per
+      warp (the H100 winner at d_head 128) only with Q loaded from shared memory and, at
+      d_head 128, B_c = 64; nothing in the set spills more than 36 bytes.
     """
     if not (cfg.async_copy and cfg.eager_load_blocks and cfg.swizzled and cfg.optimized_softmax):
         return False
-    if cfg.rows_per_warp != 16 or cfg.B_c == 32:
+    if cfg.B_c == 32:
         return False
     if cfg.K_mma_load_K_fragments not in (1, 2) or cfg.V_mma_load_K_fragments not in (1, 2):
         return False
     if cfg.Q_mma_load_K_fragments not in (0, cfg.K_mma_load_K_fragments):
         return False
-    if cfg.d_head == 128 and cfg.B_c == 128:
-        return False
-    return True
+    return accumulator_registers(cfg) <= ACCUMULATOR_REGISTER_BUDGET
+
+
+@functools.cache
+def _autotune_configs(dtypes: tuple[DType, ...], d_heads: tuple[int, ...]) -> tuple[FlashForwardKernelConfig, ...]:
+    # Enumerating the candidate space takes about a second; every caller gets the same answer.
+    return tuple(sorted(c for c in _candidates(dtypes, d_heads) if should_autotune(c)))
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=SUPPORTED_D_HEADS) -> list[FlashForwardKernelConfig]:
-    return sorted(c for c in _candidates(dtypes, d_heads) if should_autotune(c))
+    return list(_autotune_configs(tuple(dtypes), tuple(d_heads)))
 
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[FlashForwardKernelConfig]:
@@ -87,11 +108,20 @@ def all_configs(dtypes=tuple(DType), d_heads=SUPPORTED_D_HEADS) -> list[FlashFor
     return sorted(out)
 
 
+# The heuristic pick when no tuning table has an entry: per d_head, the fastest config that
+# compiles without any spill, in the H100 sweep of every tuning candidate at S=4096 (NOTES.md).
+_DEFAULT_SHAPES = {
+    64: "(BF16, 64, 128, 64, 4): async+eager+swizzled+load_0_1_1_tiles+opt_softmax",
+    128: "(BF16, 128, 128, 128, 8): async+eager+swizzled+load_0_2_1_tiles+opt_softmax",
+}
+
+
 def default_config(dtype: DType, d_head: int) -> FlashForwardKernelConfig:
-    """The config `forward(cfg=None)` uses when no tuning table has an entry: the last step of the
-    progression (all optimisations on, 64 x 64 blocks, 4 warps), which compiles without spills
-    for every supported dtype and d_head."""
-    return progression_configs(DType(dtype), d_head)[-1]
+    """The config `forward(cfg=None)` falls back to without a tuning-table entry. Every default
+    is in the tuning set and compiles without spills for sm_80 and sm_90 (tested)."""
+    if d_head not in _DEFAULT_SHAPES:
+        raise ValueError(f"d_head {d_head} is not supported; expected one of {tuple(_DEFAULT_SHAPES)}")
+    return FlashForwardKernelConfig.parse(_DEFAULT_SHAPES[d_head]).replace(dtype=DType(dtype))
 
 
 def get_kernel_configs(key: str | None = None) -> list[FlashForwardKernelConfig]:

@@ -1,0 +1,149 @@
+"""`cupyflash.forward`: FlashAttention forward on CuPy arrays, PyTorch tensors and JAX arrays.
+
+The per-call path is kept lean (a later target is ~15 us per call with a cached kernel): config
+strings are parsed once (lru_cache), the GPU and each device's compute capability are checked
+once, and argument metadata travels in NamedTuples rather than dataclasses.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from . import config_sets
+from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from .tuning import tuned_config as _tuned_config  # module attribute so tests can patch it
+from .interop import (TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream,
+                      wrap_output)
+from .validation import LaunchPlan, check_compute_capability, check_forward_args
+
+__all__ = ["forward", "resolve_config", "plan_forward"]
+
+AUTO = "auto"
+
+_gpu_ready = False               # set once a GPU has been seen; never re-checked after that
+_checked_devices: set[int] = set()  # devices whose compute capability passed the check
+_get_registry = None             # cupyflash.registry.get_registry, bound on first launch
+
+
+# -------------------------------------------------------------------------------- configs
+@functools.lru_cache(maxsize=512)
+def _parse_config(text: str) -> FlashForwardKernelConfig | None:
+    """Short form -> config, cached so that passing a string costs one dict lookup per call.
+    None for 'auto'."""
+    if text.strip().lower() == AUTO:
+        return None
+    try:
+        return FlashForwardKernelConfig.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"cfg: {exc}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _default_config(dtype: DType, d_head: int) -> FlashForwardKernelConfig:
+    if d_head not in SUPPORTED_D_HEADS:
+        raise ValueError(f"q: d_head {d_head} is not supported; expected one of {SUPPORTED_D_HEADS}")
+    return config_sets.default_config(dtype, d_head)  # looked up per miss, so tests can patch it
+
+
+def _select_config(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
+                   device: int) -> FlashForwardKernelConfig:
+    """The library's choice for cfg=None/'auto': the user's tuning table for this GPU, else the
+    shipped table for its family, else config_sets.default_config (see cupyflash.tuning).
+    Both lookups are cached, so this costs two dict lookups per call."""
+    cfg = _tuned_config(dtype, d_head, seq_len_q, seq_len_k, device)
+    return cfg if cfg is not None else _default_config(dtype, d_head)
+
+
+def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = None,
+                   seq_len_q: int = 0, seq_len_k: int = 0,
+                   device: int = 0) -> FlashForwardKernelConfig | None:
+    """A config object for `cfg` (object, short-form string, or None/'auto').
+
+    For None/'auto' returns the library's pick when `dtype` and `d_head` are given, else None.
+    """
+    if isinstance(cfg, FlashForwardKernelConfig):
+        return cfg
+    if isinstance(cfg, str):
+        config = _parse_config(cfg)
+        if config is not None:
+            return config
+    elif cfg is not None:
+        raise TypeError(f"cfg: expected a FlashForwardKernelConfig, a short-form str, 'auto' or None, "
+                        f"got {type(cfg).__name__}")
+    if dtype is None or d_head is None:
+        return None
+    return _select_config(dtype, d_head, seq_len_q, seq_len_k, device)
+
+
+# -------------------------------------------------------------------------------- devices
+def _ensure_gpu() -> None:
+    global _gpu_ready
+    from .device import require_gpu
+
+    require_gpu()  # RuntimeError with a clear message when there is none
+    _gpu_ready = True
+
+
+def _check_device(device: int) -> None:
+    from .device import compute_capability
+
+    check_compute_capability(compute_capability(device), device)
+    _checked_devices.add(device)
+
+
+# -------------------------------------------------------------------------------- forward
+def plan_forward(cfg: Any, q: TensorView, k: TensorView, v: TensorView,
+                 out: TensorView | None = None, softmax_scale: Any = None) -> LaunchPlan:
+    """Resolve `cfg` and validate the views; the GPU-free half of `forward`."""
+    config = resolve_config(cfg)  # None for None/'auto': picked inside, once dtype/shape are known
+    return check_forward_args(config, q, k, v, out, softmax_scale, select=_select_config)
+
+
+def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale: float | None = None,
+            stream: Any = None) -> Any:
+    """Attention forward: out = softmax(q k^T * softmax_scale) v, per batch and head.
+
+    Args:
+        cfg: a FlashForwardKernelConfig, its short form (str), or None / 'auto' (library picks).
+        q, k, v: (batch, seq, heads, d_head) arrays, fp16 or bf16, last dimension contiguous and
+            16-byte aligned: CuPy arrays (bf16 as ml_dtypes.bfloat16), PyTorch CUDA tensors, or any
+            DLPack producer on a CUDA device (e.g. JAX arrays).
+        out: optional array of q's shape and dtype to write into (not a JAX array: those are
+            immutable); returned as given.
+        softmax_scale: default 1/sqrt(d_head).
+        stream: default the caller's current stream (PyTorch's for torch tensors, CuPy's
+            otherwise); or a cupy.cuda.Stream, a torch.cuda.Stream, or an int handle.
+
+    Returns:
+        The output in the framework of q (a new array unless `out` was given). Nothing is copied.
+    """
+    if not _gpu_ready:
+        _ensure_gpu()
+    qv = as_view(q, "q")
+    kv = as_view(k, "k")
+    vv = as_view(v, "v")
+    ov = output_view(out) if out is not None else None
+    if qv.device not in _checked_devices:
+        _check_device(qv.device)
+    plan = plan_forward(cfg, qv, kv, vv, ov, softmax_scale)
+    stream_ptr = resolve_stream(stream, qv)
+    if ov is None:
+        ov = allocate_output(qv, plan.out_shape)
+    if plan.launch:
+        _launch(plan, qv, kv, vv, ov, stream_ptr)
+    return out if out is not None else wrap_output(ov)
+
+
+def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+            stream_ptr: int) -> None:
+    global _get_registry
+    if _get_registry is None:  # bound on first launch: the registry pulls in NVRTC and the cache
+        from .registry import get_registry as _get_registry
+    kernel = _get_registry().get(plan.cfg, plan.device)
+    params = plan.pack(q.ptr, k.ptr, v.ptr, o.ptr)
+    # cuLaunchKernel uses the calling thread's current context: it must be the arrays' device.
+    if _cupy.cuda.runtime.getDevice() == plan.device:
+        kernel.launch(plan.grid, plan.block, plan.smem_bytes, stream_ptr, params)
+    else:
+        with _cupy.cuda.Device(plan.device):
+            kernel.launch(plan.grid, plan.block, plan.smem_bytes, stream_ptr, params)

@@ -1,0 +1,331 @@
+"""Autotuning: time every candidate config per (dtype, d_head, seq bucket) on this GPU, keep the
+fastest correct one in a `TuningTable` that `forward(cfg=None)` reads (see cupyflash.tuning).
+
+    python -m cupyflash autotune [--dtypes bf16,fp16] [--d-heads 64,128] [--seqs 512,...,16384]
+                                 [--iters 20] [--table PATH] [--write-default]
+
+Each bucket is timed on the SPEC §6 problem of that length (batch*seq = 16384, heads*d_head =
+2048) in buffers the tuner allocates itself. Every candidate is first checked once against a
+float64 reference (SPEC §5 relative L2 bound) and dropped if wrong. All candidates are timed with
+`iters` CUDA-event samples; the `finalists` fastest are timed again with 3x `iters`, and the lowest
+median wins (ties: the earlier config in the sorted candidate order, so the set and its order
+are deterministic).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence, TextIO
+
+from . import config_sets
+from .benchmarking import (REL_L2_TOLERANCE, Timing, attention_flops, grid_shape, parse_dtypes, parse_ints, poison,
+                           random_inputs, rotation_sets, spot_check_rel_l2, time_cupy)
+from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from .progress import ProgressBar
+from .tuning import (SEQ_BUCKETS, TuningTable, TuningTableError, clear_caches, default_table_path, device_family,
+                     user_table_path)
+
+__all__ = ["autotune", "candidate_configs", "format_table", "build_parser", "run_from_args", "main",
+           "DEFAULT_ITERS", "DEFAULT_WARMUP", "DEFAULT_FINALISTS"]
+
+DEFAULT_ITERS = 20
+DEFAULT_WARMUP = 5
+DEFAULT_FINALISTS = 3
+_FINAL_ITERS_FACTOR = 3
+
+
+def candidate_configs(dtype: DType, d_head: int,
+                      candidates: Iterable[FlashForwardKernelConfig] | None = None) -> list[FlashForwardKernelConfig]:
+    """The configs tried for (dtype, d_head): `candidates` (default: the autotuning set) restricted
+    to that dtype and d_head, deduplicated and sorted, so the order never depends on the caller's."""
+    pool = config_sets.autotune_configs([dtype], [d_head]) if candidates is None else candidates
+    return sorted({c for c in pool if c.dtype is dtype and c.d_head == d_head})
+
+
+@dataclass
+class _Result:
+    cfg: FlashForwardKernelConfig
+    index: int                    # position in the candidate order, the tie-breaker
+    timing: Timing | None = None
+    error: str | None = None
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _versions() -> dict[str, Any]:
+    import cupy
+
+    from . import __version__
+    from .compiler import nvrtc_version
+
+    return {"cupyflash": __version__, "cupy": cupy.__version__,
+            "nvrtc": ".".join(map(str, nvrtc_version())),
+            "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()}
+
+
+def _compile_all(configs: Sequence[FlashForwardKernelConfig], device: int, stream: TextIO | None) -> dict[str, str]:
+    """Compile every candidate into the kernel cache in parallel (NVRTC in worker processes), so the
+    timing loop only loads cubins. Returns {short form: error} for the ones that failed."""
+    from .device import device_arch
+    from .prewarm import prewarm
+
+    arch, _ = device_arch(device)
+    report = prewarm(configs, [arch], progress=stream)
+    return {r.short_form: (r.error or "compile failed") for r in report.failed}
+
+
+def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig, str | None], dtype: DType,
+                 d_head: int, seq: int, iters: int, warmup: int, finalists: int, bar: ProgressBar,
+                 l2_bytes: int) -> tuple[_Result | None, list[_Result]]:
+    """Time every candidate at one bucket on the tuner's own buffers; returns (winner, all)."""
+    import cupy
+
+    from .api import forward
+
+    shape = grid_shape(seq, d_head)
+    n_sets = rotation_sets(4 * 2 * shape.batch * shape.seq * shape.heads * d_head, l2_bytes)
+    sets = []
+    for i in range(n_sets):
+        q, k, v = (random_inputs(shape.shape, dtype, seed=1000 * seq + 3 * i + j) for j in range(3))
+        sets.append((q, k, v, cupy.empty_like(q)))
+    flops = attention_flops(shape.batch, shape.heads, seq, seq, d_head)
+    label = f"{dtype.name} d{d_head} S={seq}"
+    for r in results:
+        r.timing, r.error = None, None
+        cfg = r.cfg
+        known_bad = checked.get(cfg) is not None  # reported as failed at an earlier bucket already
+        if seq % cfg.B_r or seq % cfg.B_c:
+            r.error = f"seq {seq} is not a multiple of B_r={cfg.B_r} / B_c={cfg.B_c}"
+        elif cfg in checked and checked[cfg] is not None:
+            r.error = checked[cfg]
+        else:
+            try:
+                if cfg not in checked:  # once per config: a poisoned output against the float64 reference
+                    q, k, v, o = sets[0]
+                    poison(o, dtype)
+                    forward(cfg, q, k, v, out=o)
+                    rel = spot_check_rel_l2(q, k, v, o, dtype)
+                    tol = REL_L2_TOLERANCE[dtype]
+                    checked[cfg] = None if rel <= tol else f"wrong result: relative L2 error {rel:.3g} > {tol:g}"
+                    r.error = checked[cfg]
+                if r.error is None:
+                    r.timing = time_cupy(lambda i, c=cfg: forward(c, *sets[i][:3], out=sets[i][3]),
+                                         n_sets, warmup, iters)
+            except Exception as exc:  # one broken config must not end the whole run; it is reported
+                r.error = checked[cfg] = f"{type(exc).__name__}: {exc}"
+        item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {cfg}" if r.timing
+                else f"{label} FAILED {cfg}: {r.error}")
+        bar.advance(item, failed=r.timing is None and not known_bad and "multiple of" not in (r.error or ""))
+    timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
+    winner = None
+    if timed:
+        finals = timed[:max(1, finalists)]
+        for r in finals:  # re-time the close ones with more samples before picking
+            try:
+                r.timing = time_cupy(lambda i, c=r.cfg: forward(c, *sets[i][:3], out=sets[i][3]),
+                                     n_sets, warmup, iters * _FINAL_ITERS_FACTOR)
+            except Exception as exc:
+                r.timing, r.error = None, f"{type(exc).__name__}: {exc}"
+        finals = [r for r in finals if r.timing]
+        winner = min(finals, key=lambda r: (r.timing.median_ms, r.index)) if finals else None
+    sets.clear()  # drop the buffers before the next bucket allocates its own
+    cupy.get_default_memory_pool().free_all_blocks()
+    return winner, results
+
+
+def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int] = SUPPORTED_D_HEADS,
+             seq_buckets: Iterable[int] = SEQ_BUCKETS, candidates: Iterable[FlashForwardKernelConfig] | None = None,
+             iters: int = DEFAULT_ITERS, progress: bool = True, table_path: str | Path | None = None, *,
+             warmup: int = DEFAULT_WARMUP, finalists: int = DEFAULT_FINALISTS, device: int | None = None,
+             write_default: bool = False, stream: TextIO | None = None) -> TuningTable:
+    """Benchmark the candidates on the current GPU and store the winners.
+
+    Writes the table (merged over an existing valid one for this device) to `table_path`
+    (default `<cache dir>/tuning/<device slug>.json`), prints it, and returns it. With
+    `write_default`, this run's winners alone also go to the package's shipped table for the
+    device family (`cupyflash/tuning/default_<family>.json`). Raises RuntimeError without a GPU.
+    """
+    import cupy
+
+    from .device import require_gpu
+
+    out = stream if stream is not None else sys.stdout
+    require_gpu()
+    dtypes = tuple(DType.parse(d) if isinstance(d, str) else DType(d) for d in dtypes)
+    d_heads = tuple(int(d) for d in d_heads)
+    buckets = tuple(sorted(set(int(s) for s in seq_buckets)))
+    for d in d_heads:
+        if d not in SUPPORTED_D_HEADS:
+            raise ValueError(f"d_heads: {d} is not supported; expected values from {SUPPORTED_D_HEADS}")
+    for s in buckets:
+        grid_shape(s, max(d_heads, default=128))  # ValueError for a bucket the grid cannot express
+    if iters < 1 or warmup < 0 or finalists < 1:
+        raise ValueError(f"iters >= 1, warmup >= 0 and finalists >= 1 expected, got {iters}, {warmup}, {finalists}")
+    candidates = list(candidates) if candidates is not None else None
+    device = cupy.cuda.runtime.getDevice() if device is None else int(device)
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    l2_bytes = int(props.get("l2CacheSize", 0))
+    groups = [(dt, d, candidate_configs(dt, d, candidates)) for dt in dtypes for d in d_heads]
+    log = sys.stderr if progress else None
+
+    with cupy.cuda.Device(device):
+        failed_compiles = _compile_all([c for _, _, cfgs in groups for c in cfgs], device, log)
+        path = Path(table_path) if table_path is not None else user_table_path(name)
+        table = _existing_table(path, name)
+        run = TuningTable(device=name)
+        total = sum(len(cfgs) for _, _, cfgs in groups) * len(buckets)
+        bar = ProgressBar(total, log, label="autotune")
+        missing: list[str] = []
+        broken: list[str] = []
+        meta = {"date": _now(), "versions": _versions(), "iters": iters, "warmup": warmup,
+                "finalists": finalists, "grid": "batch*seq=16384, heads*d_head=2048, non-causal, seq_q=seq_k=bucket",
+                "missing": missing, "broken_configs": broken, "complete": False}
+        for dtype, d_head, cfgs in groups:
+            checked: dict[FlashForwardKernelConfig, str | None] = {
+                c: f"compile failed: {(failed_compiles[c.short_form()].splitlines() or [''])[0]}"
+                for c in cfgs if c.short_form() in failed_compiles}
+            results = [_Result(c, i) for i, c in enumerate(cfgs)]
+            heuristic = config_sets.default_config(dtype, d_head)
+            for seq in buckets:
+                winner, results = _tune_bucket(results, checked, dtype, d_head, seq, iters, warmup,
+                                               finalists, bar, l2_bytes)
+                if winner is None:
+                    missing.append(f"{dtype.name},{d_head},{seq}")
+                    continue
+                shape = grid_shape(seq, d_head)
+                flops = attention_flops(shape.batch, shape.heads, seq, seq, d_head)
+                base = next((r for r in results if r.cfg == heuristic and r.timing), None)
+                info = {"batch": shape.batch, "heads": shape.heads,
+                        "candidates": len(cfgs), "correct": sum(r.timing is not None for r in results),
+                        "heuristic_tflops": round(base.timing.tflops(flops), 2) if base else None}
+                for t in (table, run):
+                    t.set(winner.cfg, seq, round(winner.timing.tflops(flops), 2),
+                          round(winner.timing.median_ms, 5), **info)
+            broken += [f"{cfg}: {err}" for cfg, err in sorted(checked.items()) if err]
+            # saved after every group, so a run cut short (time limit) keeps what it measured
+            _store(table, run, path, name, meta, write_default)
+        bar.finish()
+
+    meta["complete"] = True
+    default_path = _store(table, run, path, name, meta, write_default)
+    print(format_table(table, f"tuning table for {name} -> {path}"), file=out)
+    if default_path is not None:
+        print(f"wrote the shipped default table ({len(run)} entries): {default_path}", file=out)
+    clear_caches()  # forward(cfg=None) must see the new tables
+    if broken:
+        print(f"autotune: {len(broken)} config(s) excluded (wrong, failed to compile, or raised):\n  "
+              + "\n  ".join(broken), file=sys.stderr)
+    if missing:
+        print("autotune: no correct candidate for (dtype,d_head,seq) " + " ".join(missing), file=sys.stderr)
+    return table
+
+
+def _store(table: TuningTable, run: TuningTable, path: Path, name: str, meta: dict,
+           write_default: bool) -> Path | None:
+    """Write the user table (merged) and, with `write_default`, the package's shipped table for the
+    device family: its existing entries (so a run split by dtype or d_head adds up) overlaid with
+    this run's winners. Returns the shipped table's path, if written."""
+    table.meta = run.meta = json.loads(json.dumps(meta))  # a snapshot, not the live lists
+    table.save(path)
+    clear_caches()
+    if not write_default:
+        return None
+    family = device_family(name)
+    target = default_table_path(name)
+    shipped = TuningTable(device=None if family else name, match=family,
+                          comment=f"measured by `python -m cupyflash autotune --write-default` on {name}; "
+                                  "meta describes the latest run that wrote into it",
+                          meta=run.meta)
+    previous = _existing_table(target, name) if target.is_file() else None
+    for e in (previous.entries() if previous is not None else []) + run.entries():
+        shipped.set(e.config, e.seq, e.tflops, e.ms, **e.info)
+    return shipped.save(target)
+
+
+def _existing_table(path: Path, name: str) -> TuningTable:
+    """The table at `path` to merge into, or a new one (with a warning when it is unusable)."""
+    if path.is_file():
+        try:
+            old = TuningTable.load(path)
+            if old.matches(name):
+                return TuningTable.from_dict({**old.to_dict(), "device": name})
+            print(f"autotune: {path} belongs to {old.device or old.match}; replacing it", file=sys.stderr)
+        except (OSError, TuningTableError) as exc:
+            print(f"autotune: ignoring unreadable table {path} ({exc}); writing a new one", file=sys.stderr)
+    return TuningTable(device=name)
+
+
+def format_table(table: TuningTable, title: str = "") -> str:
+    """Plain-text table of the winners with the heuristic default's speed for comparison."""
+    lines = [title] if title else []
+    lines.append(f"{'dtype':<5} {'d_head':>6} {'seq':>6} {'TFLOP/s':>8} {'default':>8} {'gain':>6}  config")
+    for e in table.entries():
+        base = e.info.get("heuristic_tflops")
+        gain = f"{e.tflops / base:5.2f}x" if base and e.tflops else "     -"
+        lines.append(f"{e.config.dtype.name:<5} {e.config.d_head:>6} {e.seq:>6} "
+                     f"{(e.tflops or float('nan')):>8.1f} {(base or float('nan')):>8.1f} {gain:>6}  {e.config}")
+    if not len(table):
+        lines.append("(no entries)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- command line
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="cupyflash autotune", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16,fp16 (default both)")
+    parser.add_argument("--d-heads", default=",".join(map(str, SUPPORTED_D_HEADS)),
+                        help="comma-separated head dimensions (default 64,128)")
+    parser.add_argument("--seqs", default=",".join(map(str, SEQ_BUCKETS)),
+                        help="seq buckets (default 512,...,16384; each must divide 16384 or exceed it)")
+    parser.add_argument("--set", dest="config_set", default=None,
+                        help="candidate set: a KERNELS key (tune, all, prog_all, 'B_r,B_c'); default: tune")
+    parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, help="timed calls per candidate")
+    parser.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="untimed calls before timing")
+    parser.add_argument("--finalists", type=int, default=DEFAULT_FINALISTS,
+                        help=f"fastest candidates re-timed with {_FINAL_ITERS_FACTOR}x iters")
+    parser.add_argument("--table", default=None,
+                        help="table file to write (default: <cache dir>/tuning/<device>.json, which forward reads)")
+    parser.add_argument("--write-default", action="store_true",
+                        help="also write this run's winners as the package's shipped table for this GPU family")
+    parser.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """0 on success, 1 when some bucket had no correct candidate, 2 for bad arguments or no GPU."""
+    try:
+        dtypes = parse_dtypes(args.dtypes)
+        d_heads = parse_ints(args.d_heads, "--d-heads")
+        seqs = parse_ints(args.seqs, "--seqs")
+        candidates = config_sets.get_kernel_configs(args.config_set) if args.config_set else None
+    except ValueError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 2
+    from .device import has_gpu
+
+    if not has_gpu():
+        print("autotune: no CUDA GPU found: autotuning times kernels on the GPU it tunes for, so nothing "
+              "was run. forward(cfg=None) uses the shipped table or config_sets.default_config meanwhile.",
+              file=sys.stderr)
+        return 2
+    try:
+        table = autotune(dtypes, d_heads, seqs, candidates, iters=args.iters, progress=not args.quiet,
+                         table_path=args.table, warmup=args.warmup, finalists=args.finalists,
+                         device=args.device, write_default=args.write_default)
+    except ValueError as exc:
+        print(f"autotune: error: {exc}", file=sys.stderr)
+        return 2
+    return 1 if table.meta.get("missing") else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))

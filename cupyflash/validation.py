@@ -1,0 +1,267 @@
+"""Argument checks for `forward`, as pure functions over TensorViews and plain numbers.
+
+Nothing here touches CUDA, so every rule is testable on a machine without a GPU. The result is a
+`LaunchPlan`: everything the launch needs except the device pointers.
+
+Error types: TypeError when an argument has the wrong kind (not an array, wrong dtype), ValueError
+when its value is wrong (shape, layout, alignment, limits). Every message starts with the name of
+the argument at fault and says what was expected.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from .config import DType, FlashForwardKernelConfig
+from .interop import TensorView
+from .kernel_abi import pack_params
+
+__all__ = ["LaunchPlan", "ConfigSelector", "check_forward_args", "check_kernel_limits", "check_compute_capability",
+           "check_softmax_scale", "MIN_COMPUTE_CAPABILITY", "ALIGN_BYTES", "MAX_GRID_YZ", "INT32_MAX"]
+
+# Same value as cupyflash.device.MIN_COMPUTE_CAPABILITY (a test keeps them equal); repeated here so
+# that this module imports without CuPy/NVRTC.
+MIN_COMPUTE_CAPABILITY = 80
+ALIGN_BYTES = 16             # cp.async and the vectorised stores move 16 bytes at a time
+MAX_GRID_YZ = 65535          # CUDA limit on gridDim.y and gridDim.z
+INT32_MAX = 2**31 - 1        # the kernel keeps sequence lengths and head counts in int
+_ALIGN_ELEMS = ALIGN_BYTES // 2  # elements per 16 bytes (fp16/bf16 are 2 bytes)
+LOG2_E = math.log2(math.e)
+_FP32_MAX = 3.4028234663852886e38
+_FP32_MIN_NORMAL = 1.1754943508222875e-38
+
+
+# (dtype, d_head, seq_len_q, seq_len_k, device) -> config, for cfg=None / 'auto'.
+ConfigSelector = Callable[[DType, int, int, int, int], FlashForwardKernelConfig]
+
+
+class LaunchPlan(NamedTuple):
+    """The launch of one forward call, minus the pointers (which `pack` takes)."""
+
+    cfg: FlashForwardKernelConfig  # the config to launch (the selector's choice for cfg=None)
+    grid: tuple[int, int, int]
+    block: int
+    smem_bytes: int
+    out_shape: tuple[int, ...]
+    # (batch, seq, head) strides in elements; o_strides are out's, or the contiguous strides of
+    # the output forward() allocates.
+    q_strides: tuple[int, int, int]
+    k_strides: tuple[int, int, int]
+    v_strides: tuple[int, int, int]
+    o_strides: tuple[int, int, int]
+    seq_len_q: int
+    seq_len_k: int
+    n_heads: int
+    n_kv_heads: int
+    softmax_scale: float
+    softmax_scale_log2: float
+    device: int
+    launch: bool  # False for zero-size problems: the output is empty, nothing to compute
+
+    def pack(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
+        """The kernel's ForwardParams bytes (field order: kernel_abi.PARAM_FIELDS)."""
+        return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *self.q_strides, *self.k_strides,
+                           *self.v_strides, *self.o_strides, self.seq_len_q, self.seq_len_k,
+                           self.n_heads, self.n_kv_heads, self.softmax_scale, self.softmax_scale_log2)
+
+
+def check_compute_capability(cc: int, device: int) -> None:
+    """ValueError naming q when the inputs' device is older than Ampere."""
+    if cc < MIN_COMPUTE_CAPABILITY:
+        raise ValueError(
+            f"q: is on CUDA device {device} with compute capability {cc // 10}.{cc % 10}; cupyflash "
+            f"needs compute capability {MIN_COMPUTE_CAPABILITY // 10}.{MIN_COMPUTE_CAPABILITY % 10} "
+            "or newer (Ampere, Ada, Hopper, ...)"
+        )
+
+
+def check_softmax_scale(softmax_scale, d_head: int) -> float:
+    """The scale to use: 1/sqrt(d_head) for None, else a finite positive real number."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(d_head)
+    if type(softmax_scale) is not float:  # fast path for the common case
+        # numbers.Real covers int, numpy scalars and Fraction; bools are ints but never a scale.
+        if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(
+                f"softmax_scale: expected None or a real number, got {type(softmax_scale).__name__}"
+            )
+    scale = float(softmax_scale)
+    # The kernel takes scale and scale*log2(e) as normal fp32 numbers.
+    if not (_FP32_MIN_NORMAL <= scale and scale * LOG2_E <= _FP32_MAX):  # also False for NaN
+        raise ValueError(
+            f"softmax_scale: expected a finite number > 0 (within float32 range), got {softmax_scale!r}"
+        )
+    return scale
+
+
+def _dtype_name(view: TensorView) -> str:
+    return view.dtype.name.lower() if view.dtype is not None else str(view.raw_dtype)
+
+
+def _check_layout(view: TensorView, name: str) -> tuple[int, int, int]:
+    """Last dim contiguous, pointer and outer strides 16-byte aligned; returns the outer strides
+    (batch, seq, head) in elements."""
+    strides = view.strides
+    # Fast path, the common case: one expression, no loop.
+    if (strides[3] == 1 and not view.ptr % ALIGN_BYTES
+            and not (strides[0] % _ALIGN_ELEMS or strides[1] % _ALIGN_ELEMS or strides[2] % _ALIGN_ELEMS)):
+        return strides[0], strides[1], strides[2]
+    if strides[3] != 1 and view.shape[3] > 1:
+        raise ValueError(
+            f"{name}: the last dimension (d_head) must be contiguous (stride 1), got strides {tuple(strides)} "
+            "(in elements); call .contiguous() / cupy.ascontiguousarray() first"
+        )
+    if view.ptr % ALIGN_BYTES:
+        raise ValueError(f"{name}: data pointer 0x{view.ptr:x} is not {ALIGN_BYTES}-byte aligned")
+    shape = view.shape
+    for dim, label in ((0, "batch"), (1, "seq"), (2, "head")):
+        # a stride only matters when its dimension has more than one index
+        if shape[dim] > 1 and strides[dim] % _ALIGN_ELEMS:
+            raise ValueError(
+                f"{name}: the {label} stride {strides[dim]} (elements) is not a multiple of {_ALIGN_ELEMS}; "
+                f"every row must start {ALIGN_BYTES}-byte aligned"
+            )
+    return strides[0], strides[1], strides[2]
+
+
+def check_kernel_limits(cfg: FlashForwardKernelConfig, seq_len_q: int, seq_len_k: int,
+                        n_heads: int, n_kv_heads: int) -> None:
+    """Limits of the current kernel, kept in one place so that lifting them is one edit.
+
+    Sequence lengths must be multiples of the block sizes (no tail masking yet) and K/V must have
+    as many heads as Q (no grouped-query attention yet).
+    """
+    if seq_len_q % cfg.B_r:
+        raise ValueError(
+            f"q: seq_len_q={seq_len_q} must be a multiple of the config's B_r={cfg.B_r} "
+            "(current kernel limit: no tail masking yet); pad q or pick a config with a smaller B_r"
+        )
+    if seq_len_k % cfg.B_c:
+        raise ValueError(
+            f"k: seq_len_k={seq_len_k} must be a multiple of the config's B_c={cfg.B_c} "
+            "(current kernel limit: no tail masking yet); pad k/v or pick a config with a smaller B_c"
+        )
+    if n_kv_heads != n_heads:
+        raise ValueError(
+            f"k: has {n_kv_heads} heads but q has {n_heads}; they must be equal "
+            "(current kernel limit: grouped-query attention is not supported yet)"
+        )
+
+
+def _raise_dtype_error(q: TensorView, k: TensorView, v: TensorView) -> None:
+    if q.dtype is None:
+        raise TypeError(f"q: dtype must be float16 or bfloat16, got {_dtype_name(q)}")
+    for view, name in ((k, "k"), (v, "v")):
+        if view.dtype is None:
+            raise TypeError(f"{name}: dtype must be float16 or bfloat16, got {_dtype_name(view)}")
+        if view.dtype is not q.dtype:
+            raise TypeError(f"{name}: dtype {_dtype_name(view)} does not match q's dtype {_dtype_name(q)}")
+
+
+def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: TensorView,
+                       v: TensorView, out: TensorView | None = None, softmax_scale=None, *,
+                       select: ConfigSelector | None = None) -> LaunchPlan:
+    """Check every rule of SPEC §4 that needs no GPU and return the launch plan.
+
+    Tensors are (batch, seq, heads, d_head). `cfg` None means "library picks": `select` is called
+    with (dtype, d_head, seq_len_q, seq_len_k, device) once the inputs are known to be sane, so
+    its choice can depend on the problem. Raises TypeError/ValueError naming the argument.
+    """
+    if cfg is None:
+        if select is None:
+            raise TypeError("cfg: is None but no config selector was given")
+    elif not isinstance(cfg, FlashForwardKernelConfig):
+        raise TypeError(f"cfg: expected a FlashForwardKernelConfig, a short-form str, 'auto' or None, "
+                        f"got {type(cfg).__name__}")
+
+    # Each group below is one cheap test in the common case; the messages are built only on failure.
+
+    # dtypes: supported and equal among inputs
+    dtype = q.dtype
+    if dtype is None or k.dtype is not dtype or v.dtype is not dtype:
+        _raise_dtype_error(q, k, v)
+
+    # ranks and shapes
+    q_shape, k_shape = q.shape, k.shape
+    if len(q_shape) != 4 or len(k_shape) != 4 or len(v.shape) != 4:
+        for view, name in ((q, "q"), (k, "k"), (v, "v")):
+            if len(view.shape) != 4:
+                raise ValueError(f"{name}: expected 4 dimensions (batch, seq, heads, d_head), "
+                                 f"got shape {tuple(view.shape)}")
+    batch, seq_len_q, n_heads, d_head = q_shape
+    kb, seq_len_k, n_kv_heads, kd = k_shape
+    if kb != batch:
+        raise ValueError(f"k: batch size {kb} does not match q's {batch} "
+                         f"(shapes q {tuple(q_shape)}, k {tuple(k_shape)})")
+    if kd != d_head:
+        raise ValueError(f"k: d_head {kd} does not match q's {d_head} "
+                         f"(shapes q {tuple(q_shape)}, k {tuple(k_shape)})")
+    if v.shape != k_shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's shape {tuple(k_shape)}")
+
+    # devices
+    device = q.device
+    if k.device != device or v.device != device:
+        name, other = ("k", k) if k.device != device else ("v", v)
+        raise ValueError(f"{name}: is on CUDA device {other.device} but q is on device {device}; "
+                         "all arrays must be on one device")
+
+    # the config: picked now that dtype, shapes and device are known, then checked against them
+    if cfg is None:
+        cfg = select(dtype, d_head, seq_len_q, seq_len_k, device)
+    if cfg.dtype is not dtype:
+        raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {dtype.name}")
+    if d_head != cfg.d_head:
+        raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {d_head}")
+
+    # out
+    out_shape = (batch, seq_len_q, n_heads, d_head)
+    if out is not None:
+        if out.shape != out_shape:  # tuple (or torch.Size, a tuple) equality covers the rank
+            raise ValueError(f"out: expected shape {out_shape} (q's shape), got {tuple(out.shape)}")
+        if out.dtype is not dtype:
+            raise TypeError(f"out: expected dtype {_dtype_name(q)} (q's dtype), got {_dtype_name(out)}")
+        if out.device != device:
+            raise ValueError(f"out: is on CUDA device {out.device} but q is on device {device}")
+
+    # sizes: int32 fields, grid limits, degenerate problems
+    if seq_len_q > INT32_MAX or seq_len_k > INT32_MAX or n_heads > MAX_GRID_YZ or batch > MAX_GRID_YZ:
+        if seq_len_q > INT32_MAX:
+            raise ValueError(f"q: seq_len_q={seq_len_q} exceeds the int32 limit {INT32_MAX}")
+        if seq_len_k > INT32_MAX:
+            raise ValueError(f"k: seq_len_k={seq_len_k} exceeds the int32 limit {INT32_MAX}")
+        if n_heads > MAX_GRID_YZ:
+            raise ValueError(f"q: {n_heads} heads exceed the CUDA grid limit gridDim.y <= {MAX_GRID_YZ}")
+        raise ValueError(f"q: batch size {batch} exceeds the CUDA grid limit gridDim.z <= {MAX_GRID_YZ}")
+    empty = not (batch and seq_len_q and n_heads)
+    if not seq_len_k and not empty:
+        raise ValueError(f"k: seq_len_k is 0 but q has {seq_len_q} query rows; attention over no keys is undefined")
+
+    scale = check_softmax_scale(softmax_scale, d_head)
+
+    # layouts (after shapes, so that the messages about shape come first)
+    q_strides = _check_layout(q, "q")
+    k_strides = _check_layout(k, "k")
+    v_strides = _check_layout(v, "v")
+    if out is not None:
+        o_strides = _check_layout(out, "out")
+        for dim in range(3):
+            # a zero stride would make several threads write one element
+            if out.shape[dim] > 1 and o_strides[dim] == 0:
+                raise ValueError(f"out: has a zero stride in dimension {dim} (a broadcast view); "
+                                 "expected a writable array whose elements do not overlap")
+    else:  # forward() allocates a contiguous output
+        o_strides = (seq_len_q * n_heads * d_head, n_heads * d_head, d_head)
+
+    if not empty:
+        check_kernel_limits(cfg, seq_len_q, seq_len_k, n_heads, n_kv_heads)
+
+    # Positional construction in field order: keyword arguments cost a microsecond per call here.
+    return LaunchPlan(
+        cfg, (-(-seq_len_q // cfg.B_r), n_heads, batch), cfg.n_warps * 32, cfg.smem_bytes(), out_shape,
+        q_strides, k_strides, v_strides, o_strides, seq_len_q, seq_len_k, n_heads, n_kv_heads,
+        scale, scale * LOG2_E, device, not empty,
+    )

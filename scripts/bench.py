@@ -1,0 +1,401 @@
+#!/usr/bin/env python
+"""Benchmark cupyflash against its peers on the SPEC §6 grid, in one process, on the same inputs.
+
+    python scripts/bench.py [--dtypes bf16,fp16] [--d-heads 128] [--seqs 512,1k,...,16k]
+                            [--configs SHORT_FORM ...] [--all-tune] [--progression]
+                            [--iters 50] [--json bench_results.json] [--plot PNG]
+
+Grid: batch*seq = 16384, heads*d_head = 2048, non-causal; FLOPs = 4*B*H*S*S*D. Implementations:
+cupyflash (cfg='auto', plus --configs / --all-tune), PyTorch SDPA with the FLASH_ATTENTION and
+CUDNN_ATTENTION backends on `.transpose(1, 2)` views of the same (B, S, H, D) tensors, and JAX's
+cuDNN attention (jitted, zero-copy DLPack views) when jax is importable. A peer that is missing or
+fails is skipped with its reason printed. Times: median of --iters CUDA-event timings after
+warm-up (JAX: host clock over batches of back-to-back calls, as its stream is not torch's), input
+sets rotated when one set is smaller than 3x L2. Every implementation's output is checked once
+against a float64 reference (SPEC §5 relative L2 bound: 1e-2 bf16, 2e-3 fp16) before it is
+timed; a result that fails is refused, not reported.
+
+Also: --progression (the seven-step optimisation history at S=4096, or --seqs), and the per-call
+Python overhead of cupyflash.forward vs SDPA flash on a tiny problem (skip with --no-overhead).
+
+Exit codes: 0 all measured (missed speed targets are printed, not failures); 1 a cupyflash
+config was refused by the correctness check or raised; 2 nothing was measured: bad arguments,
+no CUDA GPU, no PyTorch, or --causal while cupyflash.forward does not support it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import inspect
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX must not take 75% of the GPU
+
+try:
+    import cupyflash  # noqa: F401  (an installed or editable cupyflash)
+except ImportError:  # a plain checkout: use the package next to this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupyflash import config_sets  # noqa: E402
+from cupyflash.benchmarking import grid_shape, parse_dtypes, parse_ints  # noqa: E402
+from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig  # noqa: E402
+
+import bench_report as report  # noqa: E402
+
+GRID_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+PROGRESSION_SEQS = (4096,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[2:]))
+    p.add_argument("--seqs", default=None, help="sequence lengths (default 512,1k,2k,4k,8k,16k; 'k' = 1024)")
+    p.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16,fp16")
+    p.add_argument("--d-heads", default="128", help="comma-separated head dimensions, e.g. 64,128")
+    p.add_argument("--causal", action="store_true",
+                   help="causal attention (errors with 'not supported yet' until cupyflash.forward takes causal)")
+    p.add_argument("--configs", nargs="+", default=[], metavar="SHORT_FORM",
+                   help="also time these cupyflash configs (quoted short forms), at the grid points of their dtype/d_head")
+    p.add_argument("--all-tune", action="store_true",
+                   help="also time every autotuning-set config of each dtype/d_head and report the best")
+    p.add_argument("--progression", action="store_true",
+                   help="time the progression set at S=4096 (or --seqs) and print each step's gain")
+    p.add_argument("--no-grid", action="store_true", help="skip the grid (e.g. only --progression)")
+    p.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead measurement")
+    p.add_argument("--peers", default="sdpa_flash,sdpa_cudnn,jax_cudnn",
+                   help="peers to run (default all: sdpa_flash,sdpa_cudnn,jax_cudnn; '' for none)")
+    p.add_argument("--iters", type=int, default=50, help="timed calls per measurement (median reported)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--overhead-calls", type=int, default=2000, help="back-to-back calls per overhead round")
+    p.add_argument("--json", default="bench_results.json", help="results file (default bench_results.json)")
+    p.add_argument("--plot", default=None,
+                   help="PNG plot when matplotlib is importable (default: the --json path with .png; '' for none)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"bench.py: {msg}", file=sys.stderr)
+    return 2
+
+
+def _forward_takes_causal() -> bool:
+    import cupyflash
+
+    return "causal" in inspect.signature(cupyflash.forward).parameters
+
+
+def _no_gpu_reason() -> str | None:
+    from cupyflash.device import has_gpu
+
+    if not has_gpu():
+        return ("no CUDA GPU found (cupy.cuda.runtime.getDeviceCount() failed or returned 0): the benchmark "
+                "times kernels on a GPU, so nothing was run")
+    try:
+        import torch
+    except ImportError as exc:
+        return f"PyTorch is required (CUDA-event timing and the SDPA peers) and is not importable: {exc}"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False: PyTorch cannot use the GPU, so nothing was run"
+    return None
+
+
+class Run:
+    """Collects results and writes the JSON after every measurement (a killed run keeps its numbers)."""
+
+    def __init__(self, args: argparse.Namespace, meta: dict) -> None:
+        self.args = args
+        self.data: dict[str, Any] = {"meta": meta, "args": vars(args), "grid": [], "progression": [],
+                                     "progression_baselines": {}, "overhead": None, "complete": False}
+        self.failures: list[str] = []
+
+    def save(self) -> None:
+        report.write_json(self.args.json, self.data)
+
+
+def _or_none(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception:  # a version we cannot read is recorded as null, not a crash
+        return None
+
+
+def _meta(torch: Any, jax: Any | None) -> dict:
+    import cupy
+
+    import cupyflash
+    from cupyflash.compiler import nvrtc_version
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
+        "sm_count": props.multi_processor_count, "l2_bytes": getattr(props, "L2_cache_size", None),
+        "memory_bytes": props.total_memory, "python": platform.python_version(),
+        "versions": {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                     "cudnn": torch.backends.cudnn.version(), "cupy": cupy.__version__,
+                     "cuda_driver": _or_none(cupy.cuda.runtime.driverGetVersion),
+                     "nvrtc": ".".join(map(str, nvrtc_version())), "cupyflash": cupyflash.__version__,
+                     "jax": getattr(jax, "__version__", None)},
+    }
+
+
+def _import_jax(peers: list[str]) -> tuple[Any | None, str | None]:
+    if "jax_cudnn" not in peers:
+        return None, "not requested"
+    try:
+        import jax
+        import jax.dlpack  # noqa: F401
+
+        return jax, None
+    except Exception as exc:  # ImportError, or a broken plugin
+        return None, f"jax is not importable ({type(exc).__name__}: {exc})"
+
+
+def _auto_choice(dtype: DType, d_head: int, seq: int, device: int) -> tuple[FlashForwardKernelConfig, str]:
+    """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
+    from cupyflash.api import resolve_config
+    from cupyflash.tuning import device_name, explain_choice
+
+    cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device))
+    if cfg is None:
+        cfg, source = config_sets.default_config(dtype, d_head), "heuristic"
+    used = resolve_config(None, dtype, d_head, seq, seq, device)
+    if used != cfg:
+        raise RuntimeError(f"bench.py: auto config mismatch: resolve_config gives {used}, tuning says {cfg}")
+    return cfg, source
+
+
+def _prewarm(configs: list[FlashForwardKernelConfig], device: int) -> dict[str, str]:
+    """Compile everything the run will launch, in parallel, before any timing."""
+    from cupyflash.device import device_arch
+    from cupyflash.prewarm import prewarm
+
+    arch, _ = device_arch(device)
+    rep = prewarm(sorted(set(configs)), [arch], progress=sys.stderr)
+    print(f"compiled/cached {len(rep.results)} kernels for {arch} in {rep.seconds:.1f} s", flush=True)
+    return {r.short_form: (r.error or "compile failed") for r in rep.failed}
+
+
+def _measure(torch: Any, impl: Any, problem: Any, record: dict, args: argparse.Namespace) -> dict:
+    """Check, then time one implementation; fills status/reason/numbers in `record`."""
+    from bench_impls import Skip
+    from cupyflash.benchmarking import REL_L2_TOLERANCE
+
+    try:
+        impl.prepare(problem)
+        with impl.context():
+            rel = impl.check(torch)
+            tol = REL_L2_TOLERANCE[problem.dtype]
+            record["rel_l2"] = rel
+            if not rel <= tol:
+                why = "NaN/inf or unwritten elements in the output" if rel == float("inf") else \
+                    f"relative L2 error {rel:.3g} > {tol:g}"
+                record.update(status="refused", reason=why)
+                return record
+            timing = impl.time(torch, args.warmup, args.iters)
+        record.update(status="ok", tflops=timing.tflops(problem.flops), timing=impl.timing_method, **timing.to_dict())
+    except Skip as exc:
+        record.update(status="skipped", reason=str(exc))
+    except Exception as exc:  # a peer or config that raises is reported with its error, never silently
+        record.update(status="error", reason=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+    finally:
+        torch.cuda.synchronize()
+    return record
+
+
+def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls: list, l2: int | None,
+                list_key: str = "grid", extra: dict | None = None) -> list[dict]:
+    from bench_impls import make_problem
+
+    shape = grid_shape(seq, d_head)
+    problem = make_problem(torch, dtype, shape, run.args.causal, l2, seed=run.args.seed + seq)
+    out = []
+    for impl, info in impls:
+        record = {"dtype": dtype.name.lower(), "d_head": d_head, "seq": seq, "batch": shape.batch,
+                  "heads": shape.heads, "causal": run.args.causal, "impl": impl.name, "n_sets": len(problem.sets),
+                  **info, **(extra or {})}
+        _measure(torch, impl, problem, record, run.args)
+        if record["impl"].startswith("cupyflash") and record["status"] not in ("ok", "skipped"):
+            run.failures.append(f"{record['impl']} {record.get('config')} {dtype.name} d{d_head} S={seq}: "
+                                f"{record['status']}: {record.get('reason')}")
+        status = f"{record['tflops']:7.1f} TFLOP/s" if record["status"] == "ok" else \
+            f"{record['status'].upper()}: {record.get('reason')}"
+        print(f"  {dtype.name.lower()} d{d_head} S={seq:<6} {impl.name:<16} {status}"
+              + (f"  {record['config']}" if record.get("config") else ""), flush=True)
+        run.data[list_key].append(record)
+        out.append(record)
+        run.save()
+    del problem
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        dtypes = parse_dtypes(args.dtypes)
+        d_heads = parse_ints(args.d_heads, "--d-heads")
+        seqs = parse_ints(args.seqs, "--seqs") if args.seqs else GRID_SEQS
+        prog_seqs = seqs if args.seqs else PROGRESSION_SEQS
+        explicit = [FlashForwardKernelConfig.parse(s) for s in args.configs]
+        peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+        for d in d_heads:
+            if d not in SUPPORTED_D_HEADS:
+                raise ValueError(f"--d-heads: {d} is not supported (expected {SUPPORTED_D_HEADS})")
+        for s in set(seqs) | set(prog_seqs):
+            for d in d_heads:
+                grid_shape(s, d)
+        unknown = set(peers) - set(report.PEER_ORDER)
+        if unknown:
+            raise ValueError(f"--peers: unknown {sorted(unknown)}; expected from {report.PEER_ORDER}")
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    except ValueError as exc:
+        return _fail(f"error: {exc}")
+    if args.causal and not _forward_takes_causal():
+        return _fail("--causal: causal attention is not supported yet by cupyflash.forward "
+                     "(it takes no `causal` argument); run without --causal")
+    reason = _no_gpu_reason()
+    if reason:
+        return _fail(reason)
+
+    import torch
+
+    from bench_impls import CupyflashImpl, JaxImpl, SdpaImpl, Skip, measure_overhead
+
+    device = torch.cuda.current_device()
+    jax, jax_reason = _import_jax(peers)
+    meta = _meta(torch, jax)
+    run = Run(args, meta)
+    l2 = meta["l2_bytes"]
+    print(f"bench: {meta['gpu']} (cc {meta['compute_capability']}, {meta['sm_count']} SMs) | "
+          + " | ".join(f"{k} {v}" for k, v in meta["versions"].items() if v is not None) + f" | {meta['date']}",
+          flush=True)
+
+    # Everything this run launches is compiled up front, in parallel.
+    groups = [(dt, d) for dt in dtypes for d in d_heads]
+    needed = [_auto_choice(dt, d, s, device)[0] for dt, d in groups for s in (() if args.no_grid else seqs)]
+    needed += [c for c in explicit if (c.dtype, c.d_head) in groups]
+    if args.all_tune:
+        needed += [c for dt, d in groups for c in config_sets.autotune_configs([dt], [d])]
+    if args.progression:
+        needed += [c for dt, d in groups for c in config_sets.progression_configs(dt, d)]
+    if not args.no_overhead:
+        needed.append(_auto_choice(DType.BF16, 128, 128, device)[0])
+    failed_compiles = _prewarm(needed, device)
+    for sf, err in failed_compiles.items():
+        print(f"bench.py: COMPILE FAILED {sf}\n{err}", file=sys.stderr)
+
+    def peer_impls() -> list:
+        out = []
+        for name, make in (("sdpa_flash", lambda: SdpaImpl(torch, "FLASH_ATTENTION", "sdpa_flash")),
+                           ("sdpa_cudnn", lambda: SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn")),
+                           ("jax_cudnn", lambda: JaxImpl(jax) if jax else _raise(Skip(jax_reason)))):
+            if name not in peers:
+                continue
+            try:
+                out.append((make(), {}))
+            except Skip as exc:
+                print(f"  skipping {name}: {exc}", flush=True)
+                run.data.setdefault("skipped_peers", {})[name] = str(exc)
+        return out
+
+    peers_now = peer_impls()
+    if not args.no_grid:
+        print(f"grid: batch*seq=16384, heads*d_head=2048, {'causal' if args.causal else 'non-causal'}; "
+              f"median of {args.iters} timings after {args.warmup} warm-up calls", flush=True)
+        for dtype, d_head in groups:
+            for seq in seqs:
+                cfg, source = _auto_choice(dtype, d_head, seq, device)
+                impls = [(CupyflashImpl(None, "cupyflash"), {"config": str(cfg), "config_source": source})]
+                for i, c in enumerate(explicit):
+                    if (c.dtype, c.d_head) == (dtype, d_head):
+                        impls.append((CupyflashImpl(c, f"cupyflash[{i + 1}]"), {"config": str(c)}))
+                if args.all_tune:
+                    impls += [(CupyflashImpl(c, "cupyflash_tune"), {"config": str(c)})
+                              for c in config_sets.autotune_configs([dtype], [d_head])
+                              if seq % c.B_r == 0 and seq % c.B_c == 0]
+                records = _grid_point(torch, run, dtype, d_head, seq, impls + peers_now, l2)
+                tuned = [r for r in records if r["impl"] == "cupyflash_tune" and r["status"] == "ok"]
+                if args.all_tune:
+                    best = dict(max(tuned, key=lambda r: r["tflops"]), impl="cupyflash_best") if tuned else \
+                        {**records[0], "impl": "cupyflash_best", "status": "error", "reason": "no tune config passed",
+                         "config": None}
+                    run.data["grid"].append(best)
+        run.save()
+
+    if args.progression:
+        print("progression set:", flush=True)
+        baselines = run.data["progression_baselines"]
+        for dtype, d_head in groups:
+            for seq in prog_seqs:
+                impls = [(CupyflashImpl(c, "cupyflash_prog"), {"config": str(c), "step": i + 1})
+                         for i, c in enumerate(config_sets.progression_configs(dtype, d_head))]
+                have = report.find_ok(run.data["grid"], impl="sdpa_flash", dtype=dtype.name.lower(), d_head=d_head, seq=seq)
+                if have is None and "sdpa_flash" in peers:
+                    impls += [p for p in peers_now if p[0].name == "sdpa_flash"]
+                records = _grid_point(torch, run, dtype, d_head, seq, impls, l2, list_key="progression")
+                have = have or report.find_ok(records, impl="sdpa_flash")
+                if have:
+                    baselines[f"{dtype.name.lower()},{d_head},{seq}"] = have["tflops"]
+        run.data["progression"] = [r for r in run.data["progression"] if r["impl"] == "cupyflash_prog"]
+        prev: dict[tuple, float | None] = {}
+        for r in run.data["progression"]:  # gain over the previous step of the same shape, for the README
+            key = (r["dtype"], r["d_head"], r["seq"])
+            ok = r["status"] == "ok"
+            r["gain_vs_previous"] = (r["tflops"] / prev[key] - 1) if ok and prev.get(key) else None
+            prev[key] = r["tflops"] if ok else None
+        run.save()
+
+    if not args.no_overhead:
+        print("per-call overhead ...", flush=True)
+        try:
+            run.data["overhead"] = measure_overhead(torch, n_calls=args.overhead_calls)
+        except Exception as exc:
+            run.data["overhead"] = {"error": f"{type(exc).__name__}: {exc}"}
+            run.failures.append(f"overhead measurement: {type(exc).__name__}: {exc}")
+        run.save()
+
+    # The summary comes last: it is what a log tail shows.
+    print()
+    print(f"== {meta['gpu']} | {meta['date']} | " + " | ".join(f"{k} {v}" for k, v in meta["versions"].items()
+                                                              if v is not None))
+    if run.data["grid"]:
+        print(f"TFLOP/s, median of {args.iters} (CUDA events; jax_cudnn: host clock over batches of calls)")
+        print(report.format_grid(run.data["grid"], args.causal))
+    if run.data["progression"]:
+        print()
+        print(report.format_progression(run.data["progression"], run.data["progression_baselines"]))
+    overhead = run.data["overhead"]
+    if overhead:
+        print()
+        print(report.format_overhead(overhead) if "error" not in overhead else f"overhead: {overhead['error']}")
+    plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
+    if run.data["grid"] and plot_path:
+        why = report.plot(run.data["grid"], plot_path, f"{meta['gpu']}, {meta['date']}, cupyflash "
+                          f"{meta['versions']['cupyflash']}, torch {meta['versions']['torch']}")
+        print(f"plot: {plot_path}" if why is None else f"plot: not written: {why}")
+    run.data["complete"] = True
+    run.data["failures"] = run.failures
+    run.save()
+    print(f"json: {args.json}")
+    if run.failures:
+        print("\nbench.py: cupyflash FAILURES (refused or raised):\n  " + "\n  ".join(run.failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _raise(exc: Exception):
+    raise exc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""The implementations scripts/bench.py times, on PyTorch tensors, with their timing and checks.
+
+All of them see the same (batch, seq, heads, d_head) torch tensors: cupyflash takes them as they
+are, PyTorch SDPA gets `.transpose(1, 2)` views in its (batch, heads, seq, d_head) layout (the
+layout of ANCHORS.md), JAX gets zero-copy DLPack views. torch and jax are imported by the caller
+and passed in, so this module imports without either.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+from cupyflash.benchmarking import GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize
+from cupyflash.config import DType, FlashForwardKernelConfig
+
+__all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Skip", "rel_l2_error",
+           "time_events", "time_host", "measure_overhead", "JAX_BATCH"]
+
+_SLEEP_CYCLES = 10_000_000  # ~5 ms of GPU spin before timing, so the host can queue ahead of the GPU
+JAX_BATCH = 20              # back-to-back JAX calls per host-clock sample
+
+
+class Skip(Exception):
+    """This implementation cannot run here (not installed, backend unavailable); the message says why."""
+
+
+@dataclass
+class Problem:
+    """One grid point: shape, dtype, and the rotated input sets (torch, (B, S, H, D), contiguous)."""
+
+    dtype: DType
+    shape: GridShape
+    causal: bool
+    scale: float
+    sets: list[tuple[Any, Any, Any]] = field(repr=False)
+
+    @property
+    def flops(self) -> float:
+        s = self.shape
+        return attention_flops(s.batch, s.heads, s.seq, s.seq, s.d_head, self.causal)
+
+
+def torch_dtype(torch: Any, dtype: DType) -> Any:
+    return {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}[dtype]
+
+
+def make_problem(torch: Any, dtype: DType, shape: GridShape, causal: bool, l2_bytes: int | None,
+                 seed: int = 0) -> Problem:
+    """Random normal inputs, as many sets as it takes to defeat L2 (see `rotation_sets`)."""
+    tdt = torch_dtype(torch, dtype)
+    elems = shape.batch * shape.seq * shape.heads * shape.d_head
+    n_sets = rotation_sets(4 * 2 * elems, l2_bytes)  # q, k, v and the output, 2 bytes each
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    sets = [tuple(torch.randn(shape.shape, generator=gen, device="cuda", dtype=torch.float32).to(tdt)
+                  for _ in range(3)) for _ in range(n_sets)]
+    return Problem(dtype, shape, causal, 1.0 / math.sqrt(shape.d_head), sets)
+
+
+def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
+    """Relative L2 error of `out` ((B, S, H, D), any float dtype, views allowed) against a float64
+    reference on the first/last (batch, head) and `spot_rows` queries; inf on any NaN/inf in out."""
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    q, k, v = problem.sets[0]
+    batch, seq_q, heads, _ = q.shape
+    seq_k = k.shape[1]
+    rows = torch.as_tensor(spot_rows(seq_q), device=q.device)
+    num = den = 0.0
+    for b in sorted({0, batch - 1}):
+        for h in sorted({0, heads - 1}):
+            qs, ks, vs = q[b, rows, h].double(), k[b, :, h].double(), v[b, :, h].double()
+            s = (qs @ ks.T) * problem.scale
+            if problem.causal:  # bottom-right aligned; the same as top-left when seq_q == seq_k
+                keys = torch.arange(seq_k, device=q.device)[None, :]
+                s = s.masked_fill(keys > rows[:, None] + (seq_k - seq_q), -math.inf)
+            ref = torch.softmax(s, dim=-1) @ vs
+            got = out[b, rows, h].double()
+            num += float(((got - ref) ** 2).sum())
+            den += float((ref ** 2).sum())
+    return math.sqrt(num / den) if den > 0 else math.inf
+
+
+# ---------------------------------------------------------------------------- timing
+def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int, iters: int) -> Timing:
+    """Median of per-call CUDA-event times on torch's current stream.
+
+    The GPU is kept busy (a short spin kernel, then the warm-up calls, all queued without a sync),
+    so each event pair brackets the kernel and not the Python launch overhead before it.
+    """
+    run(0)
+    torch.cuda.synchronize()
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    for i in range(warmup):
+        run(i % n_sets)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        run((warmup + i) % n_sets)
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) for s, e in events])
+
+
+def time_host(run: Callable[[int], Any], block: Callable[[Any], Any], n_sets: int, warmup: int,
+              samples: int, batch: int = JAX_BATCH) -> Timing:
+    """Host-clock time per call for work on a stream we cannot record events on (JAX): each sample
+    is `batch` back-to-back calls, then a block on the last result, divided by `batch`."""
+    block(run(0))
+    out = None
+    for i in range(warmup):
+        out = run(i % n_sets)
+    if out is not None:
+        block(out)
+    times = []
+    for s in range(samples):
+        t0 = time.perf_counter()
+        for j in range(batch):
+            out = run((s * batch + j) % n_sets)
+        block(out)
+        times.append((time.perf_counter() - t0) * 1e3 / batch)
+    return summarize(times)
+
+
+# ---------------------------------------------------------------------------- implementations
+class Impl:
+    """One implementation: `prepare` (may raise Skip), `run(i)` on input set i, `check` -> rel L2."""
+
+    name = "impl"
+    timing_method = "cuda-events"
+
+    def prepare(self, problem: Problem) -> None:
+        self.problem = problem
+
+    def context(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def run(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def check(self, torch: Any) -> float:
+        return rel_l2_error(torch, self.problem, self.run(0))
+
+    def time(self, torch: Any, warmup: int, iters: int) -> Timing:
+        return time_events(torch, self.run, len(self.problem.sets), warmup, iters)
+
+
+class CupyflashImpl(Impl):
+    """cupyflash.forward; `cfg` None means the library's choice (cfg='auto')."""
+
+    def __init__(self, cfg: FlashForwardKernelConfig | None, name: str = "cupyflash") -> None:
+        import cupyflash
+
+        self.cfg = cfg
+        self.name = name
+        self._forward = cupyflash.forward
+
+    def run(self, i: int) -> Any:
+        q, k, v = self.problem.sets[i]
+        if self.problem.causal:  # only reachable when forward takes `causal` (bench.py checks)
+            return self._forward(self.cfg, q, k, v, softmax_scale=self.problem.scale, causal=True)
+        return self._forward(self.cfg, q, k, v, softmax_scale=self.problem.scale)
+
+    def check(self, torch: Any) -> float:
+        q, k, v = self.problem.sets[0]
+        out = torch.full_like(q, math.nan)  # poisoned: an element the kernel does not write fails
+        kwargs = {"causal": True} if self.problem.causal else {}
+        self._forward(self.cfg, q, k, v, out=out, softmax_scale=self.problem.scale, **kwargs)
+        return rel_l2_error(torch, self.problem, out)
+
+
+class SdpaImpl(Impl):
+    """torch.nn.functional.scaled_dot_product_attention restricted to one backend."""
+
+    def __init__(self, torch: Any, backend: str, name: str) -> None:
+        self.name = name
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+        except ImportError as exc:
+            raise Skip(f"torch {torch.__version__} has no torch.nn.attention.sdpa_kernel ({exc})") from None
+        if not hasattr(SDPBackend, backend):
+            raise Skip(f"torch {torch.__version__} has no SDPBackend.{backend}")
+        self._kernel = functools.partial(sdpa_kernel, [getattr(SDPBackend, backend)])
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def context(self) -> ContextManager:
+        return self._kernel()  # entered once around check and timing: it costs microseconds per entry
+
+    def run(self, i: int) -> Any:
+        q, k, v = self.problem.sets[i]
+        out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                         is_causal=self.problem.causal, scale=self.problem.scale)
+        return out.transpose(1, 2)  # back to (B, S, H, D) for the check
+
+
+class JaxImpl(Impl):
+    """jax.nn.dot_product_attention(implementation='cudnn'), jitted, on DLPack views of the inputs."""
+
+    name = "jax_cudnn"
+    timing_method = f"host clock, batches of {JAX_BATCH} calls"
+
+    def __init__(self, jax: Any) -> None:
+        self.jax = jax
+        try:
+            self._gpus = jax.devices("gpu")
+        except RuntimeError as exc:
+            raise Skip(f"JAX sees no GPU ({exc})") from None
+        if not self._gpus:
+            raise Skip("JAX sees no GPU")
+
+    def prepare(self, problem: Problem) -> None:
+        import torch
+
+        super().prepare(problem)
+        torch.cuda.synchronize()  # JAX reads the tensors on its own stream
+        self._sets = [tuple(self._to_jax(t) for t in s) for s in problem.sets]
+        attn = functools.partial(self.jax.nn.dot_product_attention, scale=problem.scale,
+                                 is_causal=problem.causal, implementation="cudnn")
+        self._fn = self.jax.jit(attn)
+
+    def _to_jax(self, t: Any) -> Any:
+        try:
+            return self.jax.dlpack.from_dlpack(t)  # zero-copy: the very same inputs
+        except Exception:  # older JAX without __dlpack__ support: a copy of the same values
+            import numpy as np
+
+            host = t.float().cpu().numpy()
+            jdt = {DType.BF16: self.jax.numpy.bfloat16, DType.FP16: self.jax.numpy.float16}[self.problem.dtype]
+            return self.jax.device_put(np.asarray(host), self._gpus[0]).astype(jdt)
+
+    def run(self, i: int) -> Any:
+        return self._fn(*self._sets[i])
+
+    def check(self, torch: Any) -> float:
+        out = self.run(0).astype(self.jax.numpy.float32)
+        out.block_until_ready()
+        try:
+            t = torch.from_dlpack(out)
+        except Exception:
+            import numpy as np
+
+            t = torch.from_numpy(np.asarray(out)).cuda()
+        return rel_l2_error(torch, self.problem, t)
+
+    def time(self, torch: Any, warmup: int, iters: int) -> Timing:
+        samples = max(5, iters // 4)
+        return time_host(self.run, lambda x: x.block_until_ready(), len(self._sets), warmup, samples)
+
+
+# ---------------------------------------------------------------------------- per-call overhead
+def _host_us_per_call(torch: Any, call: Callable[[], Any], n_calls: int, warmup: int, rounds: int = 3) -> dict:
+    """Wall time per call over `n_calls` back-to-back calls (median of `rounds` rounds), and the GPU
+    time of the same span from events: when the two are close, the loop was GPU-bound and the
+    figure is not Python overhead."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(n_calls):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        host.append((time.perf_counter() - t0) * 1e6 / n_calls)
+        gpu.append(start.elapsed_time(end) * 1e3 / n_calls)
+    host.sort()
+    gpu.sort()
+    return {"us_per_call": host[len(host) // 2], "gpu_span_us_per_call": gpu[len(gpu) // 2],
+            "calls": n_calls, "rounds": rounds}
+
+
+def measure_overhead(torch: Any, n_calls: int = 2000, warmup: int = 200) -> dict:
+    """Per-call wall time of cupyflash.forward vs SDPA flash on a tiny bf16 problem (1x128x8x128),
+    torch tensors, kernels already loaded."""
+    import cupyflash
+    from cupyflash.api import resolve_config
+
+    shape = (1, 128, 8, 128)  # (batch, seq, heads, d_head); SDPA sees (1, 8, 128, 128)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+    cfg = resolve_config(None, DType.BF16, 128, 128, 128, q.device.index or 0)
+    results: dict[str, Any] = {"shape": list(shape), "dtype": "bf16", "config": str(cfg)}
+    results["cupyflash_auto"] = _host_us_per_call(torch, lambda: cupyflash.forward(None, q, k, v), n_calls, warmup)
+    results["cupyflash_cfg_out"] = _host_us_per_call(
+        torch, lambda: cupyflash.forward(cfg, q, k, v, out=out), n_calls, warmup)
+    try:
+        sdpa = SdpaImpl(torch, "FLASH_ATTENTION", "sdpa_flash")
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        with sdpa.context():
+            results["sdpa_flash"] = _host_us_per_call(
+                torch, lambda: sdpa._sdpa(qt, kt, vt), n_calls, warmup)
+    except Exception as exc:  # reported, and the ratio is then absent
+        results["sdpa_flash"] = {"error": f"{type(exc).__name__}: {exc}"}
+    base = results["sdpa_flash"].get("us_per_call")
+    if base:
+        results["ratio_cupyflash_auto_over_sdpa"] = results["cupyflash_auto"]["us_per_call"] / base
+    return results

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One GPU session in a few steps, each well inside a 10-minute command limit:
+#   bash scripts/gpu_session.sh test       install, cold prewarm of the test sets, GPU tests, main job
+#   bash scripts/gpu_session.sh autotune   tune every (dtype, d_head, seq bucket), write the default table
+#   bash scripts/gpu_session.sh bench      SPEC §6 grid vs. SDPA flash/cuDNN, progression, per-call overhead
+# Logs and result files go to $OUT (default /tmp/cupyflash-gpu); the last lines are a short summary.
+set -uo pipefail
+step="${1:?usage: gpu_session.sh test|autotune|bench}"
+OUT="${OUT:-/tmp/cupyflash-gpu}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+python3 -m cupyflash info 2>&1 | tee "$OUT/info.log"
+
+case "$step" in
+test)
+    arch=$(python3 -c "from cupyflash.device import device_arch; print(device_arch(0)[0])")
+    # Cold compile of everything the GPU tests use, in parallel, with per-config seconds.
+    python3 scripts/prewarm_cache.py --arch "$arch" --set tune --jobs 16 --quiet >"$OUT/prewarm.log" 2>&1
+    python3 scripts/prewarm_cache.py --arch "$arch" --set prog_all --jobs 16 --quiet >>"$OUT/prewarm.log" 2>&1
+    CUPYFLASH_TEST_FIGURES="$OUT/figures.json" python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 \
+        | tee "$OUT/pytest.log" | tail -n 25
+    python3 scripts/run_attention.py --seq 4096 --batch 4 --heads 16 --d-head 128 --dtype bf16 2>&1 | tee "$OUT/main_job.log"
+    python3 - "$OUT" <<'PY'
+import json, sys, collections
+out = sys.argv[1]
+figs = json.load(open(f"{out}/figures.json"))
+per = collections.defaultdict(lambda: [0, 0.0])
+for f in figs:
+    if "config" in f:
+        key = (f["dtype"], f["d_head"]); per[key][0] += 1; per[key][1] = max(per[key][1], f["rel_l2"])
+for (dt, d), (n, worst) in sorted(per.items()):
+    print(f"passed configs {dt} d_head={d}: {n}, worst rel L2 {worst:.3g}")
+for f in figs:
+    if "warm_start" in f: print("warm start:", f["warm_start"])
+PY
+    grep -E "configs|seconds|compiled" "$OUT/prewarm.log" | tail -n 6
+    ;;
+autotune)
+    timeout 580 python3 -m cupyflash autotune --write-default 2>&1 | tee "$OUT/autotune.log" | tail -n 40
+    cp cupyflash/tuning/default_h100.json "$OUT/" 2>/dev/null
+    ;;
+bench)
+    timeout 580 python3 scripts/bench.py --d-heads 64,128 --progression --json "$OUT/bench_results.json" 2>&1 \
+        | tee "$OUT/bench.log" | tail -n 60
+    ;;
+*)
+    echo "unknown step $step" >&2; exit 2 ;;
+esac

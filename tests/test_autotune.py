@@ -1,0 +1,346 @@
+"""Tuning tables, the cfg=None lookup order, and the autotune loop (CPU only).
+
+The autotune loop itself runs here against a stand-in for CuPy built on numpy: the real
+input generation, poisoning and float64 spot check run unchanged, only the kernel launch (an
+exact numpy attention), the compile step and the event timer are replaced. The timings those
+fakes return are test fixtures, not measurements.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+from cupyflash import api, benchmarking, config_sets, tuning
+from cupyflash.config import DType
+from cupyflash.tuning import SEQ_BUCKETS, TuningTable, TuningTableError, pick_bucket
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+TUNE_BF16_128 = config_sets.autotune_configs([DType.BF16], [128])
+CFG_A = TUNE_BF16_128[0]
+CFG_B = TUNE_BF16_128[-1]   # B_r = 128
+DEFAULT = config_sets.default_config(DType.BF16, 128)
+
+
+@pytest.fixture(autouse=True)
+def isolated_tables(tmp_path, monkeypatch):
+    """Private cache dir and shipped-table dir, fresh caches, no real GPU name."""
+    cache = tmp_path / "cache"
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(cache))
+    monkeypatch.setattr(tuning, "default_tables_dir", lambda: shipped)
+    tuning.clear_caches()
+    yield types.SimpleNamespace(cache=cache, shipped=shipped)
+    tuning.clear_caches()
+
+
+def _table(entries, device=None, match=None) -> TuningTable:
+    t = TuningTable(device=device, match=match)
+    for cfg, seq in entries:
+        t.set(cfg, seq, tflops=100.0, ms=1.0)
+    return t
+
+
+# ----------------------------------------------------------------------------- TuningTable
+def test_round_trip_json(tmp_path):
+    t = _table([(CFG_A, 512), (CFG_B, 4096)], device=H100)
+    t.set(config_sets.default_config(DType.FP16, 64), 1024, tflops=250.5, ms=0.25, heuristic_tflops=200.0)
+    t.meta = {"date": "d", "versions": {"cupyflash": "0.1.0"}}
+    path = t.save(tmp_path / "sub" / "t.json")
+    back = TuningTable.load(path)
+    assert back.to_dict() == t.to_dict()
+    assert [e.config for e in back.entries()] == [e.config for e in t.entries()]
+    assert back.get(DType.FP16, 64, 1024).info == {"heuristic_tflops": 200.0}
+    assert json.loads(path.read_text())["schema"] == tuning.SCHEMA
+
+
+@pytest.mark.parametrize("seq,bucket", [(512, 512), (700, 512), (1023, 512), (1024, 1024), (300, 512),
+                                        (16384, 16384), (100000, 16384), (5000, 4096)])
+def test_bucket_is_largest_at_or_below_else_smallest(seq, bucket):
+    assert pick_bucket(SEQ_BUCKETS, seq) == bucket
+
+
+def test_bucket_with_gaps_and_empty():
+    assert pick_bucket([1024, 4096], 2048) == 1024
+    assert pick_bucket([1024, 4096], 512) == 1024
+    assert pick_bucket([], 512) is None
+    t = _table([(CFG_A, 1024), (CFG_B, 4096)], device=H100)
+    assert t.lookup(H100, DType.BF16, 128, 3000) == CFG_A
+    assert t.lookup(H100, DType.BF16, 128, 9000) == CFG_B
+    assert t.lookup(H100, DType.FP16, 128, 4096) is None  # no entry for that dtype
+
+
+def test_device_matching():
+    exact = _table([(CFG_A, 512)], device=H100)
+    assert exact.matches(H100) and exact.matches(H100.lower()) and not exact.matches("NVIDIA H100 PCIe")
+    family = _table([(CFG_A, 512)], match="H100")
+    assert family.matches(H100) and family.matches("NVIDIA H100 PCIe")
+    assert not family.matches(A100) and not family.matches("NVIDIA H1000") and not family.matches(None)
+    assert family.lookup(A100, DType.BF16, 128, 512) is None
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"schema": "other/1", "entries": []}',
+                                  '{"schema": "cupyflash-tuning-table/1"}',
+                                  '{"schema": "cupyflash-tuning-table/1", "entries": [{"dtype": "BF16"}]}'])
+def test_malformed_tables_raise(tmp_path, text):
+    p = tmp_path / "bad.json"
+    p.write_text(text)
+    with pytest.raises(TuningTableError):
+        TuningTable.load(p)
+
+
+def test_entry_must_match_its_config():
+    data = _table([(CFG_A, 512)], device=H100).to_dict()
+    data["entries"][0]["d_head"] = 64
+    with pytest.raises(TuningTableError, match="does not match"):
+        TuningTable.from_dict(data)
+
+
+def test_names_and_paths(isolated_tables):
+    assert tuning.device_slug(H100) == "nvidia-h100-80gb-hbm3"
+    assert tuning.device_family(H100) == "H100"
+    assert tuning.device_family(A100) == "A100"
+    assert tuning.device_family("NVIDIA L40S") == "L40S"
+    assert tuning.device_family("NVIDIA GeForce RTX 4090") is None
+    assert tuning.user_table_path(H100) == isolated_tables.cache / "tuning" / "nvidia-h100-80gb-hbm3.json"
+    assert tuning.default_table_path(H100).name == "default_h100.json"
+    assert tuning.default_table_path("NVIDIA GeForce RTX 4090").name == "default_nvidia-geforce-rtx-4090.json"
+
+
+# ----------------------------------------------------------------------------- lookup order
+def test_precedence_user_then_default_then_heuristic(isolated_tables):
+    _table([(CFG_A, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    cfg, source = tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100)
+    assert cfg == CFG_A and source.startswith("default table")
+    _table([(CFG_B, 512)], device=H100).save(tuning.user_table_path(H100))
+    tuning.clear_caches()
+    cfg, source = tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100)
+    assert cfg == CFG_B and source.startswith("user table")
+    # another GPU: neither table applies
+    assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, A100) == (None, "heuristic")
+    assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, None) == (None, "heuristic")
+    # a dtype only the default table has falls through the user table
+    fp16 = config_sets.default_config(DType.FP16, 128)
+    _table([(CFG_A, 512), (fp16, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    tuning.clear_caches()
+    assert tuning.explain_choice(DType.FP16, 128, 512, 512, H100)[0] == fp16
+
+
+def test_a_tuned_config_that_does_not_fit_the_shape_falls_through(isolated_tables):
+    assert CFG_B.B_r == 128
+    _table([(CFG_B, 512)], device=H100).save(tuning.user_table_path(H100))
+    _table([(CFG_A, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    assert tuning.explain_choice(DType.BF16, 128, 192, 192, H100)[0] == CFG_A  # 192 % 128 != 0
+    assert tuning.explain_choice(DType.BF16, 128, 256, 256, H100)[0] == CFG_B
+
+
+def test_api_select_config_uses_tables(isolated_tables, monkeypatch):
+    monkeypatch.setattr(tuning, "device_name", lambda device: {0: H100, 1: A100}.get(device))
+    _table([(CFG_B, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    assert api._select_config(DType.BF16, 128, 1024, 1024, 0) == CFG_B
+    assert api._select_config(DType.BF16, 128, 1024, 1024, 1) == DEFAULT  # heuristic on another GPU
+    assert api.resolve_config("auto", DType.BF16, 128, 1024, 1024, 0) == CFG_B
+    with pytest.raises(ValueError, match="d_head 96"):  # unsupported d_head keeps its clear error
+        api._select_config(DType.BF16, 96, 1024, 1024, 0)
+
+
+def test_corrupt_user_table_warns_once_and_falls_back(isolated_tables):
+    path = tuning.user_table_path(H100)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"schema": "cupyflash-tuning-table/1", "entries": [')  # truncated
+    _table([(CFG_A, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    with pytest.warns(RuntimeWarning, match="ignoring tuning table"):
+        assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100)[0] == CFG_A
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broken file is not re-read or re-reported per call
+        assert tuning.explain_choice(DType.BF16, 128, 2048, 2048, H100)[0] == CFG_A
+    (isolated_tables.shipped / "default_h100.json").write_bytes(b"\x00\xff garbage")
+    tuning.clear_caches()
+    with pytest.warns(RuntimeWarning):
+        assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100) == (None, "heuristic")
+
+
+def test_lookup_is_cached_per_call(isolated_tables, monkeypatch):
+    calls = []
+    real = TuningTable.load
+
+    def counting_load(path):
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(TuningTable, "load", staticmethod(counting_load))
+    monkeypatch.setattr(tuning, "device_name", lambda device: H100)
+    _table([(CFG_A, 512)], device=H100).save(tuning.user_table_path(H100))
+    for _ in range(100):
+        assert tuning.tuned_config(DType.BF16, 128, 4096, 4096, 0) == CFG_A
+        tuning.tuned_config(DType.BF16, 128, 1024, 1024, 0)
+    assert len(calls) == 1
+    assert tuning.tuned_config.cache_info().hits >= 198
+
+
+def test_shipped_default_table_is_valid_and_honest():
+    """The packaged table loads; an unmeasured one says so and has no entries."""
+    from pathlib import Path
+
+    folder = Path(tuning.__file__).resolve().parent  # the real folder (the fixture patches the function)
+    assert (folder / "default_h100.json").is_file()
+    for path in sorted(folder.glob("default_*.json")):
+        table = TuningTable.load(path)
+        assert table.match or table.device
+        if not len(table):
+            assert "UNMEASURED" in (table.comment or "")
+        else:
+            assert table.meta.get("date") and table.meta.get("versions"), "a measured table records its run"
+            assert table.meta.get("complete") is True, "the shipped table comes from a run that finished"
+
+
+# ----------------------------------------------------------------------------- candidates
+def test_candidate_order_is_deterministic():
+    from cupyflash.autotune import candidate_configs
+
+    first = candidate_configs(DType.BF16, 128)
+    assert first == sorted(first) == candidate_configs(DType.BF16, 128)
+    assert first == TUNE_BF16_128 and DEFAULT in first
+    shuffled = list(config_sets.all_configs())
+    np.random.default_rng(0).shuffle(shuffled)
+    picked = candidate_configs(DType.FP16, 64, shuffled + shuffled[:10])
+    assert picked == sorted(c for c in set(shuffled) if c.dtype is DType.FP16 and c.d_head == 64)
+
+
+# ----------------------------------------------------------------------------- the autotune loop
+def _fake_cupy():
+    """numpy dressed as the parts of CuPy the tuner touches."""
+    fake = types.ModuleType("cupy")
+    for name in dir(np):
+        if not name.startswith("__"):
+            setattr(fake, name, getattr(np, name))
+    fake.__version__ = "fake"
+    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    props = {"name": H100.encode(), "l2CacheSize": 50 * 2**20}
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceProperties=lambda d: props,
+                                    driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
+    fake.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda d: contextlib.nullcontext())
+    return fake
+
+
+def _exact_attention(q, k, v, out, bad=False):
+    f = lambda x: x.astype(np.float32).transpose(0, 2, 1, 3)  # noqa: E731
+    s = f(q) @ f(k).transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = (p / p.sum(-1, keepdims=True)) @ f(v)
+    out[...] = o.transpose(0, 2, 1, 3).astype(out.dtype)
+    if bad:
+        out[:, -1] = 0  # a wrong last row: the spot check must catch it
+
+
+def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, monkeypatch, capsys):
+    import sys
+
+    from cupyflash import autotune as _  # noqa: F401  (module loaded; the package attribute is the function)
+    autotune_mod = sys.modules["cupyflash.autotune"]
+    from cupyflash import device
+
+    cands = TUNE_BF16_128[:6]
+    fast, wrong, broken = cands[2], cands[0], cands[1]
+    speed = {c: 1.0 + 0.1 * i for i, c in enumerate(cands)}  # fixture values, not measurements
+    speed[fast], speed[wrong] = 0.5, 0.1                      # the wrong one would win if trusted
+    launches = []
+
+    def fake_forward(cfg, q, k, v, out=None, **kw):
+        if cfg == broken:
+            raise RuntimeError("launch failed")
+        launches.append(cfg)
+        _exact_attention(q, k, v, out, bad=cfg == wrong)
+
+    def fake_time(run, n_sets, warmup, iters):
+        run(0)
+        return benchmarking.Timing(speed[launches[-1]], speed[launches[-1]], speed[launches[-1]], iters)
+
+    real_grid = benchmarking.grid_shape
+    from cupyflash.compiler import nvrtc_version
+
+    nvrtc_version()  # loads NVRTC through the real CuPy before numpy stands in for it (cached)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(device, "require_gpu", lambda: None)
+    monkeypatch.setattr(autotune_mod, "_compile_all", lambda configs, dev, stream: {})
+    monkeypatch.setattr(autotune_mod, "time_cupy", fake_time)
+    monkeypatch.setattr(autotune_mod, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
+    monkeypatch.setattr(api, "forward", fake_forward)
+    monkeypatch.setattr(autotune_mod, "default_table_path",
+                        lambda name: isolated_tables.shipped / "default_h100.json")
+
+    fp16 = config_sets.default_config(DType.FP16, 128)  # from an earlier run split by dtype: kept
+    _table([(fp16, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    table = autotune_mod.autotune([DType.BF16], [128], [128, 256], candidates=cands, iters=3, warmup=0,
+                                  progress=False, write_default=True)
+    out = capsys.readouterr()
+    assert [(e.seq, e.config) for e in table.entries()] == [(128, fast), (256, fast)]
+    assert table.get(DType.BF16, 128, 256).info["correct"] == 4
+    assert "relative L2 error" in out.err and "launch failed" in out.err
+    assert "tuning table for NVIDIA H100 80GB HBM3" in out.out
+    # the wrong config was checked once (first bucket) and never timed again
+    assert launches.count(wrong) == 1
+    user = TuningTable.load(tuning.user_table_path(H100))
+    assert user.device == H100 and user.lookup(H100, DType.BF16, 128, 200) == fast
+    shipped = TuningTable.load(isolated_tables.shipped / "default_h100.json")
+    assert shipped.match == "H100" and len(shipped) == 3 and shipped.meta["versions"]["cupyflash"]
+    assert shipped.lookup(H100, DType.FP16, 128, 512) == fp16 and shipped.lookup(H100, DType.BF16, 128, 128) == fast
+    assert shipped.meta["complete"] is True and shipped.meta["missing"] == []
+    # forward(cfg=None) sees the new table at once
+    monkeypatch.setattr(tuning, "device_name", lambda d: H100)
+    assert tuning.tuned_config(DType.BF16, 128, 256, 256, 0) == fast
+
+
+def test_autotune_cli_without_gpu_exits_2(monkeypatch, capsys):
+    import sys
+
+    from cupyflash import device
+
+    autotune_mod = sys.modules["cupyflash.autotune"]
+    monkeypatch.setattr(device, "has_gpu", lambda: False)
+    assert autotune_mod.main(["--dtypes", "bf16", "--d-heads", "128"]) == 2
+    assert "no CUDA GPU found" in capsys.readouterr().err
+    assert autotune_mod.main(["--dtypes", "int8"]) == 2
+    assert autotune_mod.main(["--seqs", "1k,x"]) == 2
+
+
+def test_spot_check_catches_errors_with_numpy_standing_in(monkeypatch):
+    """benchmarking's reference check, run through numpy: exact output passes, a NaN or a wrong
+    row fails."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    for dtype in DType:
+        q, k, v = (benchmarking.random_inputs((2, 64, 2, 64), dtype, seed=i) for i in range(3))
+        out = np.empty_like(q)
+        benchmarking.poison(out, dtype)
+        assert benchmarking.spot_check_rel_l2(q, k, v, out, dtype) == math.inf
+        _exact_attention(q, k, v, out)
+        assert benchmarking.spot_check_rel_l2(q, k, v, out, dtype) < benchmarking.REL_L2_TOLERANCE[dtype] / 4
+        out[1, 5, 1] = out[1, 6, 1]
+        assert benchmarking.spot_check_rel_l2(q, k, v, out, dtype) > benchmarking.REL_L2_TOLERANCE[dtype]
+
+
+def test_grid_helpers():
+    assert benchmarking.grid_shape(512, 128).shape == (32, 512, 16, 128)
+    assert benchmarking.grid_shape(16384, 64).shape == (1, 16384, 32, 64)
+    with pytest.raises(ValueError):
+        benchmarking.grid_shape(3000, 128)
+    assert benchmarking.attention_flops(1, 16, 4096, 4096, 128) == 4 * 16 * 4096 * 4096 * 128
+    assert benchmarking.rotation_sets(256 * 2**20, 50 * 2**20) == 1
+    assert benchmarking.rotation_sets(4 * 2**20, 50 * 2**20) == 38
+    assert benchmarking.rotation_sets(4 * 2**20, None) == 38
+    rows = benchmarking.spot_rows(16384)
+    assert rows[0] == 0 and rows[-1] == 16383 and len(rows) == 256 and np.all(np.diff(rows) > 0)
+    assert benchmarking.parse_ints("512,1k,16k") == (512, 1024, 16384)
+    assert benchmarking.parse_dtypes("bf16, FP16") == (DType.BF16, DType.FP16)
+    with pytest.raises(RuntimeError):
+        benchmarking.summarize([1.0, float("nan")])
+    assert benchmarking.summarize([3.0, 1.0, 2.0]).median_ms == 2.0
