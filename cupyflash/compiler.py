@@ -158,6 +158,25 @@ def parse_ptxas_resources(log: str) -> dict[str, KernelResources]:
     return out
 
 
+_PROBE_SOURCE = "extern \"C\" __global__ void cupyflash_probe(float* x) { x[threadIdx.x] = 1.f; }"
+
+
+@functools.cache
+def ptxas_report_available() -> bool:
+    """Whether the NVRTC this process loaded returns the `ptxas -v` report in its program log.
+
+    Without it, registers and spills are unknown (resources come back empty and prewarm prints
+    '-'). Seen on the H100 machine: once PyTorch's CUDA 13 wheels are imported, CuPy resolves
+    libnvrtc.so.13 to the copy PyTorch loaded, whose log came back empty. Kernels are unaffected.
+    """
+    prog = nvrtc.createProgram(_PROBE_SOURCE, "probe.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(compile_options("sm_80")))
+        return bool(_ENTRY_RE.search(_read_log(prog)))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 # ----------------------------------------------------------------------------- compile counter
 _count_lock = threading.Lock()
 _compile_count = 0

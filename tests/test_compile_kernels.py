@@ -6,6 +6,7 @@ import pytest
 
 from cupyflash.config import SUPPORTED_D_HEADS, DType
 from cupyflash.config_sets import default_config, get_kernel_configs
+from cupyflash.compiler import ptxas_report_available
 from cupyflash.prewarm import format_summary, prewarm
 
 pytestmark = pytest.mark.compile
@@ -29,14 +30,17 @@ def test_every_config_compiles(report):
     expected = len(set(get_kernel_configs("tune") + get_kernel_configs("prog")))
     assert report.n_configs >= expected
     assert len(report.results) == report.n_configs * len(ARCHS)
-    for r in report.results:
-        assert r.registers is not None and 0 < r.registers <= 255, r
+    if ptxas_report_available():
+        for r in report.results:
+            assert r.registers is not None and 0 < r.registers <= 255, r
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("d_head", SUPPORTED_D_HEADS)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_default_configs_do_not_spill(report, dtype, d_head, arch):
+    if not ptxas_report_available():
+        pytest.skip("the NVRTC loaded in this process returns no ptxas report (see ptxas_report_available)")
     cfg = default_config(dtype, d_head)
     (result,) = [r for r in report.results if r.short_form == cfg.short_form() and r.arch == arch]
     assert result.ok, result.error

@@ -140,3 +140,21 @@ def test_warm_process_compiles_nothing(tmp_path):
     warm_count, warm_s = warm.stdout.split()
     assert int(cold_count) == 1 and int(warm_count) == 0
     FIGURES.append({"warm_start": {"cold_first_call_s": float(cold_s), "warm_first_call_s": float(warm_s)}})
+
+
+def test_compiles_and_runs_after_torch_import(tmp_path):
+    """Kernels compiled by whichever NVRTC PyTorch's wheels load first are valid too."""
+    pytest.importorskip("torch")
+    script = (
+        "import torch; torch.ones(1, device='cuda')\n"
+        "import cupy as cp, numpy as np, cupyflash, math\n"
+        "from cupyflash.compiler import compile_count\n"
+        "q, k, v = (torch.randn(1, 256, 2, 64, device='cuda', dtype=torch.float16) for _ in range(3))\n"
+        "o = cupyflash.forward(None, q, k, v)\n"
+        "ref = torch.softmax((q.transpose(1, 2).float() @ k.transpose(1, 2).float().mT) / 8.0, -1) @ v.transpose(1, 2).float()\n"
+        "print(compile_count(), float((o.transpose(1, 2).float() - ref).norm() / ref.norm()))\n"
+    )
+    env = dict(os.environ, CUPYFLASH_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    count, rel = done.stdout.split()
+    assert int(count) == 1 and float(rel) < 2e-3
