@@ -4,9 +4,9 @@ import os
 
 import pytest
 
+from cupyflash.compiler import nvrtc_version
 from cupyflash.config import SUPPORTED_D_HEADS, DType
 from cupyflash.config_sets import default_config, get_kernel_configs
-from cupyflash.compiler import ptxas_report_available
 from cupyflash.prewarm import format_summary, prewarm
 
 pytestmark = pytest.mark.compile
@@ -30,18 +30,31 @@ def test_every_config_compiles(report):
     expected = len(set(get_kernel_configs("tune") + get_kernel_configs("prog")))
     assert report.n_configs >= expected
     assert len(report.results) == report.n_configs * len(ARCHS)
-    if ptxas_report_available():
-        for r in report.results:
-            assert r.registers is not None and 0 < r.registers <= 255, r
+    # registers are None only where NVRTC served a module from its own cache without a ptxas
+    # report (seen with NVRTC 13); a fresh compile, as in CI, reports every module
+    for r in report.results:
+        assert r.registers is None or 0 < r.registers <= 255, r
+    assert any(r.registers is not None for r in report.results) or nvrtc_version() >= (13, 0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("d_head", SUPPORTED_D_HEADS)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_default_configs_do_not_spill(report, dtype, d_head, arch):
-    if not ptxas_report_available():
-        pytest.skip("the NVRTC loaded in this process returns no ptxas report (see ptxas_report_available)")
     cfg = default_config(dtype, d_head)
     (result,) = [r for r in report.results if r.short_form == cfg.short_form() and r.arch == arch]
     assert result.ok, result.error
+    if result.registers is None:
+        pytest.skip("NVRTC served this module from its own cache without a ptxas report")
     assert result.spill_store_bytes == 0 and result.spill_load_bytes == 0, result
+
+
+def test_tuning_set_spills_stay_small(report):
+    """The register budget of should_autotune admits 32-row-per-warp configs whose ptxas report
+    shows a few spilled words (measured: at most 48 bytes); anything larger means the rule no
+    longer matches the kernel."""
+    tune = {c.short_form() for c in get_kernel_configs("tune")}
+    spills = [(r.spill_store_bytes, r.arch, r.short_form) for r in report.results
+              if r.short_form in tune and r.spill_store_bytes is not None]
+    assert spills, "no ptxas report for any tuning config"
+    assert max(spills)[0] <= 64, max(spills)
