@@ -66,6 +66,11 @@ class LoadedKernel:
         self._argv_ptr = ctypes.addressof(self._argv)
         self._launch_lock = threading.Lock()
 
+    @property
+    def func_ptr(self) -> int:
+        """The CUfunction handle (for launch_plans, which keeps its own parameter buffer)."""
+        return self._func_ptr
+
     def launch(self, grid: tuple[int, int, int], block: int, smem_bytes: int, stream_ptr: int,
                params: bytes) -> None:
         """Launch on `stream_ptr` (0 = legacy default stream) with `params` from `kernel_abi.pack_params`."""

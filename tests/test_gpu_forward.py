@@ -158,3 +158,21 @@ def test_compiles_and_runs_after_torch_import(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     count, rel = done.stdout.split()
     assert int(count) == 1 and float(rel) < 2e-3
+
+
+def test_repeated_calls_replay_the_launch_plan(rng):
+    """Second and later calls with one signature take the fast path; each must still be right."""
+    from cupyflash import launch_plans
+
+    for framework in ("cupy", "torch"):
+        for _ in range(3):
+            q, k, v = (random_inputs(cp, DType.BF16, (2, 256, 4, 128), rng) for _ in range(3))
+            if framework == "torch":
+                torch = pytest.importorskip("torch")
+                tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+                out = cp.from_dlpack(cupyflash.forward(None, tq, tk, tv))
+                torch.cuda.synchronize()
+            else:
+                out = cupyflash.forward(None, q, k, v)
+            check_attention(cp, DType.BF16, q, k, v, out)
+        assert launch_plans._plans, "the fast path never remembered a plan"

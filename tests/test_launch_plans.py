@@ -1,0 +1,105 @@
+"""The forward() fast path: signatures, replay with new pointers, and when it must step aside."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from cupyflash import launch_plans
+from cupyflash.config_sets import default_config
+from cupyflash.config import DType
+from cupyflash.kernel_abi import PARAMS_STRUCT, param_names
+
+
+class FakeTensor:
+    """Quacks like a torch CUDA tensor for the attributes the fast path reads."""
+
+    def __init__(self, ptr, shape=(1, 128, 8, 64), dtype="bf16", device=0):
+        self.ptr, self.shape, self.dtype, self.device = ptr, tuple(shape), dtype, device
+
+    def data_ptr(self):
+        return self.ptr
+
+    def stride(self):
+        b, s, h, d = self.shape
+        return (s * h * d, h * d, d, 1)
+
+    def get_device(self):
+        return self.device
+
+
+FakeTensor.__module__ = "torch.fake"  # the fast path dispatches on the type's module
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch_plans, "_launch_kernel", lambda *args: calls.append(args))
+    monkeypatch.setattr(launch_plans, "_get_device", lambda: 0)
+    launch_plans.clear()
+    yield calls
+    launch_plans.clear()
+
+
+def make_plan(allocated):
+    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18]))
+    return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params,
+                                   allocate=lambda: allocated, current_stream=lambda: 0x5)
+
+
+def test_signature_covers_what_changes_the_launch():
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    base = launch_plans.signature(None, q, k, v, None, None)
+    assert base is not None
+    # pointers are not part of it, shapes/dtypes/devices/cfg/scale are
+    assert launch_plans.signature(None, FakeTensor(0x9000), k, v, None, None) == base
+    assert launch_plans.signature(None, FakeTensor(0x1000, shape=(2, 128, 8, 64)), k, v, None, None) != base
+    assert launch_plans.signature(None, FakeTensor(0x1000, dtype="fp16"), k, v, None, None) != base
+    assert launch_plans.signature(None, FakeTensor(0x1000, device=1), k, v, None, None) != base
+    assert launch_plans.signature("auto", q, k, v, None, None) != base
+    assert launch_plans.signature(None, q, k, v, None, 0.5) != base
+    cfg = default_config(DType.BF16, 64)
+    assert launch_plans.signature(cfg, q, k, v, None, None) != base
+
+
+def test_signature_refuses_what_it_cannot_replay():
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    assert launch_plans.signature(["not", "a", "cfg"], q, k, v, None, None) is None
+    assert launch_plans.signature(None, q, k, v, None, "0.5") is None
+    assert launch_plans.signature(None, q, object(), v, None, None) is None  # mixed kinds
+    assert launch_plans.signature(None, object(), object(), object(), None, None) is None  # not torch/cupy
+
+
+def test_replay_packs_new_pointers_and_allocates(launches):
+    out = FakeTensor(0x4000)
+    plan = make_plan(out)
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    key = launch_plans.signature(None, q, k, v, None, None)
+    assert launch_plans.lookup(key, q, k, v, None) is None  # nothing remembered yet
+    launch_plans.remember(key, plan)
+    assert launch_plans.lookup(key, q, k, v, None) is out
+    (args,) = launches
+    assert args[:9] == (0xF00, 1, 8, 1, 128, 1, 1, 49152, 0x5)
+    packed = PARAMS_STRUCT.unpack(ctypes.string_at(plan._buf, PARAMS_STRUCT.size))
+    fields = dict(zip(param_names(), packed))
+    assert (fields["q"], fields["k"], fields["v"], fields["o"]) == (0x1000, 0x2000, 0x3000, 0x4000)
+    assert fields["seq_len_q"] == 100 and fields["n_heads"] == 8  # the prepacked tail is untouched
+
+
+def test_misaligned_pointer_or_other_device_falls_back(launches, monkeypatch):
+    out = FakeTensor(0x4000)
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    key = launch_plans.signature(None, q, k, v, None, None)
+    launch_plans.remember(key, make_plan(out))
+    assert launch_plans.lookup(key, FakeTensor(0x1008), k, v, None) is None
+    monkeypatch.setattr(launch_plans, "_get_device", lambda: 1)
+    assert launch_plans.lookup(key, q, k, v, None) is None
+    assert launches == []
+
+
+def test_out_argument_is_written_and_returned(launches):
+    q, k, v, out = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000), FakeTensor(0x5000)
+    key = launch_plans.signature(None, q, k, v, out, None)
+    launch_plans.remember(key, make_plan(allocated=None))
+    assert launch_plans.lookup(key, q, k, v, out) is out
+    assert len(launches) == 1
