@@ -106,12 +106,16 @@ def test_progression_and_overhead_text():
     text = bench_report.format_progression(recs, {"bf16,128,4096": 300.0})
     assert "+25.0%" in text and "REFUSED" in text and "sdpa_flash 300.0" in text
     over = {"shape": [1, 128, 8, 128], "dtype": "bf16", "config": "C",
-            "cupyflash_auto": {"us_per_call": 12.0, "gpu_span_us_per_call": 5.0, "calls": 2000, "rounds": 3},
+            "cupyflash_auto": {"us_per_call": 12.0, "gpu_span_us_per_call": 5.0, "issue_us_per_call": 9.0,
+                               "calls": 2000, "rounds": 3},
             "cupyflash_cfg_out": {"us_per_call": 10.0, "gpu_span_us_per_call": 5.0, "calls": 2000, "rounds": 3},
             "sdpa_flash": {"us_per_call": 30.0, "gpu_span_us_per_call": 6.0, "calls": 2000, "rounds": 3},
-            "ratio_cupyflash_auto_over_sdpa": 0.4}
+            "ratio_cupyflash_auto_over_sdpa": 0.4, "ratio_cupyflash_issue_over_sdpa_wall": 0.3}
     text = bench_report.format_overhead(over)
-    assert "0.40" in text and "ok" in text and "12.0 us/call" in text
+    assert "0.40" in text and "12.0 us/call" in text and "host issue 9.0 us/call" in text
+    assert "= 0.30 (target <= 0.50: ok)" in text
+    over["ratio_cupyflash_issue_over_sdpa_wall"] = 0.6
+    assert "MISS" in bench_report.format_overhead(over)
 
 
 def test_json_write_is_atomic_and_complete(tmp_path):
