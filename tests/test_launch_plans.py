@@ -42,7 +42,7 @@ def launches(monkeypatch):
 
 
 def make_plan(allocated):
-    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18]))
+    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
     return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params,
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
 

@@ -37,8 +37,10 @@ class _FakeFunction:
 
 
 def _params() -> bytes:
-    values = [i + 1 for i in range(len(param_names()))]
-    values[-2:] = [0.125, 0.125 * 1.4426950408889634]
+    names = param_names()
+    values = [i + 1 for i in range(len(names))]
+    values[names.index("softmax_scale")] = 0.125
+    values[names.index("softmax_scale_log2")] = 0.125 * 1.4426950408889634
     return pack_params(*values)
 
 
