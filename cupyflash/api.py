@@ -12,9 +12,10 @@ from typing import Any
 from . import config_sets, launch_plans
 from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
 from .tuning import tuned_config as _tuned_config  # module attribute so tests can patch it
-from .interop import (TORCH, TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream,
-                      wrap_output)
-from .validation import LaunchPlan, check_compute_capability, check_forward_args
+from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, output_view,
+                      resolve_stream, wrap_output)
+from .validation import (LaunchPlan, check_compute_capability, check_forward_args, check_lse_out,
+                         check_lse_request)
 
 __all__ = ["forward", "resolve_config", "plan_forward"]
 
@@ -93,33 +94,45 @@ def _check_device(device: int) -> None:
 
 # -------------------------------------------------------------------------------- forward
 def plan_forward(cfg: Any, q: TensorView, k: TensorView, v: TensorView,
-                 out: TensorView | None = None, softmax_scale: Any = None) -> LaunchPlan:
+                 out: TensorView | None = None, softmax_scale: Any = None, causal: Any = False) -> LaunchPlan:
     """Resolve `cfg` and validate the views; the GPU-free half of `forward`."""
     config = resolve_config(cfg)  # None for None/'auto': picked inside, once dtype/shape are known
-    return check_forward_args(config, q, k, v, out, softmax_scale, select=_select_config)
+    return check_forward_args(config, q, k, v, out, softmax_scale, causal, select=_select_config)
 
 
 def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale: float | None = None,
-            stream: Any = None) -> Any:
-    """Attention forward: out = softmax(q k^T * softmax_scale) v, per batch and head.
+            causal: bool = False, return_lse: bool = False, lse: Any = None, stream: Any = None) -> Any:
+    """Attention forward: out = softmax(q k^T * softmax_scale + mask) v, per batch and head.
 
     Args:
         cfg: a FlashForwardKernelConfig, its short form (str), or None / 'auto' (library picks).
-        q, k, v: (batch, seq, heads, d_head) arrays, fp16 or bf16, last dimension contiguous and
-            16-byte aligned: CuPy arrays (bf16 as ml_dtypes.bfloat16), PyTorch CUDA tensors, or any
-            DLPack producer on a CUDA device (e.g. JAX arrays).
+        q: (batch, seq_len_q, n_heads, d_head); k, v: (batch, seq_len_k, n_kv_heads, d_head) with
+            n_heads a multiple of n_kv_heads (grouped-query / multi-query attention: q head h reads
+            k/v head h // (n_heads // n_kv_heads), nothing is copied). fp16 or bf16, d_head one of
+            config.SUPPORTED_D_HEADS, any lengths >= 1, last dimension contiguous and 16-byte
+            aligned, other strides free: CuPy arrays (bf16 as ml_dtypes.bfloat16), PyTorch CUDA
+            tensors, or any DLPack producer on a CUDA device (e.g. JAX arrays).
         out: optional array of q's shape and dtype to write into (not a JAX array: those are
             immutable); returned as given.
         softmax_scale: default 1/sqrt(d_head).
+        causal: a bool. True masks key j for query i unless j <= i + seq_len_k - seq_len_q
+            (bottom-right aligned, as in FlashAttention-2; the usual lower triangle when the lengths
+            are equal). Query rows that see no key (i < seq_len_q - seq_len_k) get output 0.
+        return_lse: a bool. True returns (out, lse), lse the float32 (batch, n_heads, seq_len_q)
+            natural-log log-sum-exp of each row's scaled, masked scores (-inf for rows that see
+            no key), for merging partial results.
+        lse: optional C-contiguous float32 (batch, n_heads, seq_len_q) array to write the
+            log-sum-exp into (needs return_lse=True); returned as given.
         stream: default the caller's current stream (PyTorch's for torch tensors, CuPy's
             otherwise); or a cupy.cuda.Stream, a torch.cuda.Stream, or an int handle.
 
     Returns:
-        The output in the framework of q (a new array unless `out` was given). Nothing is copied.
+        The output in the framework of q (a new array unless `out` was given); with
+        return_lse=True, the pair (out, lse), lse in the same framework. Nothing is copied.
     """
     key = None
-    if stream is None:
-        key = launch_plans.signature(cfg, q, k, v, out, softmax_scale)
+    if stream is None and return_lse is False and lse is None:
+        key = launch_plans.signature(cfg, q, k, v, out, softmax_scale, causal)
         result = launch_plans.lookup(key, q, k, v, out)
         if result is not None:
             return result
@@ -131,15 +144,25 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     ov = output_view(out) if out is not None else None
     if qv.device not in _checked_devices:
         _check_device(qv.device)
-    plan = plan_forward(cfg, qv, kv, vv, ov, softmax_scale)
+    plan = plan_forward(cfg, qv, kv, vv, ov, softmax_scale, causal)
+    want_lse = check_lse_request(return_lse, lse is not None)
+    lv = None
+    if lse is not None:
+        lv = output_view(lse, "lse")
+        check_lse_out(lv, plan)
     stream_ptr = resolve_stream(stream, qv)
     if ov is None:
         ov = allocate_output(qv, plan.out_shape)
+    if want_lse and lv is None:
+        lv = allocate_lse(qv, plan.lse_shape)
     if plan.launch:
-        kernel = _launch(plan, qv, kv, vv, ov, stream_ptr)
+        kernel = _launch(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
             launch_plans.remember(key, _fast_launch(plan, kernel, qv))
-    return out if out is not None else wrap_output(ov)
+    result = out if out is not None else wrap_output(ov)
+    if want_lse:
+        return result, (lse if lse is not None else wrap_output(lv))
+    return result
 
 
 def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.FastLaunch:
@@ -159,12 +182,12 @@ def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.F
 
 
 def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
-            stream_ptr: int) -> None:
+            stream_ptr: int, lse_ptr: int = 0) -> Any:
     global _get_registry
     if _get_registry is None:  # bound on first launch: the registry pulls in NVRTC and the cache
         from .registry import get_registry as _get_registry
     kernel = _get_registry().get(plan.cfg, plan.device)
-    params = plan.pack(q.ptr, k.ptr, v.ptr, o.ptr)
+    params = plan.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr)
     # cuLaunchKernel uses the calling thread's current context: it must be the arrays' device.
     if _cupy.cuda.runtime.getDevice() == plan.device:
         kernel.launch(plan.grid, plan.block, plan.smem_bytes, stream_ptr, params)

@@ -14,7 +14,7 @@ import numpy as np
 
 __all__ = ["DType", "FlashForwardKernelConfig", "SUPPORTED_D_HEADS"]
 
-SUPPORTED_D_HEADS = (64, 128)
+SUPPORTED_D_HEADS = (64, 96, 128, 256)
 B_R_VALUES = (64, 128)
 B_C_VALUES = (32, 64, 128)
 N_WARPS_VALUES = (4, 8)
@@ -114,12 +114,12 @@ class FlashForwardKernelConfig:
         yield "B_r / n_warps rows per warp is a multiple of 16", rows % ROWS_PER_MMA_TILE == 0 and rows > 0
         yield "eager_load_blocks needs async_copy", self.async_copy or not self.eager_load_blocks
         yield (
-            "Q_mma_load_K_fragments is 0 or a power of two <= d_head/16",
-            q == 0 or (_is_pow2(q) and q <= k_steps_qk),
+            "Q_mma_load_K_fragments is 0 or a power of two dividing d_head/16",
+            q == 0 or (_is_pow2(q) and k_steps_qk % q == 0),
         )
         yield (
-            "K_mma_load_K_fragments is 0 (whole tile) or a power of two < d_head/16",
-            k == 0 or (_is_pow2(k) and k < k_steps_qk),
+            "K_mma_load_K_fragments is 0 (whole tile) or a power of two < d_head/16 dividing it",
+            k == 0 or (_is_pow2(k) and k < k_steps_qk and k_steps_qk % k == 0),
         )
         yield (
             "V_mma_load_K_fragments is 0 (whole tile) or a power of two < B_c/16",
@@ -128,6 +128,12 @@ class FlashForwardKernelConfig:
         yield (
             "Q_mma_load_K_fragments equals K_mma_load_K_fragments unless Q is 0 (kept in registers)",
             q == 0 or q == (k or k_steps_qk),
+        )
+        chunks_per_row = d // 8
+        yield (
+            "the Q and K/V tiles' 16-byte chunks spread evenly over the threads (B_c * d_head / 8 "
+            "a multiple of 32 * n_warps)",
+            w > 0 and (bc * chunks_per_row) % (32 * w) == 0 and (br * chunks_per_row) % (32 * w) == 0,
         )
         yield (
             "mma_double_buffer_loads needs K or V loaded in fragments (K or V fragments != 0)",

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only without the CUDA extra
 
 __all__ = [
     "CUPY", "TORCH", "JAX", "DLPACK", "TensorView", "as_view", "output_view", "allocate_output",
-    "wrap_output", "resolve_stream", "contiguous_strides",
+    "allocate_lse", "wrap_output", "resolve_stream", "contiguous_strides",
 ]
 
 # Framework tags: the framework the caller gets its output back in.
@@ -172,12 +172,13 @@ def as_view(x: Any, name: str) -> TensorView:
     )
 
 
-def output_view(x: Any) -> TensorView:
-    """TensorView of a caller-provided `out=` array, refusing JAX arrays (immutable buffers)."""
+def output_view(x: Any, name: str = "out") -> TensorView:
+    """TensorView of a caller-provided output array (`out=`, `lse=`), refusing JAX arrays
+    (immutable buffers)."""
     if type(x).__module__.startswith("jax"):  # checked before the DLPack import would sync on it
-        raise TypeError("out: JAX arrays are immutable and cannot be written in place; omit out= "
+        raise TypeError(f"{name}: JAX arrays are immutable and cannot be written in place; omit {name}= "
                         "to get a new JAX array")
-    return as_view(x, "out")
+    return as_view(x, name)
 
 
 def allocate_output(like: TensorView, shape: tuple[int, ...]) -> TensorView:
@@ -198,6 +199,21 @@ def allocate_output(like: TensorView, shape: tuple[int, ...]) -> TensorView:
             out = _cupy.empty(shape, dtype=like.raw_dtype)
     return TensorView(out.data.ptr, shape, contiguous_strides(shape), like.dtype, like.raw_dtype,
                       like.device, like.framework, out)
+
+
+def allocate_lse(like: TensorView, shape: tuple[int, ...]) -> TensorView:
+    """A new contiguous float32 array of `shape` (the log-sum-exp) on `like`'s device, in its
+    framework (torch for torch; CuPy otherwise, handed to JAX callers by `wrap_output`)."""
+    if like.framework == TORCH:
+        import torch  # imported already: `like` is a torch tensor
+
+        lse = torch.empty(shape, dtype=torch.float32, device=like.base.device)
+        return TensorView(lse.data_ptr(), lse.shape, lse.stride(), None, lse.dtype, like.device, TORCH, lse)
+    _require_cupy("lse")
+    with _cupy.cuda.Device(like.device):
+        lse = _cupy.empty(shape, dtype=np.float32)
+    return TensorView(lse.data.ptr, shape, contiguous_strides(shape), None, lse.dtype, like.device,
+                      like.framework, lse)
 
 
 def wrap_output(view: TensorView) -> Any:

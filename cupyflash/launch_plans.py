@@ -1,13 +1,14 @@
 """Per-signature launch plans: the per-call fast path of `forward`.
 
 The first call with a given signature (framework, shapes, strides, dtypes and devices of q, k, v
-and out, the cfg argument, softmax_scale) goes through full validation. Its result is kept as a
+and out, the cfg argument, softmax_scale, causal) goes through full validation. Its result is kept as a
 `FastLaunch`: the kernel, grid and a parameter buffer with every field but the pointers already
 packed. Later calls with the same signature read the four pointers, check their 16-byte
 alignment, allocate the output and launch: no views, no validation, no config lookup.
 
 Only PyTorch tensors and CuPy arrays on the caller's current stream take this path; anything
-else (JAX arrays, an explicit `stream=`) goes through the full path every time.
+else (JAX arrays, an explicit `stream=`, return_lse=True or lse=, a `causal` that is not a
+plain bool) goes through the full path every time.
 """
 from __future__ import annotations
 
@@ -65,11 +66,14 @@ def _cupy_key(a: Any) -> tuple:
     return (a.shape, a.strides, a.dtype, a.data.device_id)
 
 
-def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any) -> tuple | None:
+def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
+              causal: Any = False) -> tuple | None:
     """The plan key for these arguments, or None when they cannot take the fast path."""
     if not (cfg is None or type(cfg) is str or type(cfg) is FlashForwardKernelConfig):
         return None
     if not (softmax_scale is None or type(softmax_scale) is float or type(softmax_scale) is int):
+        return None
+    if causal is not False and causal is not True:  # 0/1 would hash like False/True: validate it
         return None
     cls = type(q)
     if type(k) is not cls or type(v) is not cls or (out is not None and type(out) is not cls):
@@ -81,7 +85,8 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any) ->
         key_of = _cupy_key
     else:
         return None
-    return (cls, cfg, softmax_scale, key_of(q), key_of(k), key_of(v), None if out is None else key_of(out))
+    return (cls, cfg, softmax_scale, causal, key_of(q), key_of(k), key_of(v),
+            None if out is None else key_of(out))
 
 
 def _pointer(x: Any) -> int:

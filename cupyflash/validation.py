@@ -15,12 +15,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .config import DType, FlashForwardKernelConfig
-from .interop import TensorView
+from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from .interop import TensorView, contiguous_strides
 from .kernel_abi import pack_params
 
-__all__ = ["LaunchPlan", "ConfigSelector", "check_forward_args", "check_kernel_limits", "check_compute_capability",
-           "check_softmax_scale", "MIN_COMPUTE_CAPABILITY", "ALIGN_BYTES", "MAX_GRID_YZ", "INT32_MAX"]
+__all__ = ["LaunchPlan", "ConfigSelector", "check_forward_args", "check_compute_capability",
+           "check_softmax_scale", "check_flag", "check_lse_request", "check_lse_out", "MIN_COMPUTE_CAPABILITY",
+           "ALIGN_BYTES", "MAX_GRID_YZ", "INT32_MAX"]
 
 # Same value as cupyflash.device.MIN_COMPUTE_CAPABILITY (a test keeps them equal); repeated here so
 # that this module imports without CuPy/NVRTC.
@@ -58,15 +59,23 @@ class LaunchPlan(NamedTuple):
     n_kv_heads: int
     softmax_scale: float
     softmax_scale_log2: float
+    kv_group_size: int  # n_heads // n_kv_heads: q heads sharing one k/v head (1 without GQA/MQA)
+    causal: bool        # bottom-right aligned: key j visible to query i iff j <= i + seq_len_k - seq_len_q
     device: int
     launch: bool  # False for zero-size problems: the output is empty, nothing to compute
 
+    @property
+    def lse_shape(self) -> tuple[int, int, int]:
+        """(batch, n_heads, seq_len_q): the contiguous fp32 log-sum-exp array the kernel writes."""
+        return (self.out_shape[0], self.n_heads, self.seq_len_q)
+
     def pack(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
-        """The kernel's ForwardParams bytes (field order: kernel_abi.PARAM_FIELDS)."""
+        """The kernel's ForwardParams bytes (field order: kernel_abi.PARAM_FIELDS). `lse_ptr` 0:
+        the kernel writes no log-sum-exp."""
         return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *self.q_strides, *self.k_strides,
                            *self.v_strides, *self.o_strides, self.seq_len_q, self.seq_len_k,
                            self.n_heads, self.n_kv_heads, self.softmax_scale, self.softmax_scale_log2,
-                           self.n_heads // self.n_kv_heads, 0)
+                           self.kv_group_size, 1 if self.causal else 0)
 
 
 def check_compute_capability(cc: int, device: int) -> None:
@@ -96,6 +105,16 @@ def check_softmax_scale(softmax_scale, d_head: int) -> float:
             f"softmax_scale: expected a finite number > 0 (within float32 range), got {softmax_scale!r}"
         )
     return scale
+
+
+def check_flag(value, name: str) -> bool:
+    """A real boolean argument (`causal`, `return_lse`): bool or numpy.bool_, nothing else. 0/1,
+    None or strings are refused rather than guessed at."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__} {value!r}")
 
 
 def _dtype_name(view: TensorView) -> str:
@@ -128,28 +147,14 @@ def _check_layout(view: TensorView, name: str) -> tuple[int, int, int]:
     return strides[0], strides[1], strides[2]
 
 
-def check_kernel_limits(cfg: FlashForwardKernelConfig, seq_len_q: int, seq_len_k: int,
-                        n_heads: int, n_kv_heads: int) -> None:
-    """Limits of the current kernel, kept in one place so that lifting them is one edit.
-
-    Sequence lengths must be multiples of the block sizes (no tail masking yet) and K/V must have
-    as many heads as Q (no grouped-query attention yet).
-    """
-    if seq_len_q % cfg.B_r:
-        raise ValueError(
-            f"q: seq_len_q={seq_len_q} must be a multiple of the config's B_r={cfg.B_r} "
-            "(current kernel limit: no tail masking yet); pad q or pick a config with a smaller B_r"
-        )
-    if seq_len_k % cfg.B_c:
-        raise ValueError(
-            f"k: seq_len_k={seq_len_k} must be a multiple of the config's B_c={cfg.B_c} "
-            "(current kernel limit: no tail masking yet); pad k/v or pick a config with a smaller B_c"
-        )
-    if n_kv_heads != n_heads:
-        raise ValueError(
-            f"k: has {n_kv_heads} heads but q has {n_heads}; they must be equal "
-            "(current kernel limit: grouped-query attention is not supported yet)"
-        )
+def _raise_v_shape_error(k_shape, v_shape) -> None:
+    shapes = f"(shapes k {tuple(k_shape)}, v {tuple(v_shape)})"
+    if len(v_shape) == 4:
+        for dim, label in ((0, "batch size"), (1, "seq_len"), (2, "number of heads"), (3, "d_head")):
+            if v_shape[dim] != k_shape[dim]:
+                raise ValueError(f"v: {label} {v_shape[dim]} does not match k's {k_shape[dim]}; k and v "
+                                 f"must have the same shape {shapes}")
+    raise ValueError(f"v: shape {tuple(v_shape)} does not match k's shape {tuple(k_shape)}")
 
 
 def _raise_dtype_error(q: TensorView, k: TensorView, v: TensorView) -> None:
@@ -163,14 +168,18 @@ def _raise_dtype_error(q: TensorView, k: TensorView, v: TensorView) -> None:
 
 
 def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: TensorView,
-                       v: TensorView, out: TensorView | None = None, softmax_scale=None, *,
+                       v: TensorView, out: TensorView | None = None, softmax_scale=None, causal=False, *,
                        select: ConfigSelector | None = None) -> LaunchPlan:
     """Check every rule of SPEC §4 that needs no GPU and return the launch plan.
 
-    Tensors are (batch, seq, heads, d_head). `cfg` None means "library picks": `select` is called
-    with (dtype, d_head, seq_len_q, seq_len_k, device) once the inputs are known to be sane, so
-    its choice can depend on the problem. Raises TypeError/ValueError naming the argument.
+    q and out are (batch, seq_len_q, n_heads, d_head); k and v are (batch, seq_len_k, n_kv_heads,
+    d_head) with n_heads a multiple of n_kv_heads (GQA/MQA). `cfg` None means "library picks":
+    `select` is called with (dtype, d_head, seq_len_q, seq_len_k, device) once the inputs are
+    known to be sane, so its choice can depend on the problem. Raises TypeError/ValueError naming
+    the argument.
     """
+    if causal is not False and causal is not True:
+        causal = check_flag(causal, "causal")
     if cfg is None:
         if select is None:
             raise TypeError("cfg: is None but no config selector was given")
@@ -201,7 +210,14 @@ def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: T
         raise ValueError(f"k: d_head {kd} does not match q's {d_head} "
                          f"(shapes q {tuple(q_shape)}, k {tuple(k_shape)})")
     if v.shape != k_shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's shape {tuple(k_shape)}")
+        _raise_v_shape_error(k_shape, v.shape)
+    if n_kv_heads != n_heads and (not n_kv_heads or n_heads % n_kv_heads):
+        raise ValueError(
+            f"k: k and v have {n_kv_heads} heads but q has {n_heads}; q's head count must be a multiple of "
+            f"k/v's (grouped-query attention: each k/v head serves n_heads // n_kv_heads q heads)"
+        )
+    if d_head not in SUPPORTED_D_HEADS:
+        raise ValueError(f"q: d_head {d_head} is not supported; expected one of {SUPPORTED_D_HEADS}")
 
     # devices
     device = q.device
@@ -257,12 +273,52 @@ def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: T
     else:  # forward() allocates a contiguous output
         o_strides = (seq_len_q * n_heads * d_head, n_heads * d_head, d_head)
 
-    if not empty:
-        check_kernel_limits(cfg, seq_len_q, seq_len_k, n_heads, n_kv_heads)
+    # No kernel limits beyond these rules: tails of any seq_len_q / seq_len_k are masked in the
+    # kernel, whatever the config's B_r and B_c, and k/v heads may be shared (GQA/MQA).
 
     # Positional construction in field order: keyword arguments cost a microsecond per call here.
     return LaunchPlan(
         cfg, (-(-seq_len_q // cfg.B_r), n_heads, batch), cfg.n_warps * 32, cfg.smem_bytes(), out_shape,
         q_strides, k_strides, v_strides, o_strides, seq_len_q, seq_len_k, n_heads, n_kv_heads,
-        scale, scale * LOG2_E, device, not empty,
+        scale, scale * LOG2_E, n_heads // n_kv_heads if n_kv_heads else 1, causal, device, not empty,
     )
+
+
+# ----------------------------------------------------------------------------- log-sum-exp
+def check_lse_request(return_lse, lse_given: bool) -> bool:
+    """Whether forward() computes the log-sum-exp: `return_lse` must be a bool, and an `lse=`
+    buffer is only taken together with return_lse=True (so the return type depends on one flag)."""
+    want = return_lse if (return_lse is True or return_lse is False) else check_flag(return_lse, "return_lse")
+    if lse_given and not want:
+        raise ValueError("lse: an lse buffer was given but return_lse is False; pass return_lse=True "
+                         "(forward then returns (out, lse))")
+    return want
+
+
+def _is_float32(view: TensorView) -> bool:
+    raw = view.raw_dtype
+    if str(raw) == "torch.float32":
+        return True
+    try:
+        return np.dtype(raw) == np.float32
+    except TypeError:
+        return False
+
+
+def check_lse_out(lse: TensorView, plan: LaunchPlan) -> None:
+    """A caller-provided `lse=` buffer: fp32, shape plan.lse_shape = (batch, n_heads, seq_len_q),
+    C-contiguous (the kernel writes lse[b, h, i] at (b * n_heads + h) * seq_len_q + i), 4-byte
+    aligned, on q's device."""
+    shape = plan.lse_shape
+    if tuple(lse.shape) != shape:
+        raise ValueError(f"lse: expected shape {shape} (batch, n_heads, seq_len_q), got {tuple(lse.shape)}")
+    if not _is_float32(lse):
+        raise TypeError(f"lse: expected dtype float32, got {lse.raw_dtype}")
+    if lse.device != plan.device:
+        raise ValueError(f"lse: is on CUDA device {lse.device} but q is on device {plan.device}")
+    expected = contiguous_strides(shape)
+    if any(n > 1 and st != ex for n, st, ex in zip(shape, lse.strides, expected)):
+        raise ValueError(f"lse: must be C-contiguous (strides {expected} in elements), got strides "
+                         f"{tuple(lse.strides)}; pass a contiguous array or omit lse=")
+    if lse.ptr % 4:
+        raise ValueError(f"lse: data pointer 0x{lse.ptr:x} is not 4-byte aligned")

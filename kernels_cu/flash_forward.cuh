@@ -57,8 +57,10 @@ struct ForwardCTA {
     typename Cfg::KVTile k_tile, v_tile;
     const u16* k_src;
     const u16* v_src;
-    // Per-lane ldmatrix addresses, computed once; every load displaces them by constants.
-    u32 q_frag_addr, k_frag_addr, v_frag_addr;
+    // Per-lane ldmatrix cursors, computed once; every load displaces them by constants.
+    typename Cfg::QTile::Cursor q_frag;
+    typename Cfg::KVTile::Cursor k_frag, v_frag;
+    int q_block;  // the query block this CTA computes (reversed for causal: longest rows first)
 
     float o_acc[Cfg::M_TILES][Cfg::O_N_TILES][4];
     u32 q_regs[Cfg::Q_IN_REGISTERS ? Cfg::M_TILES : 1][Cfg::Q_IN_REGISTERS ? Cfg::QK_K_STEPS : 1][4];
@@ -70,15 +72,18 @@ struct ForwardCTA {
           lane(threadIdx.x & 31),
           warp_row0((threadIdx.x >> 5) * Cfg::WARP_ROWS) {
         const int head = blockIdx.y, batch = blockIdx.z;
-        const int kv_head = head / (params.n_heads / params.n_kv_heads);
+        const int kv_head = head / params.kv_group_size;
         k_src = static_cast<const u16*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
         v_src = static_cast<const u16*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
         q_tile.base = shared_address(smem);
         k_tile.base = q_tile.base + Cfg::QTile::BYTES;
         v_tile.base = k_tile.base + Cfg::KVTile::BYTES;
-        q_frag_addr = a_fragment_lane_address(q_tile, warp_row0, lane);
-        k_frag_addr = b_fragment_lane_address(k_tile, lane);
-        v_frag_addr = b_transposed_fragment_lane_address(v_tile, lane);
+        q_frag = a_fragment_cursor(q_tile, warp_row0, lane);
+        k_frag = b_fragment_cursor(k_tile, lane);
+        v_frag = b_transposed_fragment_cursor(v_tile, lane);
+        // Under causal masking later query blocks see more keys; starting them first keeps the
+        // last wave of CTAs short.
+        q_block = params.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
@@ -90,11 +95,11 @@ struct ForwardCTA {
 
     // ---- global -> shared block loads ----
     // Query rows of this CTA inside seq_len_q; recomputed where needed rather than held live.
-    CF_DEVICE int q_rows_valid() const { return min(Cfg::BR, p.seq_len_q - (int)blockIdx.x * Cfg::BR); }
+    CF_DEVICE int q_rows_valid() const { return min(Cfg::BR, p.seq_len_q - q_block * Cfg::BR); }
 
     CF_DEVICE void load_q() {
         const u16* q_src = static_cast<const u16*>(p.q) + blockIdx.z * p.q_batch_stride + blockIdx.y * p.q_head_stride +
-                           (long long)blockIdx.x * Cfg::BR * p.q_seq_stride;
+                           (long long)q_block * Cfg::BR * p.q_seq_stride;
         copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(q_tile, q_src, p.q_seq_stride, q_rows_valid(), tid);
     }
     CF_DEVICE void load_k(int block) {
@@ -111,7 +116,7 @@ struct ForwardCTA {
         for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
             for (int k = 0; k < Cfg::QK_K_STEPS; ++k)
-                load_a_fragment<typename Cfg::QTile>(q_regs[m][k], q_frag_addr, 16 * m, k);
+                load_a_fragment(q_regs[m][k], q_tile, q_frag, 16 * m, k);
     }
 
     // ---- S = Q K^T for the current K tile, in chunks of K_STEPS_PER_CHUNK k-steps ----
@@ -126,11 +131,11 @@ struct ForwardCTA {
             const int k_step = c * Cfg::K_STEPS_PER_CHUNK + f;
 #pragma unroll
             for (int n = 0; n < Cfg::S_N_TILES; n += 2)
-                load_b_fragments<typename Cfg::KVTile>(chunk.k[f][n], chunk.k[f][n + 1], k_frag_addr, 8 * n, k_step);
+                load_b_fragments(chunk.k[f][n], chunk.k[f][n + 1], k_tile, k_frag, 8 * n, k_step);
             if constexpr (!Cfg::Q_IN_REGISTERS) {
 #pragma unroll
                 for (int m = 0; m < Cfg::M_TILES; ++m)
-                    load_a_fragment<typename Cfg::QTile>(chunk.q[f][m], q_frag_addr, 16 * m, k_step);
+                    load_a_fragment(chunk.q[f][m], q_tile, q_frag, 16 * m, k_step);
             }
         }
     }
@@ -188,7 +193,7 @@ struct ForwardCTA {
         for (int f = 0; f < Cfg::V_STEPS_PER_CHUNK; ++f)
 #pragma unroll
             for (int n = 0; n < Cfg::O_N_TILES; n += 2)
-                load_b_fragments_transposed<typename Cfg::KVTile>(chunk[f][n], chunk[f][n + 1], v_frag_addr, 8 * n,
+                load_b_fragments_transposed(chunk[f][n], chunk[f][n + 1], v_tile, v_frag, 8 * n,
                                                                   c * Cfg::V_STEPS_PER_CHUNK + f);
     }
 
@@ -221,18 +226,23 @@ struct ForwardCTA {
         }
     }
 
-    // Scores of keys at or past seq_len_k become -inf (only the last block can hold such keys).
-    CF_DEVICE void mask_key_tail(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4], int keys_valid) {
+    // Scores that must not count become -inf: keys at or past seq_len_k (only the last block has
+    // them) and, under causal masking, keys after the row's diagonal. `diagonal` is the last
+    // visible key, relative to the block's first key, for this lane's first row (m = 0, h = 0).
+    CF_DEVICE void mask_scores(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4], int keys_valid, bool causal,
+                               int diagonal) {
 #pragma unroll
         for (int n = 0; n < Cfg::S_N_TILES; ++n)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const bool masked = 8 * n + 2 * (lane & 3) + e >= keys_valid;
+                const int key = 8 * n + 2 * (lane & 3) + e;
 #pragma unroll
-                for (int m = 0; m < Cfg::M_TILES; ++m) {
-                    if (masked) s[m][n][e] = CF_NEG_INF;
-                    if (masked) s[m][n][2 + e] = CF_NEG_INF;
-                }
+                for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const bool masked = key >= keys_valid || (causal && key > diagonal + 16 * m + 8 * h);
+                        if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
+                    }
             }
     }
 
@@ -282,7 +292,11 @@ struct ForwardCTA {
         float s[Cfg::M_TILES][Cfg::S_N_TILES][4];
         compute_scores(s);
         const int keys_valid = p.seq_len_k - block * Cfg::BC;
-        if (keys_valid < Cfg::BC) mask_key_tail(s, keys_valid);
+        // Last visible key of this lane's first row, relative to the block's first key.
+        const int diagonal = q_block * Cfg::BR + warp_row0 + (lane >> 2) + (p.seq_len_k - p.seq_len_q) - block * Cfg::BC;
+        // Warp-uniform test: does any row of this warp end before the block does?
+        const bool causal_cut = p.causal && diagonal - (lane >> 2) < Cfg::BC - 1;
+        if (keys_valid < Cfg::BC || causal_cut) mask_scores(s, keys_valid, causal_cut, diagonal);
 
         if constexpr (EAGER) {
             __syncthreads();  // every warp has read K(block)
@@ -308,8 +322,18 @@ struct ForwardCTA {
         }
     }
 
+    // Key blocks this CTA must visit: all of them, or under causal masking those up to the last
+    // row's diagonal (none at all when every row of the CTA precedes the first key).
+    CF_DEVICE int kv_blocks() const {
+        const int all = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        if (!p.causal) return all;
+        const int last_row = min(p.seq_len_q, (q_block + 1) * Cfg::BR) - 1;
+        const int last_key = last_row + p.seq_len_k - p.seq_len_q;
+        return last_key < 0 ? 0 : min(all, last_key / Cfg::BC + 1);
+    }
+
     CF_DEVICE void run() {
-        const int n_blocks = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        const int n_blocks = kv_blocks();
         load_q();
         if constexpr (ASYNC) cp_async_commit();
         if constexpr (EAGER) {
@@ -326,7 +350,7 @@ struct ForwardCTA {
         }
 
         if constexpr (Cfg::cfg.optimized_softmax) {
-            process_kv_block<true>(0, n_blocks);
+            if (n_blocks > 0) process_kv_block<true>(0, n_blocks);
             for (int block = 1; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
         } else {
             for (int block = 0; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
@@ -340,14 +364,14 @@ struct ForwardCTA {
         float row_sum[Cfg::M_TILES][2];
         softmax.finish(row_sum);
         if constexpr (ASYNC) cp_async_wait<0>();
-        const u32 o_addr = accumulator_lane_address(q_tile, warp_row0, lane);
+        const auto o_cursor = accumulator_cursor(q_tile, warp_row0, lane);
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m) {
             const float inv0 = row_sum[m][0] > 0.f ? 1.f / row_sum[m][0] : 0.f;
             const float inv1 = row_sum[m][1] > 0.f ? 1.f / row_sum[m][1] : 0.f;
 #pragma unroll
             for (int n = 0; n < Cfg::O_N_TILES; ++n)
-                store_accumulator_tile<Cfg::dtype, typename Cfg::QTile>(o_addr, o_acc[m][n], 16 * m, n, inv0, inv1);
+                store_accumulator_tile<Cfg::dtype>(q_tile, o_cursor, o_acc[m][n], 16 * m, n, inv0, inv1);
         }
         if (p.lse != nullptr && (lane & 3) == 0) {
             const long long row_base = ((long long)blockIdx.z * p.n_heads + blockIdx.y) * p.seq_len_q;
@@ -355,13 +379,13 @@ struct ForwardCTA {
             for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int row = blockIdx.x * Cfg::BR + warp_row0 + 16 * m + 8 * h + (lane >> 2);
+                    const int row = q_block * Cfg::BR + warp_row0 + 16 * m + 8 * h + (lane >> 2);
                     if (row < p.seq_len_q) p.lse[row_base + row] = softmax.log_sum_exp(m, h, row_sum[m][h], p.softmax_scale);
                 }
         }
         __syncwarp();
         u16* o_dst = static_cast<u16*>(p.o) + blockIdx.z * p.o_batch_stride + blockIdx.y * p.o_head_stride +
-                     (long long)blockIdx.x * Cfg::BR * p.o_seq_stride;
+                     (long long)q_block * Cfg::BR * p.o_seq_stride;
         copy_warp_rows_shared_to_global<Cfg::WARP_ROWS>(q_tile, warp_row0, o_dst, p.o_seq_stride, q_rows_valid(), lane);
     }
 };

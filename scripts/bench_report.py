@@ -14,11 +14,12 @@ BASELINE = "sdpa_flash"
 PEER_ORDER = ("sdpa_flash", "sdpa_cudnn", "jax_cudnn")
 
 
-def target_ratio(d_head: int, seq: int, causal: bool) -> float | None:
-    """The issue-3 target for cupyflash(auto) / SDPA flash at this grid point, or None if none:
-    d_head 128: >= 1.00 for S >= 1k, >= 0.95 at S = 512; d_head 64: >= 1.00 for S >= 2k."""
+def target_ratio(d_head: int, seq: int, causal: bool, dtype: str | None = None) -> float | None:
+    """The target for cupyflash(auto) / SDPA flash at this grid point, or None if none.
+    Non-causal (issue 3): d_head 128: >= 1.00 for S >= 1k, >= 0.95 at S = 512; d_head 64: >= 1.00
+    for S >= 2k. Causal (issue 4): d_head 128 bf16 (dtype None: any) >= 1.00 for S >= 2k."""
     if causal:
-        return None
+        return 1.0 if d_head == 128 and seq >= 2048 and dtype in (None, "bf16") else None
     if d_head == 128:
         return 1.0 if seq >= 1024 else 0.95
     if d_head == 64 and seq >= 2048:
@@ -75,7 +76,7 @@ def format_grid(records: list[dict], causal: bool) -> str:
         if "cupyflash_best" in cols:
             best = find_ok(grid, impl="cupyflash_best", **key)
             row += f" {best['tflops'] / base['tflops']:>7.3f}x" if best and base else f" {'-':>8}"
-        target = target_ratio(d_head, seq, causal)
+        target = target_ratio(d_head, seq, causal, dtype)
         verdict = "-" if target is None or ratio is None else ("ok" if ratio >= target else "MISS")
         row += f" {verdict + ('>=' + format(target, '.2f') if target else ''):>9}"
         auto_any = next((r for r in grid if r["impl"] == "cupyflash" and all(r[k] == v for k, v in key.items())), None)

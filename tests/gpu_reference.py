@@ -34,49 +34,114 @@ def round_to(cp, dtype: DType, x32):
 
 
 def _expand_kv(cp, x, n_heads: int):
+    """(B, S, H_kv, D) -> (B, S, n_heads, D): q head h reads k/v head h // (n_heads // H_kv)."""
     return x if x.shape[2] == n_heads else cp.repeat(x, n_heads // x.shape[2], axis=2)
 
 
-def attention_reference(cp, q, k, v, scale: float, dtype: DType | None = None):
-    """softmax(q k^T * scale) v over (batch, seq, heads, d). With `dtype` None the computation is
-    float64 on upcast inputs; with a dtype it mimics that precision (products rounded after each
-    matmul, probabilities rounded before P V), the baseline of the FlashAttention test rule."""
-    n_heads = q.shape[2]
+def causal_mask(cp, seq_q: int, seq_k: int):
+    """True where key j is hidden from query i: bottom-right aligned, j > i + seq_k - seq_q."""
+    rows = cp.arange(seq_q)[:, None]
+    cols = cp.arange(seq_k)[None, :]
+    return cols > rows + (seq_k - seq_q)
+
+
+def attention_reference(cp, q, k, v, scale: float, dtype: DType | None = None, causal: bool = False):
+    """softmax(q k^T * scale + mask) v over (batch, seq, heads, d), and the log-sum-exp.
+
+    k and v may have fewer heads than q (GQA/MQA: q head h reads k/v head h // group). `causal`
+    masks bottom-right aligned (key j visible to query i iff j <= i + S_k - S_q); rows that see no
+    key give output 0 and lse -inf. With `dtype` None the computation is float64 on upcast inputs;
+    with a dtype it mimics that precision (products rounded after each matmul, probabilities
+    rounded before P V), the baseline of the FlashAttention test rule.
+
+    Returns (out (B, S_q, H, D) float64, lse (B, H, S_q) natural log). Computed one batch entry
+    at a time so that S = 3001 with several heads fits comfortably.
+    """
+    batch, seq_q, n_heads, d = q.shape
+    seq_k = k.shape[1]
+    work = cp.float64 if dtype is None else cp.float32
     q32 = to_float32(cp, q)
     k32 = to_float32(cp, _expand_kv(cp, k, n_heads))
     v32 = to_float32(cp, _expand_kv(cp, v, n_heads))
-    work = cp.float64 if dtype is None else cp.float32
-    qh, kh, vh = (cp.transpose(x.astype(work), (0, 2, 1, 3)) for x in (q32, k32, v32))
-    s = qh @ cp.swapaxes(kh, -1, -2)
-    if dtype is not None:
-        s = round_to(cp, dtype, s)
-    s = s * scale
-    m = s.max(axis=-1, keepdims=True)
-    e = cp.exp(s - m)
-    total = e.sum(axis=-1, keepdims=True)
-    p = e / total
-    lse = (m + cp.log(total))[..., 0]
-    if dtype is not None:
-        p = round_to(cp, dtype, p.astype(cp.float32))
-    o = p @ vh
-    if dtype is not None:
-        o = round_to(cp, dtype, o.astype(cp.float32))
-    return cp.transpose(o, (0, 2, 1, 3)).astype(cp.float64), lse
+    hidden = causal_mask(cp, seq_q, seq_k) if causal else None
+    out = cp.empty((batch, seq_q, n_heads, d), dtype=cp.float64)
+    lse = cp.empty((batch, n_heads, seq_q), dtype=work)
+    for b in range(batch):
+        qh, kh, vh = (cp.transpose(x[b].astype(work), (1, 0, 2)) for x in (q32, k32, v32))  # (H, S, D)
+        s = qh @ cp.swapaxes(kh, -1, -2)
+        if dtype is not None:
+            s = round_to(cp, dtype, s)
+        s = s * scale
+        if hidden is not None:
+            s = cp.where(hidden, -cp.inf, s)
+        m = s.max(axis=-1, keepdims=True)
+        m = cp.where(cp.isfinite(m), m, 0)  # fully masked rows: exp(-inf - 0) = 0 everywhere
+        e = cp.exp(s - m)
+        del s
+        total = e.sum(axis=-1, keepdims=True)
+        seen = total > 0
+        safe_total = cp.where(seen, total, 1)
+        p = e / safe_total
+        del e
+        lse[b] = cp.where(seen, m + cp.log(safe_total), -cp.inf)[..., 0]
+        if dtype is not None:
+            p = round_to(cp, dtype, p.astype(cp.float32))
+        o = p @ vh
+        if dtype is not None:
+            o = round_to(cp, dtype, o.astype(cp.float32))
+        out[b] = cp.transpose(o, (1, 0, 2))
+    return out, lse
 
 
-def check_attention(cp, dtype: DType, q, k, v, out, scale: float | None = None) -> dict:
-    """Apply the SPEC §5 rule to `out`; returns the figures, raises AssertionError on failure."""
+# |lse - reference| allowed: fp32 score accumulation, exp2/log approximations and the online
+# rescaling stay below 1e-4 for these lengths; a key wrongly in or out of a row moves its lse by
+# exp(s_j - lse) (and its output far more, which the output check catches).
+LSE_ATOL = 1e-3
+
+
+def check_lse(cp, lse, ref_lse, context: str = "") -> float:
+    """The kernel's log-sum-exp against the float64 reference: -inf exactly where the reference is
+    (rows that see no key), finite and within LSE_ATOL elsewhere. Returns the max abs error."""
+    where = f" ({context})" if context else ""
+    assert tuple(lse.shape) == tuple(ref_lse.shape), f"lse shape {lse.shape} != {ref_lse.shape}{where}"
+    got = lse.astype(cp.float64)
+    masked = cp.isneginf(ref_lse)
+    assert not bool(cp.isnan(got).any()), f"lse has NaN (unwritten or 0/0){where}"
+    bad_masked = int((masked & ~cp.isneginf(got)).sum())
+    assert bad_masked == 0, f"{bad_masked} lse entries of rows that see no key are not -inf{where}"
+    bad_inf = int((~masked & ~cp.isfinite(got)).sum())
+    assert bad_inf == 0, f"{bad_inf} lse entries are infinite where the reference is finite{where}"
+    if bool((~masked).any()):
+        err = float(cp.abs(cp.where(masked, 0, got) - cp.where(masked, 0, ref_lse)).max())
+    else:
+        err = 0.0
+    assert err <= LSE_ATOL, f"lse max abs error {err:.3g} > {LSE_ATOL}{where}"
+    return err
+
+
+def check_attention(cp, dtype: DType, q, k, v, out, scale: float | None = None, *, causal: bool = False,
+                    lse=None, context: str = "") -> dict:
+    """Apply the SPEC §5 rule to `out` (and check `lse` when given); returns the figures, raises
+    AssertionError (with `context` in the message) on failure."""
+    where = f" ({context})" if context else ""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    ref, _ = attention_reference(cp, q, k, v, scale)
-    low, _ = attention_reference(cp, q, k, v, scale, dtype)
+    ref, ref_lse = attention_reference(cp, q, k, v, scale, causal=causal)
+    low, _ = attention_reference(cp, q, k, v, scale, dtype, causal=causal)
     got = to_float32(cp, out).astype(cp.float64)
-    assert not bool(cp.isnan(got).any()), "output has NaN (an element was not written)"
+    n_nan = int(cp.isnan(got).sum())
+    assert n_nan == 0, f"output has {n_nan} NaN (unwritten elements, or 0/0 in a masked row){where}"
     err = float(cp.abs(got - ref).max())
     low_err = float(cp.abs(low - ref).max())
-    rel = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+    ref_norm = float(cp.linalg.norm(ref))
+    diff_norm = float(cp.linalg.norm(got - ref))
+    # an all-zero reference (every row masked) has no relative error: the output must be 0 too
+    rel = diff_norm / ref_norm if ref_norm > 0 else diff_norm
     figures = {"max_abs": err, "max_abs_same_precision": low_err, "rel_l2": rel}
-    assert err <= 2 * low_err + 1e-6, f"max abs error {err:.3g} > 2 x same-precision error {low_err:.3g}"
-    assert rel <= REL_L2_TOLERANCE[dtype], f"relative L2 error {rel:.3g} > {REL_L2_TOLERANCE[dtype]}"
+    assert err <= 2 * low_err + 1e-6, \
+        f"max abs error {err:.3g} > 2 x same-precision error {low_err:.3g}{where}"
+    assert rel <= REL_L2_TOLERANCE[dtype], f"relative L2 error {rel:.3g} > {REL_L2_TOLERANCE[dtype]}{where}"
+    if lse is not None:
+        figures["lse_max_abs"] = check_lse(cp, lse, ref_lse, context)
     return figures
 
 

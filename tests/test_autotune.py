@@ -133,12 +133,14 @@ def test_precedence_user_then_default_then_heuristic(isolated_tables):
     assert tuning.explain_choice(DType.FP16, 128, 512, 512, H100)[0] == fp16
 
 
-def test_a_tuned_config_that_does_not_fit_the_shape_falls_through(isolated_tables):
+def test_a_tuned_config_serves_any_sequence_length(isolated_tables):
+    # The kernel masks tails, so the table's pick holds for lengths that are not multiples of
+    # its B_r/B_c (it used to fall through to the next table then).
     assert CFG_B.B_r == 128
     _table([(CFG_B, 512)], device=H100).save(tuning.user_table_path(H100))
     _table([(CFG_A, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
-    assert tuning.explain_choice(DType.BF16, 128, 192, 192, H100)[0] == CFG_A  # 192 % 128 != 0
-    assert tuning.explain_choice(DType.BF16, 128, 256, 256, H100)[0] == CFG_B
+    for seq_q, seq_k in ((192, 192), (1, 1), (1000, 3001), (3001, 7), (256, 256)):
+        assert tuning.explain_choice(DType.BF16, 128, seq_q, seq_k, H100)[0] == CFG_B
 
 
 def test_api_select_config_uses_tables(isolated_tables, monkeypatch):
@@ -147,8 +149,8 @@ def test_api_select_config_uses_tables(isolated_tables, monkeypatch):
     assert api._select_config(DType.BF16, 128, 1024, 1024, 0) == CFG_B
     assert api._select_config(DType.BF16, 128, 1024, 1024, 1) == DEFAULT  # heuristic on another GPU
     assert api.resolve_config("auto", DType.BF16, 128, 1024, 1024, 0) == CFG_B
-    with pytest.raises(ValueError, match="d_head 96"):  # unsupported d_head keeps its clear error
-        api._select_config(DType.BF16, 96, 1024, 1024, 0)
+    with pytest.raises(ValueError, match="d_head 80"):  # unsupported d_head keeps its clear error
+        api._select_config(DType.BF16, 80, 1024, 1024, 0)
 
 
 def test_corrupt_user_table_warns_once_and_falls_back(isolated_tables):

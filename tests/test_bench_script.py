@@ -46,21 +46,32 @@ def test_without_gpu_exits_2_with_a_clear_message(tmp_path):
 
 def test_bad_arguments_exit_2():
     assert _run("--dtypes", "int8").returncode == 2
-    assert _run("--d-heads", "96").returncode == 2
+    assert _run("--d-heads", "80").returncode == 2
     assert _run("--seqs", "3000").returncode == 2
     assert _run("--configs", "(BF16, 128): nonsense").returncode == 2
     assert _run("--peers", "triton").returncode == 2
 
 
-def test_causal_is_refused_while_forward_has_no_causal():
+def test_forward_takes_causal_so_bench_can_pass_it():
     import inspect
 
     import cupyflash
 
-    if "causal" in inspect.signature(cupyflash.forward).parameters:
-        pytest.skip("forward supports causal now")
-    done = _run("--causal")
-    assert done.returncode == 2 and "not supported yet" in done.stderr
+    params = inspect.signature(cupyflash.forward).parameters
+    assert "causal" in params and params["causal"].default is False
+
+
+@pytest.mark.skipif(has_gpu(), reason="with a GPU this would run the benchmark")
+def test_causal_gets_past_argument_checks_without_gpu(tmp_path):
+    done = _run("--causal", "--seqs", "2k,4k", "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 2 and "no CUDA GPU found" in done.stderr and "not supported" not in done.stderr
+
+
+def test_causal_flops_are_half():
+    from cupyflash.benchmarking import attention_flops
+
+    assert attention_flops(2, 16, 4096, 4096, 128, causal=True) == 2.0 * 2 * 16 * 4096 * 4096 * 128
+    assert attention_flops(2, 16, 4096, 4096, 128) == 4.0 * 2 * 16 * 4096 * 4096 * 128
 
 
 def _rec(impl, dtype, d_head, seq, tflops=None, status="ok", **extra):
@@ -96,7 +107,11 @@ def test_target_rule():
     assert bench_report.target_ratio(128, 16384, False) == 1.0
     assert bench_report.target_ratio(64, 1024, False) is None
     assert bench_report.target_ratio(64, 2048, False) == 1.0
-    assert bench_report.target_ratio(128, 4096, True) is None
+    assert bench_report.target_ratio(128, 4096, True) == 1.0
+    assert bench_report.target_ratio(128, 2048, True, "bf16") == 1.0
+    assert bench_report.target_ratio(128, 1024, True, "bf16") is None
+    assert bench_report.target_ratio(128, 4096, True, "fp16") is None
+    assert bench_report.target_ratio(64, 4096, True) is None
 
 
 def test_progression_and_overhead_text():

@@ -10,7 +10,7 @@ import pytest
 from cupyflash import get_kernel_configs
 from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
 from cupyflash.config_sets import (
-    ACCUMULATOR_REGISTER_BUDGET, accumulator_registers,
+    ACCUMULATOR_REGISTER_BUDGET, PROGRESSION_D_HEADS, accumulator_registers,
     KERNEL_SET_KEYS, _candidates, default_config, progression_configs, should_autotune,
 )
 
@@ -69,7 +69,9 @@ def test_dtype_given_as_string_is_converted():
 
 # ----------------------------------------------------------------------------- rules
 @pytest.mark.parametrize("changes,rule", [
-    (dict(d_head=96), "d_head in"),
+    (dict(d_head=80), "d_head in"),
+    (dict(d_head=96, K_mma_load_K_fragments=4, V_mma_load_K_fragments=2, Q_mma_load_K_fragments=0),
+     "K_mma_load_K_fragments is 0"),
     (dict(B_r=32), "B_r in"),
     (dict(B_c=16), "B_c in"),
     (dict(n_warps=2), "n_warps in"),
@@ -156,7 +158,7 @@ def test_parse_tolerates_spacing_and_feature_order():
     ("(FP16, 128, 64, 64, 4): async+turbo+load_0_0_0_tiles", "unknown feature 'turbo'"),
     ("(FP16, 128, 64, 64, 4): load_0_0_tiles", "unknown feature"),
     ("(FP32, 128, 64, 64, 4): load_0_0_0_tiles", "unknown dtype"),
-    ("(FP16, 96, 64, 64, 4): load_0_0_0_tiles", "rule violated: d_head"),
+    ("(FP16, 80, 64, 64, 4): load_0_0_0_tiles", "rule violated: d_head"),
     ("(FP16, 128, 64, 64, 4): eager+load_0_0_0_tiles", "rule violated: eager_load_blocks needs async_copy"),
 ])
 def test_parse_errors(text, match):
@@ -270,7 +272,8 @@ def test_progression_set_is_the_seven_steps():
 
 def test_prog_all_and_all_sets():
     prog_all = get_kernel_configs("prog_all")
-    assert len(prog_all) == len(set(prog_all)) == 7 * len(DType) * len(SUPPORTED_D_HEADS)
+    assert len(prog_all) == len(set(prog_all)) == 7 * len(DType) * len(PROGRESSION_D_HEADS)
+    assert {c.d_head for c in ALL} == set(SUPPORTED_D_HEADS)  # every head dim has configs
     assert ALL == sorted(set(ALL))
     assert set(TUNE) | set(prog_all) == set(ALL)
 

@@ -42,7 +42,7 @@ def launches(monkeypatch):
 
 
 def make_plan(allocated):
-    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
+    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 1]))
     return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params,
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
 
@@ -60,6 +60,27 @@ def test_signature_covers_what_changes_the_launch():
     assert launch_plans.signature(None, q, k, v, None, 0.5) != base
     cfg = default_config(DType.BF16, 64)
     assert launch_plans.signature(cfg, q, k, v, None, None) != base
+
+
+def test_signature_covers_causal():
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    base = launch_plans.signature(None, q, k, v, None, None)
+    assert launch_plans.signature(None, q, k, v, None, None, False) == base  # the default
+    causal = launch_plans.signature(None, q, k, v, None, None, True)
+    assert causal is not None and causal != base
+    assert launch_plans.signature(None, FakeTensor(0x9000), k, v, None, None, True) == causal
+    # anything but a real bool goes through the full path, which validates it (1 == True would
+    # otherwise replay the causal plan without the TypeError)
+    for odd in (1, 0, None, "yes"):
+        assert launch_plans.signature(None, q, k, v, None, None, odd) is None
+
+
+def test_gqa_shapes_get_their_own_signature():
+    q = FakeTensor(0x1000, shape=(1, 128, 8, 64))
+    k, v = FakeTensor(0x2000, shape=(1, 128, 2, 64)), FakeTensor(0x3000, shape=(1, 128, 2, 64))
+    gqa = launch_plans.signature(None, q, k, v, None, None)
+    mha = launch_plans.signature(None, q, q, q, None, None)
+    assert gqa is not None and gqa != mha
 
 
 def test_signature_refuses_what_it_cannot_replay():
@@ -84,6 +105,7 @@ def test_replay_packs_new_pointers_and_allocates(launches):
     fields = dict(zip(param_names(), packed))
     assert (fields["q"], fields["k"], fields["v"], fields["o"]) == (0x1000, 0x2000, 0x3000, 0x4000)
     assert fields["seq_len_q"] == 100 and fields["n_heads"] == 8  # the prepacked tail is untouched
+    assert fields["lse"] == 0 and fields["kv_group_size"] == 1 and fields["causal"] == 1
 
 
 def test_misaligned_pointer_or_other_device_falls_back(launches, monkeypatch):

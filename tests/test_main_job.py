@@ -41,7 +41,7 @@ def test_cli_run_with_flags():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--seq", "1000"], "q: seq_len_q=1000 must be a multiple"),
+    (["--d-head", "80"], "q: d_head 80 is not supported"),
     (["--config", "nonsense"], "cfg: cannot parse"),
     (["--dtype", "fp16", "--config", "(BF16, 128, 64, 64, 4): async+load_0_0_0_tiles"], "cfg: config dtype BF16"),
 ])

@@ -9,13 +9,13 @@ import pytest
 
 import cupyflash
 from cupyflash import api, interop
-from cupyflash.config import DType, FlashForwardKernelConfig
-from cupyflash.config_sets import progression_configs
+from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from cupyflash.config_sets import default_config, progression_configs
 from cupyflash.interop import TensorView, as_view, contiguous_strides, output_view, resolve_stream
 from cupyflash.kernel_abi import PARAMS_STRUCT, param_names
 from cupyflash.validation import (
-    INT32_MAX, MAX_GRID_YZ, MIN_COMPUTE_CAPABILITY, check_compute_capability, check_forward_args,
-    check_softmax_scale,
+    INT32_MAX, MAX_GRID_YZ, MIN_COMPUTE_CAPABILITY, check_compute_capability, check_flag, check_forward_args,
+    check_lse_out, check_lse_request, check_softmax_scale,
 )
 
 # (FP16, 64, 64, 64, 4): async+eager+swizzled+load_0_2_2_tiles+buffer+opt_softmax
@@ -349,22 +349,159 @@ def test_seq_len_k_int32_overflow():
         check_forward_args(CFG, q, k, k)
 
 
-def test_seq_len_q_must_be_multiple_of_B_r():
-    q, k, v = view((1, 100, 2, 64)), view((1, 128, 2, 64)), view((1, 128, 2, 64))
-    with raises(ValueError, "q", match="B_r=64"):
-        check_forward_args(CFG, q, k, v)
+@pytest.mark.parametrize("seq_q,seq_k", [(100, 96), (1, 1), (1, 3001), (3001, 7), (65, 129)])
+def test_any_sequence_lengths_plan(seq_q, seq_k):
+    # The kernel masks tails: lengths need not be multiples of B_r (64) or B_c (64).
+    q, k = view((2, seq_q, 4, 64)), view((2, seq_k, 4, 64))
+    plan = check_forward_args(CFG, q, k, k)
+    assert plan.launch and (plan.seq_len_q, plan.seq_len_k) == (seq_q, seq_k)
+    assert plan.grid == (-(-seq_q // CFG.B_r), 4, 2)
 
 
-def test_seq_len_k_must_be_multiple_of_B_c():
-    q, k, v = view((1, 128, 2, 64)), view((1, 96, 2, 64)), view((1, 96, 2, 64))
-    with raises(ValueError, "k", match="B_c=64"):
-        check_forward_args(CFG, q, k, v)
+@pytest.mark.parametrize("n_kv_heads,group", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_grouped_and_multi_query_heads_plan(n_kv_heads, group):
+    q, k = view((2, 128, 8, 64)), view((2, 96, n_kv_heads, 64))
+    plan = check_forward_args(CFG, q, k, k)
+    assert (plan.n_heads, plan.n_kv_heads, plan.kv_group_size) == (8, n_kv_heads, group)
+    assert plan.grid == (2, 8, 2)  # one CTA row per q head: k/v heads are shared, never copied
+    assert plan.out_shape == (2, 128, 8, 64)
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000))))
+    assert (fields["n_heads"], fields["n_kv_heads"], fields["kv_group_size"]) == (8, n_kv_heads, group)
+    assert (fields["k_batch_stride"], fields["k_seq_stride"], fields["k_head_stride"]) == \
+        (96 * n_kv_heads * 64, n_kv_heads * 64, 64)
 
 
-def test_kv_heads_must_equal_q_heads_for_now():
-    q, k, v = view((1, 128, 8, 64)), view((1, 128, 2, 64)), view((1, 128, 2, 64))
-    with raises(ValueError, "k", match="heads"):
-        check_forward_args(CFG, q, k, v)
+@pytest.mark.parametrize("n_heads,n_kv_heads", [(8, 3), (2, 4), (6, 4), (4, 0)])
+def test_q_heads_must_be_a_multiple_of_kv_heads(n_heads, n_kv_heads):
+    q, k = view((1, 128, n_heads, 64)), view((1, 128, n_kv_heads, 64))
+    with raises(ValueError, "k", match=f"{n_kv_heads} heads but q has {n_heads}"):
+        check_forward_args(CFG, q, k, k)
+
+
+def test_gqa_rule_holds_for_empty_problems_too():
+    q, k = view((0, 128, 8, 64)), view((0, 128, 3, 64))
+    with raises(ValueError, "k", match="multiple"):
+        check_forward_args(CFG, q, k, k)
+    assert not check_forward_args(CFG, view((2, 128, 0, 64)), view((2, 128, 2, 64)), view((2, 128, 2, 64))).launch
+
+
+@pytest.mark.parametrize("vshape,label", [((1, 128, 4, 64), "number of heads 4 does not match k's 2"),
+                                          ((1, 100, 2, 64), "seq_len 100 does not match k's 128"),
+                                          ((2, 128, 2, 64), "batch size 2 does not match k's 1"),
+                                          ((1, 128, 2, 128), "d_head 128 does not match k's 64")])
+def test_v_must_match_k_dimension_by_dimension(vshape, label):
+    q, k = view((1, 128, 8, 64)), view((1, 128, 2, 64))
+    with raises(ValueError, "v", match=label):
+        check_forward_args(CFG, q, k, view(vshape))
+
+
+@pytest.mark.parametrize("d_head", [8, 32, 80, 100, 160, 512])
+def test_unsupported_d_head(d_head):
+    assert d_head not in SUPPORTED_D_HEADS
+    q = view((1, 64, 2, d_head))
+
+    def select(*args):  # pragma: no cover - must not be reached
+        raise AssertionError("the selector is not asked about an unsupported d_head")
+
+    with raises(ValueError, "q", match=f"d_head {d_head} is not supported.*{SUPPORTED_D_HEADS}"):
+        check_forward_args(None, q, q, q, select=select)
+    with raises(ValueError, "q", match=f"d_head {d_head} is not supported"):
+        check_forward_args(CFG, q, q, q)  # the head dim is reported before the config mismatch
+
+
+@pytest.mark.parametrize("d_head", SUPPORTED_D_HEADS)
+@pytest.mark.parametrize("dtype", list(DType))
+def test_every_supported_d_head_plans_with_its_default_config(d_head, dtype):
+    cfg = default_config(dtype, d_head)
+    q, k = view((2, 77, 4, d_head), dtype), view((2, 300, 1, d_head), dtype)
+    plan = check_forward_args(None, q, k, k, causal=True, select=lambda *a: cfg)
+    assert plan.cfg is cfg and plan.launch and plan.causal is True and plan.kv_group_size == 4
+    assert plan.smem_bytes == cfg.smem_bytes()
+
+
+# ----------------------------------------------------------------------------- causal and lse
+def test_causal_defaults_to_false_and_is_packed():
+    q, k = view((2, 100, 4, 64)), view((2, 300, 2, 64))
+    plan = check_forward_args(CFG, q, k, k)
+    assert plan.causal is False
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000))))
+    assert fields["causal"] == 0 and fields["lse"] == 0 and fields["kv_group_size"] == 2
+    plan = check_forward_args(CFG, q, k, k, causal=True)
+    assert plan.causal is True
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000, 0x5000))))
+    assert (fields["q"], fields["k"], fields["v"], fields["o"], fields["lse"]) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
+    assert (fields["causal"], fields["kv_group_size"]) == (1, 2)
+    assert (fields["seq_len_q"], fields["seq_len_k"], fields["n_heads"], fields["n_kv_heads"]) == (100, 300, 4, 2)
+    assert plan.grid == (2, 4, 2)  # causal does not change the grid: each CTA skips masked blocks
+
+
+def test_causal_accepts_numpy_bools():
+    plan = check_forward_args(CFG, *qkv(), causal=np.bool_(True))
+    assert plan.causal is True
+    assert check_forward_args(CFG, *qkv(), causal=np.False_).causal is False
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, "True", 1.0, np.array([True]), np.int64(1)])
+def test_causal_must_be_a_bool(bad):
+    with raises(TypeError, "causal", match="expected a bool"):
+        check_forward_args(CFG, *qkv(), causal=bad)
+
+
+def test_check_flag():
+    assert check_flag(True, "x") is True and check_flag(np.True_, "x") is True
+    with raises(TypeError, "return_lse", match="bool"):
+        check_flag(1, "return_lse")
+
+
+def test_lse_shape_is_batch_heads_seq_q():
+    q, k = view((3, 100, 8, 64)), view((3, 7, 2, 64))
+    assert check_forward_args(CFG, q, k, k).lse_shape == (3, 8, 100)
+
+
+def test_lse_request_rules():
+    assert check_lse_request(False, False) is False
+    assert check_lse_request(True, False) is True
+    assert check_lse_request(True, True) is True
+    assert check_lse_request(np.True_, False) is True
+    for bad in (1, None, "yes"):
+        with raises(TypeError, "return_lse"):
+            check_lse_request(bad, False)
+    with raises(ValueError, "lse", match="return_lse is False"):
+        check_lse_request(False, True)
+
+
+def lse_view(shape=(2, 4, 128), strides=None, ptr=BASE_PTR + 0x100000, device=0, raw_dtype=np.dtype(np.float32)):
+    return TensorView(ptr, tuple(shape), tuple(strides or contiguous_strides(tuple(shape))), None, raw_dtype,
+                      device, interop.CUPY, None)
+
+
+def test_lse_out_accepted_when_right():
+    plan = check_forward_args(CFG, *qkv((2, 128, 4, 64)))
+    check_lse_out(lse_view(), plan)
+    check_lse_out(lse_view((2, 4, 128), strides=(512, 128, 1)), plan)
+    check_lse_out(lse_view((1, 1, 5), strides=(77, 3, 1)), check_forward_args(CFG, *qkv((1, 5, 1, 64))))
+
+
+def test_lse_out_torch_float32_dtype_is_recognised():
+    torch_like = type("dtype", (), {"__str__": lambda self: "torch.float32"})()
+    plan = check_forward_args(CFG, *qkv((2, 128, 4, 64)))
+    check_lse_out(lse_view(raw_dtype=torch_like), plan)
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lse_view((2, 128, 4)), ValueError, "shape"),  # (batch, seq, heads): the wrong order
+    (lse_view((2, 4, 128, 1)), ValueError, "shape"),
+    (lse_view(raw_dtype=np.dtype(np.float16)), TypeError, "float32"),
+    (lse_view(raw_dtype=np.dtype(np.float64)), TypeError, "float32"),
+    (lse_view(device=1), ValueError, "device"),
+    (lse_view(strides=(1, 2 * 128, 2)), ValueError, "contiguous"),  # a transposed view
+    (lse_view(strides=(8 * 128, 2 * 128, 1)), ValueError, "contiguous"),  # heads with gaps
+    (lse_view(ptr=BASE_PTR + 2), ValueError, "aligned"),
+])
+def test_lse_out_errors(bad, exc, match):
+    plan = check_forward_args(CFG, *qkv((2, 128, 4, 64)))
+    with raises(exc, "lse", match=match):
+        check_lse_out(bad, plan)
 
 
 def test_keys_empty_but_queries_not():
@@ -441,13 +578,18 @@ def test_auto_uses_config_sets_default(monkeypatch):
 
 
 def test_auto_rejects_unsupported_d_head():
-    q = view((1, 64, 2, 96))
-    with raises(ValueError, "q", match="d_head 96"):
+    q = view((1, 64, 2, 80))
+    with raises(ValueError, "q", match="d_head 80"):
         api.plan_forward(None, q, q, q)
 
 
+def test_plan_forward_passes_causal():
+    assert api.plan_forward(CFG, *qkv(), causal=True).causal is True
+    assert api.plan_forward(CFG, *qkv()).causal is False
+
+
 @pytest.mark.parametrize("dtype", list(DType))
-@pytest.mark.parametrize("d_head", [64, 128])
+@pytest.mark.parametrize("d_head", SUPPORTED_D_HEADS)
 def test_default_config_exists_and_fits(dtype, d_head):
     from cupyflash import config_sets
 
@@ -603,11 +745,13 @@ def test_forward_is_exported_with_spec_signature():
     import inspect
 
     sig = inspect.signature(cupyflash.forward)
-    assert list(sig.parameters) == ["cfg", "q", "k", "v", "out", "softmax_scale", "stream"]
+    assert list(sig.parameters) == ["cfg", "q", "k", "v", "out", "softmax_scale", "causal", "return_lse", "lse",
+                                    "stream"]
     assert sig.parameters["out"].default is None
-    for name in ("softmax_scale", "stream"):
+    for name, default in (("softmax_scale", None), ("causal", False), ("return_lse", False), ("lse", None),
+                          ("stream", None)):
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
-        assert sig.parameters[name].default is None
+        assert sig.parameters[name].default is default
 
 
 # ----------------------------------------------------------------------------- forward() wiring, faked
@@ -661,7 +805,7 @@ def faked_gpu(monkeypatch):
     monkeypatch.setattr(_FakeCupy, "current", 0)
     fake_as_view = lambda x, name: interop._cupy_view(x, name, interop.CUPY)  # noqa: E731
     monkeypatch.setattr(api, "as_view", fake_as_view)
-    monkeypatch.setattr(api, "output_view", lambda x: fake_as_view(x, "out"))
+    monkeypatch.setattr(api, "output_view", lambda x, name="out": fake_as_view(x, name))
     return registry
 
 
@@ -702,7 +846,83 @@ def test_forward_zero_size_does_not_launch(faked_gpu):
 
 
 def test_forward_validation_error_before_launch(faked_gpu):
-    q = _cupy_like((1, 100, 2, 64), BASE_PTR)
-    with raises(ValueError, "q", match="B_r"):
-        cupyflash.forward(CFG, q, q, q, q, stream=0)
+    q = _cupy_like((1, 100, 4, 64), BASE_PTR)
+    kv = _cupy_like((1, 100, 3, 64), BASE_PTR + 0x100000)
+    with raises(ValueError, "k", match="3 heads but q has 4"):
+        cupyflash.forward(CFG, q, kv, kv, q, stream=0)
+    with raises(TypeError, "causal"):
+        cupyflash.forward(CFG, q, q, q, q, causal=1, stream=0)
+    with raises(TypeError, "return_lse"):
+        cupyflash.forward(CFG, q, q, q, q, return_lse="yes", stream=0)
     assert faked_gpu.kernel.launches == []
+
+
+def _cupy_like_f32(shape, ptr, device_id=0):
+    strides, acc = [], 4
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return _CupyLike(shape, tuple(reversed(strides)), dtype=np.float32, ptr=ptr, device_id=device_id)
+
+
+def test_forward_ragged_causal_gqa_with_lse_buffer(faked_gpu):
+    q, o = _cupy_like((2, 100, 8, 64), BASE_PTR), _cupy_like((2, 100, 8, 64), BASE_PTR + 0x1000000)
+    k, v = _cupy_like((2, 37, 2, 64), BASE_PTR + 0x2000000), _cupy_like((2, 37, 2, 64), BASE_PTR + 0x3000000)
+    lse = _cupy_like_f32((2, 8, 100), BASE_PTR + 0x4000000)
+    result = cupyflash.forward(CFG, q, k, v, o, causal=True, return_lse=True, lse=lse, stream=7)
+    assert result == (o, lse) and result[0] is o and result[1] is lse
+    [(grid, block, smem, stream, params, _)] = faked_gpu.kernel.launches
+    assert (grid, stream) == ((2, 8, 2), 7)
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(params)))
+    assert fields["lse"] == lse.data.ptr and fields["o"] == o.data.ptr
+    assert (fields["seq_len_q"], fields["seq_len_k"], fields["n_heads"], fields["n_kv_heads"]) == (100, 37, 8, 2)
+    assert (fields["kv_group_size"], fields["causal"]) == (4, 1)
+    assert (fields["k_batch_stride"], fields["k_seq_stride"], fields["k_head_stride"]) == (37 * 2 * 64, 2 * 64, 64)
+
+
+def test_forward_lse_buffer_errors(faked_gpu):
+    q = _cupy_like((2, 100, 8, 64), BASE_PTR)
+    good = _cupy_like_f32((2, 8, 100), BASE_PTR + 0x4000000)
+    with raises(ValueError, "lse", match="return_lse is False"):
+        cupyflash.forward(CFG, q, q, q, q, lse=good, stream=0)
+    with raises(ValueError, "lse", match="shape"):
+        cupyflash.forward(CFG, q, q, q, q, return_lse=True, lse=_cupy_like_f32((2, 100, 8), BASE_PTR), stream=0)
+    with raises(TypeError, "lse", match="float32"):
+        cupyflash.forward(CFG, q, q, q, q, return_lse=True, lse=_cupy_like((2, 8, 100), BASE_PTR), stream=0)
+    assert faked_gpu.kernel.launches == []
+
+
+def test_forward_return_lse_allocates_fp32_batch_heads_seq(faked_gpu, monkeypatch):
+    allocated = []
+
+    def fake_allocate_lse(like, shape):
+        buf = _cupy_like_f32(shape, BASE_PTR + 0x5000000, like.device)
+        allocated.append((like, shape, buf))
+        return interop._cupy_view(buf, "lse", like.framework)
+
+    monkeypatch.setattr(api, "allocate_lse", fake_allocate_lse)
+    q, o = _cupy_like((3, 65, 4, 64), BASE_PTR), _cupy_like((3, 65, 4, 64), BASE_PTR + 0x1000000)
+    k = _cupy_like((3, 129, 1, 64), BASE_PTR + 0x2000000)
+    out, lse = cupyflash.forward(CFG, q, k, k, o, return_lse=True, stream=0)
+    [(like, shape, buf)] = allocated
+    assert out is o and lse is buf and shape == (3, 4, 65) and like.ptr == q.data.ptr
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(faked_gpu.kernel.launches[0][4])))
+    assert fields["lse"] == buf.data.ptr and fields["causal"] == 0 and fields["kv_group_size"] == 4
+
+
+def test_forward_fast_path_keys_on_causal_and_steps_aside_for_lse(faked_gpu, monkeypatch):
+    from cupyflash import launch_plans
+
+    seen = []
+    monkeypatch.setattr(launch_plans, "signature", lambda *args: seen.append(args) or None)
+    monkeypatch.setattr(api, "resolve_stream", lambda stream, like: 0)
+    q = _cupy_like((1, 64, 2, 64), BASE_PTR)
+    cupyflash.forward(CFG, q, q, q, q)
+    cupyflash.forward(CFG, q, q, q, q, causal=True)
+    assert [args[-1] for args in seen] == [False, True]  # causal is part of the plan key
+    lse = _cupy_like_f32((1, 2, 64), BASE_PTR + 0x100000)
+    monkeypatch.setattr(api, "allocate_lse", lambda like, shape: interop._cupy_view(lse, "lse", interop.CUPY))
+    cupyflash.forward(CFG, q, q, q, q, return_lse=True)
+    cupyflash.forward(CFG, q, q, q, q, return_lse=True, lse=lse)
+    assert len(seen) == 2  # calls that want the log-sum-exp never take the fast path
+    assert len(faked_gpu.kernel.launches) == 4

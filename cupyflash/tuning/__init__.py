@@ -9,9 +9,10 @@ model. `cupyflash.autotune` writes them; `tuned_config` reads them for `forward(
    device name's words (e.g. 'H100' in 'NVIDIA H100 80GB HBM3');
 3. otherwise None, and the caller uses the heuristic `config_sets.default_config(dtype, d_head)`.
 
-A tuned config is only returned when it fits the problem (seq_len_q a multiple of B_r, seq_len_k
-of B_c); if not, the next source is tried. A table file that is unreadable or invalid is
-reported once with a RuntimeWarning and skipped, never an error.
+A tuned config serves any problem of its (dtype, d_head): the kernel masks sequence tails, so
+lengths need not be multiples of the config's B_r/B_c, and causal and GQA/MQA calls use the same
+table (it was measured non-causal, with as many k/v heads as q heads). A table file that is
+unreadable or invalid is reported once with a RuntimeWarning and skipped, never an error.
 
 Tables are read once per process and choices are cached per (dtype, d_head, seq_len_q,
 seq_len_k, device); `clear_caches()` forgets them (autotune calls it after writing a table).
@@ -290,10 +291,6 @@ def device_name(device: int) -> str | None:
     return name
 
 
-def _fits(cfg: FlashForwardKernelConfig, seq_len_q: int, seq_len_k: int) -> bool:
-    return seq_len_q % cfg.B_r == 0 and seq_len_k % cfg.B_c == 0
-
-
 @functools.lru_cache(maxsize=4096)
 def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
                    name: str | None) -> tuple[FlashForwardKernelConfig | None, str]:
@@ -309,7 +306,7 @@ def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
             if table is None:
                 continue
             cfg = table.lookup(name, dtype, d_head, seq_len_k)
-            if cfg is not None and _fits(cfg, seq_len_q, seq_len_k):
+            if cfg is not None:
                 return cfg, source
     return None, "heuristic"
 
