@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in a few steps, each well inside a 10-minute command limit:
 #   bash scripts/gpu_session.sh test       install, cold prewarm of the test sets, GPU tests, main job
+#   bash scripts/gpu_session.sh shapes     the shape matrix (ragged, causal, GQA, LSE, head dims), sanitizer
 #   bash scripts/gpu_session.sh autotune   tune every (dtype, d_head, seq bucket), write the default table
 #   bash scripts/gpu_session.sh bench      SPEC §6 grid vs. SDPA flash/cuDNN, progression, per-call overhead
 # Logs and result files go to $OUT (default /tmp/cupyflash-gpu); the last lines are a short summary.
@@ -19,7 +20,8 @@ test)
     # Cold compile of everything the GPU tests use, in parallel, with per-config seconds.
     python3 scripts/prewarm_cache.py --arch "$arch" --set tune --jobs 16 --quiet >"$OUT/prewarm.log" 2>&1
     python3 scripts/prewarm_cache.py --arch "$arch" --set prog_all --jobs 16 --quiet >>"$OUT/prewarm.log" 2>&1
-    CUPYFLASH_TEST_FIGURES="$OUT/figures.json" python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 \
+    CUPYFLASH_TEST_FIGURES="$OUT/figures.json" python3 -m pytest -q -rs -p no:cacheprovider tests \
+        --deselect tests/test_gpu_shapes.py 2>&1 \
         | tee "$OUT/pytest.log" | tail -n 25
     python3 scripts/run_attention.py --seq 4096 --batch 4 --heads 16 --d-head 128 --dtype bf16 2>&1 | tee "$OUT/main_job.log"
     python3 - "$OUT" <<'PY'
@@ -36,6 +38,16 @@ for f in figs:
     if "warm_start" in f: print("warm start:", f["warm_start"])
 PY
     grep -E "configs|seconds|compiled" "$OUT/prewarm.log" | tail -n 6
+    ;;
+shapes)
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_shapes.py 2>&1 | tee "$OUT/shapes.log" | tail -n 25
+    python3 scripts/sanitize_check.py >"$OUT/sanitize.log" 2>&1
+    for tool in memcheck racecheck; do
+        timeout 280 compute-sanitizer --tool "$tool" --error-exitcode 1 python3 scripts/sanitize_check.py \
+            >>"$OUT/sanitize.log" 2>&1
+        echo "compute-sanitizer $tool: exit $?" | tee -a "$OUT/sanitize.log"
+    done
+    grep -E "ERROR SUMMARY|summary|launches" "$OUT/sanitize.log" | tail -n 8
     ;;
 autotune)
     timeout 580 python3 -m cupyflash autotune --write-default 2>&1 | tee "$OUT/autotune.log" | tail -n 40
