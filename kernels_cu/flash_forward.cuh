@@ -363,7 +363,12 @@ struct ForwardCTA {
     CF_DEVICE void store_output() {
         float row_sum[Cfg::M_TILES][2];
         softmax.finish(row_sum);
+        // Every thread's copies into the Q tile must have landed, and every warp's reads of it
+        // be done, before this warp overwrites its rows: Q rows are copied by all threads, and a
+        // CTA that visits no key block (causal, every row before the first visible key) has had
+        // no barrier since the copies were issued.
         if constexpr (ASYNC) cp_async_wait<0>();
+        __syncthreads();
         const auto o_cursor = accumulator_cursor(q_tile, warp_row0, lane);
 #pragma unroll
         for (int m = 0; m < Cfg::M_TILES; ++m) {
