@@ -186,7 +186,7 @@ def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: Te
     global _get_registry
     if _get_registry is None:  # bound on first launch: the registry pulls in NVRTC and the cache
         from .registry import get_registry as _get_registry
-    kernel = _get_registry().get(plan.cfg, plan.device)
+    kernel = _get_registry().get(plan.cfg, plan.device, plan.causal)
     params = plan.pack(q.ptr, k.ptr, v.ptr, o.ptr, lse_ptr)
     # cuLaunchKernel uses the calling thread's current context: it must be the arrays' device.
     if _cupy.cuda.runtime.getDevice() == plan.device:

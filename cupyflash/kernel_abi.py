@@ -36,7 +36,9 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),  # softmax_scale * log2(e)
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads: q heads sharing one k/v head (GQA/MQA)
-    ("causal", "int", "i"),  # 1: key j visible to query i iff j <= i + seq_len_k - seq_len_q
+    # Zero. Keeps the packed size equal to sizeof(ForwardParams), a multiple of 8 (causal masking
+    # is a template parameter of the kernel, not a field: see render.name_expression).
+    ("reserved", "int", "i"),
 )
 
 PARAMS_STRUCT = struct.Struct("<" + "".join(f for _, _, f in PARAM_FIELDS))

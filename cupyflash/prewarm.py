@@ -39,6 +39,11 @@ class PrewarmResult:
     spill_load_bytes: int | None = None
     compile_seconds: float = 0.0  # NVRTC time of the compile that produced the entry (also when cached)
     error: str | None = None
+    causal: bool = False  # which instantiation of the config: causally masked or not
+
+    @property
+    def label(self) -> str:
+        return self.short_form + (" [causal]" if self.causal else "")
 
     @property
     def spill_bytes(self) -> int | None:
@@ -82,54 +87,57 @@ def parse_archs(text: str | Iterable[str]) -> tuple[str, ...]:
 _worker_caches: dict[str, KernelCache] = {}  # one per directory and worker process, reused across tasks
 
 
-def _result(short_form: str, arch: str, module: CompiledModule, cached: bool) -> PrewarmResult:
+def _result(short_form: str, arch: str, causal: bool, module: CompiledModule, cached: bool) -> PrewarmResult:
     res = next(iter(module.resources.values()), None)
     return PrewarmResult(
         short_form, arch, ok=True, cached=cached,
         registers=res.registers if res else None,
         spill_store_bytes=res.spill_store_bytes if res else None,
         spill_load_bytes=res.spill_load_bytes if res else None,
-        compile_seconds=module.compile_seconds,
+        compile_seconds=module.compile_seconds, causal=causal,
     )
 
 
-def _cached_result(cache: KernelCache, short_form: str, arch: str) -> PrewarmResult | None:
+def _cached_result(cache: KernelCache, short_form: str, arch: str, causal: bool) -> PrewarmResult | None:
     """The result for an entry already in `cache`, or None when it must be compiled."""
     from .registry import config_cache_key
 
-    module = cache.get(config_cache_key(FlashForwardKernelConfig.parse(short_form), arch))
-    return _result(short_form, arch, module, cached=True) if module is not None else None
+    module = cache.get(config_cache_key(FlashForwardKernelConfig.parse(short_form), arch, causal))
+    return _result(short_form, arch, causal, module, cached=True) if module is not None else None
 
 
-def _compile_with(cache: KernelCache, short_form: str, arch: str) -> PrewarmResult:
-    """Compile one (config, arch) into `cache`, turning any failure into a failed result."""
+def _compile_with(cache: KernelCache, short_form: str, arch: str, causal: bool) -> PrewarmResult:
+    """Compile one (config, arch, causal) into `cache`, turning any failure into a failed result."""
     from .registry import compile_config  # imported here so workers only load what they use
 
     try:
-        lookup = compile_config(FlashForwardKernelConfig.parse(short_form), arch, cache)
+        lookup = compile_config(FlashForwardKernelConfig.parse(short_form), arch, cache, causal)
     except KernelCompileError as exc:
-        return PrewarmResult(short_form, arch, ok=False, cached=False, error=str(exc))
+        return PrewarmResult(short_form, arch, ok=False, cached=False, error=str(exc), causal=causal)
     except Exception as exc:  # report every failure in the summary rather than kill the whole run
-        return PrewarmResult(short_form, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}")
-    return _result(short_form, arch, lookup.module, lookup.cached)
+        return PrewarmResult(short_form, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}",
+                             causal=causal)
+    return _result(short_form, arch, causal, lookup.module, lookup.cached)
 
 
-def _compile_in_worker(cache_dir: str, short_form: str, arch: str) -> PrewarmResult:
-    """Worker-process entry point (arguments are plain strings so they pickle cheaply)."""
+def _compile_in_worker(cache_dir: str, short_form: str, arch: str, causal: bool) -> PrewarmResult:
+    """Worker-process entry point (plain arguments so they pickle cheaply)."""
     cache = _worker_caches.get(cache_dir)
     if cache is None:
         cache = _worker_caches[cache_dir] = KernelCache(cache_dir)
-    return _compile_with(cache, short_form, arch)
+    return _compile_with(cache, short_form, arch, causal)
 
 
 # ----------------------------------------------------------------------------- driver
 def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
             cache_dir: str | os.PathLike | None = None, jobs: int | None = None,
-            progress: TextIO | None = sys.stderr) -> PrewarmReport:
+            progress: TextIO | None = sys.stderr, causal: Sequence[bool] = (False,)) -> PrewarmReport:
     """Compile every config for every arch into `cache_dir` (default: the default cache dir).
 
     jobs: worker processes (default os.cpu_count()); 1 compiles in this process. Progress goes to
-    `progress` (None = silent). Failures are reported in the result, not raised.
+    `progress` (None = silent). causal: which instantiations of each config, (False,) for the
+    plain kernels only, (False, True) to add the causally masked ones. Failures are reported in
+    the result, not raised.
     """
     archs = parse_archs(archs)
     configs = list(dict.fromkeys(configs))
@@ -138,41 +146,43 @@ def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
             raise TypeError(f"configs: expected FlashForwardKernelConfig items, got {type(cfg).__name__}")
     directory = str(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
     jobs = max(1, int(jobs or os.cpu_count() or 1))
-    tasks = [(cfg.short_form(), arch) for cfg in configs for arch in archs]
+    variants = tuple(dict.fromkeys(bool(c) for c in causal))
+    tasks = [(cfg.short_form(), arch, c) for cfg in configs for c in variants for arch in archs]
     bar = ProgressBar(len(tasks), progress, label="prewarm")
     start = time.perf_counter()
-    results: dict[tuple[str, str], PrewarmResult] = {}
+    results: dict[tuple[str, str, bool], PrewarmResult] = {}
 
     def record(result: PrewarmResult) -> None:
-        results[(result.short_form, result.arch)] = result
+        results[(result.short_form, result.arch, result.causal)] = result
         status = "FAILED " if not result.ok else ("cached " if result.cached else "")
-        bar.advance(f"{status}{result.arch} {result.short_form}", failed=not result.ok)
+        bar.advance(f"{status}{result.arch} {result.label}", failed=not result.ok)
 
     # Entries already on disk are reported from here, so a warm rerun starts no worker processes.
     cache = KernelCache(directory)
     pending = []
-    for short_form, arch in tasks:
-        result = _cached_result(cache, short_form, arch)
+    for task in tasks:
+        result = _cached_result(cache, *task)
         if result is not None:
             record(result)
         else:
-            pending.append((short_form, arch))
+            pending.append(task)
     workers = min(jobs, max(1, len(pending)))
     if workers == 1:
-        for short_form, arch in pending:
-            record(_compile_with(cache, short_form, arch))
+        for task in pending:
+            record(_compile_with(cache, *task))
     else:
         # spawn, not fork: the parent may hold CUDA state (a GPU process prewarming), which must
         # never be inherited by a forked child.
         context = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = {pool.submit(_compile_in_worker, directory, sf, arch): (sf, arch) for sf, arch in pending}
+            futures = {pool.submit(_compile_in_worker, directory, *task): task for task in pending}
             for future in cf.as_completed(futures):
-                sf, arch = futures[future]
+                sf, arch, c = futures[future]
                 try:
                     record(future.result())
                 except Exception as exc:  # a worker died (e.g. killed); keep going, report it
-                    record(PrewarmResult(sf, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}"))
+                    record(PrewarmResult(sf, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}",
+                                         causal=c))
     bar.finish()
     ordered = tuple(results[t] for t in tasks)
     return PrewarmReport(ordered, archs, len(configs), time.perf_counter() - start, jobs, directory)
@@ -180,7 +190,7 @@ def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
 
 def format_summary(report: PrewarmReport) -> str:
     """Human-readable table: one line per (config, arch) plus totals."""
-    width = max([len("config")] + [len(r.short_form) for r in report.results])
+    width = max([len("config")] + [len(r.label) for r in report.results])
     n_cached = sum(r.cached for r in report.results if r.ok)
     n_compiled = sum(not r.cached for r in report.results if r.ok)
     compile_total = sum(r.compile_seconds for r in report.results if r.ok and not r.cached)
@@ -200,7 +210,7 @@ def format_summary(report: PrewarmReport) -> str:
         else:
             regs = st = ld = "-"
             status = "FAILED"
-        lines.append(f"{r.short_form:<{width}}  {r.arch:<8} {regs:>4} {st:>8} {ld:>8} {r.compile_seconds:>9.2f}  {status}")
+        lines.append(f"{r.label:<{width}}  {r.arch:<8} {regs:>4} {st:>8} {ld:>8} {r.compile_seconds:>9.2f}  {status}")
     return "\n".join(lines)
 
 
@@ -219,6 +229,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--cache-dir", default=None,
                         help="cache directory (default: $CUPYFLASH_CACHE_DIR, else ~/.cache/cupyflash)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
+    parser.add_argument("--causal", action="store_true",
+                        help="also compile each config's causally masked kernel (forward(causal=True))")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -237,10 +249,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"prewarm: error: {exc}", file=sys.stderr)
         return 2
     report = prewarm(configs, archs, cache_dir=args.cache_dir, jobs=args.jobs,
-                     progress=None if args.quiet else sys.stderr)
+                     progress=None if args.quiet else sys.stderr, causal=(False, True) if args.causal else (False,))
     print(format_summary(report))
     for r in report.failed:
-        print(f"\nprewarm: FAILED {r.arch} {r.short_form}\n{r.error}", file=sys.stderr)
+        print(f"\nprewarm: FAILED {r.arch} {r.label}\n{r.error}", file=sys.stderr)
     return 0 if report.ok else 1
 
 

@@ -23,20 +23,22 @@ DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-def compile_config(cfg: FlashForwardKernelConfig, arch: str, cache: KernelCache | None = None) -> CacheLookup:
-    """Compile (or fetch from `cache`) the single-config module for `cfg` on `arch`.
+def compile_config(cfg: FlashForwardKernelConfig, arch: str, cache: KernelCache | None = None,
+                   causal: bool = False) -> CacheLookup:
+    """Compile (or fetch from `cache`) the single-kernel module for `cfg` (its causal or
+    non-causal instantiation) on `arch`.
 
     The one definition of how a config becomes a cache entry; the registry and the prewarm both
     call it, so their cache keys are identical.
     """
     cache = cache if cache is not None else default_cache()
-    return cache.lookup_or_compile(render_source([cfg]), [name_expression(cfg)], arch,
-                                   short_forms=[cfg.short_form()])
+    return cache.lookup_or_compile(render_source([cfg]), [name_expression(cfg, causal)], arch,
+                                   short_forms=[cfg.short_form() + (" [causal]" if causal else "")])
 
 
-def config_cache_key(cfg: FlashForwardKernelConfig, arch: str) -> str:
-    """The cache key `compile_config(cfg, arch)` reads and writes."""
-    return KernelCache.key(render_source([cfg]), [name_expression(cfg)], arch)
+def config_cache_key(cfg: FlashForwardKernelConfig, arch: str, causal: bool = False) -> str:
+    """The cache key `compile_config(cfg, arch, causal=causal)` reads and writes."""
+    return KernelCache.key(render_source([cfg]), [name_expression(cfg, causal)], arch)
 
 
 @dataclass(eq=False)
@@ -109,13 +111,14 @@ class KernelRegistry:
     def cache(self) -> KernelCache:
         return self._cache if self._cache is not None else default_cache()
 
-    def get(self, cfg: FlashForwardKernelConfig, device_id: int | None = None) -> LoadedKernel:
-        """The kernel for `cfg` on `device_id` (default: CuPy's current device), loading it on first use."""
+    def get(self, cfg: FlashForwardKernelConfig, device_id: int | None = None, causal: bool = False) -> LoadedKernel:
+        """The kernel for `cfg` (causal or not) on `device_id` (default: CuPy's current device),
+        loading it on first use."""
         if device_id is None:
             import cupy
 
             device_id = cupy.cuda.runtime.getDevice()
-        key = (device_id, cfg)
+        key = (device_id, cfg, bool(causal))
         kernel = self._kernels.get(key)  # lock-free fast path: dict reads are atomic under the GIL
         if kernel is not None:
             return kernel
@@ -126,13 +129,13 @@ class KernelRegistry:
         with key_lock:
             kernel = self._kernels.get(key)
             if kernel is None:
-                kernel = self._load(cfg, device_id)
+                kernel = self._load(cfg, device_id, bool(causal))
                 with self._lock:
                     self._kernels[key] = kernel
         return kernel
 
-    def loaded(self) -> list[tuple[int, FlashForwardKernelConfig]]:
-        """(device_id, cfg) pairs loaded so far."""
+    def loaded(self) -> list[tuple[int, FlashForwardKernelConfig, bool]]:
+        """(device_id, cfg, causal) keys loaded so far."""
         with self._lock:
             return list(self._kernels)
 
@@ -142,15 +145,15 @@ class KernelRegistry:
             self._kernels.clear()
             self._key_locks.clear()
 
-    def _load(self, cfg: FlashForwardKernelConfig, device_id: int) -> LoadedKernel:
+    def _load(self, cfg: FlashForwardKernelConfig, device_id: int, causal: bool) -> LoadedKernel:
         import cupy
         from cupy_backends.cuda.api import driver
 
         from .device import device_arch
 
         arch, _ = device_arch(device_id)
-        module: CompiledModule = compile_config(cfg, arch, self.cache).module
-        expr = name_expression(cfg)
+        module: CompiledModule = compile_config(cfg, arch, self.cache, causal).module
+        expr = name_expression(cfg, causal)
         lowered = module.lowered_names[expr]
         image = module.binary
         if module.binary_kind == "ptx" and not image.endswith(b"\0"):

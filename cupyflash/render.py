@@ -60,11 +60,13 @@ def _cpp_value(value) -> str:
     return str(int(value))
 
 
-def name_expression(cfg: FlashForwardKernelConfig) -> str:
+def name_expression(cfg: FlashForwardKernelConfig, causal: bool = False) -> str:
     """The C++ template instantiation NVRTC is asked for, e.g.
-    flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{DType::FP16, 128, ...}>>."""
+    flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{DType::FP16, 128, ...}>, false>.
+    `causal` selects the causally masked instantiation of the same config."""
     values = ", ".join(_cpp_value(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
-    return f"flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{{{values}}}>>"
+    flag = "true" if causal else "false"
+    return f"flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{{{values}}}>, {flag}>"
 
 
 @functools.cache

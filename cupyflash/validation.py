@@ -75,7 +75,7 @@ class LaunchPlan(NamedTuple):
         return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *self.q_strides, *self.k_strides,
                            *self.v_strides, *self.o_strides, self.seq_len_q, self.seq_len_k,
                            self.n_heads, self.n_kv_heads, self.softmax_scale, self.softmax_scale_log2,
-                           self.kv_group_size, 1 if self.causal else 0)
+                           self.kv_group_size, 0)
 
 
 def check_compute_capability(cc: int, device: int) -> None:

@@ -100,7 +100,7 @@ def test_launch_from_many_threads_never_mixes_params(monkeypatch):
 def test_registry_loads_each_key_once_under_contention(monkeypatch):
     calls = []
 
-    def fake_load(self, cfg, device_id):
+    def fake_load(self, cfg, device_id, causal):
         calls.append((device_id, cfg))
         time.sleep(0.05)
         return LoadedKernel(cfg=cfg, device_id=device_id, arch="sm_80", function=_FakeFunction(),

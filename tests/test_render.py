@@ -106,12 +106,13 @@ def test_render_rejects_non_configs():
 def test_name_expression_exact_format():
     assert name_expression(CFG) == (
         "flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{"
-        "DType::FP16, 128, 64, 64, 4, true, true, true, 0, 2, 2, true, true}>>"
+        "DType::FP16, 128, 64, 64, 4, true, true, true, 0, 2, 2, true, true}>, false>"
     )
+    assert name_expression(CFG, causal=True) == name_expression(CFG)[:-len("false>")] + "true>"
 
 
 NAME_RE = re.compile(
-    r"^flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig\{(?P<values>[^{}]*)\}>>$")
+    r"^flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig\{(?P<values>[^{}]*)\}>, false>$")
 
 
 def test_name_expression_values_follow_field_order():

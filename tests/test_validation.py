@@ -420,17 +420,18 @@ def test_every_supported_d_head_plans_with_its_default_config(d_head, dtype):
 
 
 # ----------------------------------------------------------------------------- causal and lse
-def test_causal_defaults_to_false_and_is_packed():
+def test_causal_defaults_to_false_and_selects_the_kernel_not_a_field():
     q, k = view((2, 100, 4, 64)), view((2, 300, 2, 64))
     plan = check_forward_args(CFG, q, k, k)
     assert plan.causal is False
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000))))
-    assert fields["causal"] == 0 and fields["lse"] == 0 and fields["kv_group_size"] == 2
+    assert "causal" not in fields  # a template parameter of the kernel: the plan picks the instantiation
+    assert fields["reserved"] == 0 and fields["lse"] == 0 and fields["kv_group_size"] == 2
     plan = check_forward_args(CFG, q, k, k, causal=True)
     assert plan.causal is True
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000, 0x5000))))
     assert (fields["q"], fields["k"], fields["v"], fields["o"], fields["lse"]) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
-    assert (fields["causal"], fields["kv_group_size"]) == (1, 2)
+    assert (fields["reserved"], fields["kv_group_size"]) == (0, 2)
     assert (fields["seq_len_q"], fields["seq_len_k"], fields["n_heads"], fields["n_kv_heads"]) == (100, 300, 4, 2)
     assert plan.grid == (2, 4, 2)  # causal does not change the grid: each CTA skips masked blocks
 
@@ -770,8 +771,9 @@ class _FakeRegistry:
         self.kernel = _FakeKernel()
         self.asked = []
 
-    def get(self, cfg, device_id):
+    def get(self, cfg, device_id, causal=False):
         self.asked.append((cfg, device_id))
+        self.causal = causal
         return self.kernel
 
 
@@ -878,7 +880,7 @@ def test_forward_ragged_causal_gqa_with_lse_buffer(faked_gpu):
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(params)))
     assert fields["lse"] == lse.data.ptr and fields["o"] == o.data.ptr
     assert (fields["seq_len_q"], fields["seq_len_k"], fields["n_heads"], fields["n_kv_heads"]) == (100, 37, 8, 2)
-    assert (fields["kv_group_size"], fields["causal"]) == (4, 1)
+    assert fields["kv_group_size"] == 4 and faked_gpu.causal is True  # the causal instantiation was asked for
     assert (fields["k_batch_stride"], fields["k_seq_stride"], fields["k_head_stride"]) == (37 * 2 * 64, 2 * 64, 64)
 
 
@@ -909,7 +911,7 @@ def test_forward_return_lse_allocates_fp32_batch_heads_seq(faked_gpu, monkeypatc
     [(like, shape, buf)] = allocated
     assert out is o and lse is buf and shape == (3, 4, 65) and like.ptr == q.data.ptr
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(faked_gpu.kernel.launches[0][4])))
-    assert fields["lse"] == buf.data.ptr and fields["causal"] == 0 and fields["kv_group_size"] == 4
+    assert fields["lse"] == buf.data.ptr and fields["kv_group_size"] == 4
 
 
 def test_forward_fast_path_keys_on_causal_and_steps_aside_for_lse(faked_gpu, monkeypatch):
