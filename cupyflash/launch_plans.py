@@ -34,7 +34,7 @@ class FastLaunch:
     """One validated launch, replayable with new pointers."""
 
     __slots__ = ("func_ptr", "grid", "block", "smem_bytes", "device", "allocate", "current_stream",
-                 "_buf", "_argv", "_argv_ptr", "_lock")
+                 "is_torch", "_buf", "_argv", "_argv_ptr", "_lock")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, allocate: Callable[[], Any], current_stream: Callable[[], int]) -> None:
@@ -45,6 +45,7 @@ class FastLaunch:
         self.device = device
         self.allocate = allocate              # () -> a new output array in the caller's framework
         self.current_stream = current_stream  # () -> the caller's current stream handle
+        self.is_torch = False                 # set by remember(): which pointer accessor to use
         self._buf = ctypes.create_string_buffer(params, PARAMS_STRUCT.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
         self._argv_ptr = ctypes.addressof(self._argv)
@@ -89,18 +90,13 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
             None if out is None else key_of(out))
 
 
-def _pointer(x: Any) -> int:
-    ptr = getattr(x, "data_ptr", None)
-    return ptr() if ptr is not None else x.data.ptr
-
-
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     """Launch through the plan for `key` and return the output, or None if there is no usable plan
     (then the caller takes the full path, which also reports any error)."""
     plan = _plans.get(key) if key is not None else None
     if plan is None or _get_device() != plan.device:
         return None
-    is_torch = key[0].__module__.startswith("torch")
+    is_torch = plan.is_torch
     if is_torch:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     else:
@@ -124,6 +120,7 @@ def remember(key: tuple | None, plan: FastLaunch) -> None:
         _launch_kernel, _get_device = launchKernel, getDevice
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
+    plan.is_torch = key[0].__module__.startswith("torch")
     _plans[key] = plan
 
 

@@ -253,20 +253,22 @@ class JaxImpl(Impl):
 
 # ---------------------------------------------------------------------------- per-call overhead
 ISSUE_BURST = 128  # calls per burst: well below the driver's launch queue, so issuing never blocks
+GPU_HOLD_CYCLES = 40_000_000  # ~20 ms of GPU spin queued ahead of each burst (torch.cuda._sleep)
 
 
 def _host_us_per_call(torch: Any, call: Callable[[], Any], n_calls: int, warmup: int, rounds: int = 3) -> dict:
     """Wall time per call over `n_calls` back-to-back calls (median of `rounds` rounds), and the GPU
     time of the same span from events: when the two are close, the loop was GPU-bound and the
     figure is not Python overhead. Also the host time to issue one call (`issue_us_per_call`):
-    bursts of ISSUE_BURST calls starting from an idle GPU, which the launch queue absorbs, so the
-    figure is the Python-side cost of a call, whatever the kernel's own duration."""
+    bursts of ISSUE_BURST calls queued behind a ~20 ms GPU spin, so every launch only enqueues and
+    the figure is the Python-side cost of a call, whatever the kernel's own duration."""
     for _ in range(warmup):
         call()
     torch.cuda.synchronize()
     bursts = []
     for _ in range(max(3, n_calls // ISSUE_BURST)):
         torch.cuda.synchronize()
+        torch.cuda._sleep(GPU_HOLD_CYCLES)  # the GPU is busy: the calls below cannot wait on it
         t0 = time.perf_counter()
         for _ in range(ISSUE_BURST):
             call()
