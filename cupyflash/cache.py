@@ -16,13 +16,13 @@ import hashlib
 import json
 import os
 import struct
-import tempfile
 import threading
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .atomic_file import write_atomic
 from .compiler import CompiledModule, KernelResources, compile_module, compile_options, nvrtc_version
 
 __all__ = ["KernelCache", "CacheLookup", "default_cache", "default_cache_dir", "ENTRY_SUFFIX"]
@@ -32,7 +32,6 @@ _MAGIC = b"CFKC\x00\x01\r\n"  # format 1; the CR/LF bytes catch text-mode mangli
 _HEADER = struct.Struct("<8sQQ")
 _DIGEST_SIZE = hashlib.sha256().digest_size
 _KEY_SCHEMA = "cupyflash-kernel-cache-key/1"
-_ENTRY_MODE = 0o644
 
 
 def _package_version() -> str:
@@ -223,23 +222,8 @@ class KernelCache:
         meta_bytes = json.dumps(meta, sort_keys=True).encode("utf-8")
         body = _HEADER.pack(_MAGIC, len(meta_bytes), len(module.binary)) + meta_bytes + module.binary
         data = body + hashlib.sha256(body).digest()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key[:16]}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                # mkstemp makes 0600 files; a cache prewarmed by one user (a container build) must
-                # be readable by the user who runs the kernels.
-                os.fchmod(f.fileno(), _ENTRY_MODE)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())  # the rename must never expose a file whose data is not on disk
-            os.replace(tmp, self.path_for(key))
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        # fsync before the rename: a crash must never expose an entry whose data is not on disk.
+        write_atomic(self.path_for(key), data, durable=True)
 
 
 def _parse_entry(path: Path) -> tuple[dict, bytes] | None:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable
+
+from cupyflash.atomic_file import write_atomic
 
 __all__ = ["target_ratio", "find_ok", "impl_columns", "format_grid", "format_progression", "format_overhead", "write_json", "plot",
            "PEER_ORDER", "BASELINE"]
@@ -152,13 +153,7 @@ def format_overhead(o: dict) -> str:
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
     """Atomic write, so a run killed mid-way leaves the last complete snapshot."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(data, indent=1, default=str) + "\n").encode("utf-8"))
 
 
 def plot(records: list[dict], path: str | os.PathLike, title: str) -> str | None:

@@ -27,13 +27,13 @@ import json
 import math
 import os
 import re
-import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..atomic_file import write_atomic
 from ..config import DType, FlashForwardKernelConfig
 
 __all__ = [
@@ -187,21 +187,7 @@ class TuningTable:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file + rename), so a reader never sees half a table."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_dict(), f, indent=1)
-                f.write("\n")
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        path = write_atomic(path, (json.dumps(self.to_dict(), indent=1) + "\n").encode("utf-8"))
         return path
 
 
