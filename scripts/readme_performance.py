@@ -52,7 +52,7 @@ def section(plain: dict, causal: dict, plot: str) -> str:
         "|---|---|---|---|---|---|---|---|",
         *grid_rows(plain, False), *grid_rows(causal, True), "",
         "cupyflash's mma.sync kernels beat FlashAttention-2 (the SDPA flash backend, also mma.sync) at every "
-        "point of the grid. cuDNN's Hopper kernels (wgmma, TMA, warp specialisation) are 1.5-1.9x faster "
+        "point of the grid. cuDNN's Hopper kernels (wgmma, TMA, warp specialisation) are 1.3-1.8x faster "
         "still; closing that gap needs an sm_90a kernel family.", "",
     ]
     if "cupyflash_auto" in o and "sdpa_flash" in o:
