@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqs", default=None, help="sequence lengths (default 512,1k,2k,4k,8k,16k; 'k' = 1024)")
     p.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16,fp16")
     p.add_argument("--d-heads", default="128", help="comma-separated head dimensions, e.g. 64,128")
+    p.add_argument("--gqa", type=int, default=1, metavar="G",
+                   help="grouped-query attention: k and v get heads/G heads (G=1: multi-head)")
     p.add_argument("--causal", action="store_true",
                    help="causal attention for every implementation (FLOPs counted as 2*B*H*S*S*D)")
     p.add_argument("--configs", nargs="+", default=[], metavar="SHORT_FORM",
@@ -213,11 +215,12 @@ def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls
     from bench_impls import make_problem
 
     shape = grid_shape(seq, d_head)
-    problem = make_problem(torch, dtype, shape, run.args.causal, l2, seed=run.args.seed + seq)
+    problem = make_problem(torch, dtype, shape, run.args.causal, l2, seed=run.args.seed + seq,
+                           kv_group=run.args.gqa)
     out = []
     for impl, info in impls:
         record = {"dtype": dtype.name.lower(), "d_head": d_head, "seq": seq, "batch": shape.batch,
-                  "heads": shape.heads, "causal": run.args.causal, "impl": impl.name, "n_sets": len(problem.sets),
+                  "heads": shape.heads, "kv_heads": shape.heads // run.args.gqa, "causal": run.args.causal, "impl": impl.name, "n_sets": len(problem.sets),
                   **info, **(extra or {})}
         _measure(torch, impl, problem, record, run.args)
         if record["impl"].startswith("cupyflash") and record["status"] not in ("ok", "skipped"):
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
 
     peers_now = peer_impls()
     if not args.no_grid:
-        print(f"grid: batch*seq=16384, heads*d_head=2048, {'causal' if args.causal else 'non-causal'}; "
+        gqa = f", GQA with heads/{args.gqa} k/v heads" if args.gqa > 1 else ""
+        print(f"grid: batch*seq=16384, heads*d_head=2048, {'causal' if args.causal else 'non-causal'}{gqa}; "
               f"median of {args.iters} timings after {args.warmup} warm-up calls", flush=True)
         for dtype, d_head in groups:
             for seq in seqs:

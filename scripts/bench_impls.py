@@ -37,6 +37,7 @@ class Problem:
     causal: bool
     scale: float
     sets: list[tuple[Any, Any, Any]] = field(repr=False)
+    kv_group: int = 1  # q heads per k/v head (GQA/MQA); 1 = multi-head attention
 
     @property
     def flops(self) -> float:
@@ -49,15 +50,22 @@ def torch_dtype(torch: Any, dtype: DType) -> Any:
 
 
 def make_problem(torch: Any, dtype: DType, shape: GridShape, causal: bool, l2_bytes: int | None,
-                 seed: int = 0) -> Problem:
-    """Random normal inputs, as many sets as it takes to defeat L2 (see `rotation_sets`)."""
+                 seed: int = 0, kv_group: int = 1) -> Problem:
+    """Random normal inputs, as many sets as it takes to defeat L2 (see `rotation_sets`); k and v
+    have heads / kv_group heads."""
+    if kv_group < 1 or shape.heads % kv_group:
+        raise ValueError(f"--gqa {kv_group} must divide the {shape.heads} heads of d_head {shape.d_head}")
     tdt = torch_dtype(torch, dtype)
     elems = shape.batch * shape.seq * shape.heads * shape.d_head
-    n_sets = rotation_sets(4 * 2 * elems, l2_bytes)  # q, k, v and the output, 2 bytes each
+    n_sets = rotation_sets(2 * 2 * elems + 2 * 2 * elems // kv_group, l2_bytes)  # q, o, k, v; 2 bytes each
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    sets = [tuple(torch.randn(shape.shape, generator=gen, device="cuda", dtype=torch.float32).to(tdt)
-                  for _ in range(3)) for _ in range(n_sets)]
-    return Problem(dtype, shape, causal, 1.0 / math.sqrt(shape.d_head), sets)
+    kv_shape = (shape.batch, shape.seq, shape.heads // kv_group, shape.d_head)
+
+    def randn(dims):
+        return torch.randn(dims, generator=gen, device="cuda", dtype=torch.float32).to(tdt)
+
+    sets = [(randn(shape.shape), randn(kv_shape), randn(kv_shape)) for _ in range(n_sets)]
+    return Problem(dtype, shape, causal, 1.0 / math.sqrt(shape.d_head), sets, kv_group)
 
 
 def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
@@ -72,7 +80,8 @@ def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
     num = den = 0.0
     for b in sorted({0, batch - 1}):
         for h in sorted({0, heads - 1}):
-            qs, ks, vs = q[b, rows, h].double(), k[b, :, h].double(), v[b, :, h].double()
+            kh = h // problem.kv_group
+            qs, ks, vs = q[b, rows, h].double(), k[b, :, kh].double(), v[b, :, kh].double()
             s = (qs @ ks.T) * problem.scale
             if problem.causal:  # bottom-right aligned; the same as top-left when seq_q == seq_k
                 keys = torch.arange(seq_k, device=q.device)[None, :]
@@ -192,8 +201,9 @@ class SdpaImpl(Impl):
 
     def run(self, i: int) -> Any:
         q, k, v = self.problem.sets[i]
+        gqa = {"enable_gqa": True} if self.problem.kv_group > 1 else {}
         out = self._sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                         is_causal=self.problem.causal, scale=self.problem.scale)
+                         is_causal=self.problem.causal, scale=self.problem.scale, **gqa)
         return out.transpose(1, 2)  # back to (B, S, H, D) for the check
 
 
