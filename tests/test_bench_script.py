@@ -191,8 +191,8 @@ def test_main_orchestration_with_fake_gpu_side(tmp_path, monkeypatch, capsys):
         def time(self, torch, warmup, iters):
             return Timing(1.2, 1.2, 1.2, iters)
 
-    def fake_problem(torch, dtype, shape, causal, l2, seed=0):
-        return bench_impls.Problem(dtype, shape, causal, 0.1, [None])
+    def fake_problem(torch, dtype, shape, causal, l2, seed=0, kv_group=1):
+        return bench_impls.Problem(dtype, shape, causal, 0.1, [None], kv_group)
 
     overhead = {"shape": [1, 128, 8, 128], "dtype": "bf16", "config": "C",
                 "cupyflash_auto": {"us_per_call": 10.0, "gpu_span_us_per_call": 5.0, "calls": 10, "rounds": 3},
