@@ -3,7 +3,8 @@
     python scripts/readme_performance.py docs/bench_h100.json docs/bench_h100_causal.json
 
 The first file is the non-causal run (with --progression and the per-call measurement), the second
-the causal run; the plot is expected next to the first file as .png.
+the causal run; the plot is expected next to the first file as .png. GQA runs (bench.py --gqa G)
+saved beside them as <first>_gqa.json and <first>_gqa_causal.json get a table of their own.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def grid_rows(data: dict, causal: bool) -> list[str]:
     return rows
 
 
-def section(plain: dict, causal: dict, plot: str) -> str:
+def section(plain: dict, causal: dict, plot: str, gqa: list[tuple[dict, bool]] = ()) -> str:
     meta = plain["meta"]
     ver = meta["versions"]
     o = plain.get("overhead") or {}
@@ -55,6 +56,15 @@ def section(plain: dict, causal: dict, plot: str) -> str:
         "point of the grid. cuDNN's Hopper kernels (wgmma, TMA, warp specialisation) are 1.3-1.8x faster "
         "still; closing that gap needs an sm_90a kernel family.", "",
     ]
+    if gqa:
+        first = next(r for r in gqa[0][0]["grid"] if r.get("kv_heads"))
+        lines += [
+            f"Grouped-query attention ({first['heads']} query heads sharing {first['kv_heads']} k/v heads, "
+            "`bench.py --gqa 8`; SDPA with `enable_gqa=True`), same grid:", "",
+            "| dtype | d_head | causal | seq | cupyflash | SDPA flash (FA2) | SDPA cuDNN | cupyflash / FA2 |",
+            "|---|---|---|---|---|---|---|---|",
+            *(row for data, is_causal in gqa for row in grid_rows(data, is_causal)), "",
+        ]
     if "cupyflash_auto" in o and "sdpa_flash" in o:
         a, c, s = o["cupyflash_auto"], o["cupyflash_cfg_out"], o["sdpa_flash"]
         lines += [
@@ -79,7 +89,11 @@ def main(argv: list[str]) -> int:
     text = README.read_text()
     start, end = text.index("## Performance"), text.index("## Repository layout")
     plot = plain_path.resolve().with_suffix(".png").relative_to(README.parent).as_posix()
-    README.write_text(text[:start] + section(plain, causal, plot) + text[end:])
+    gqa = [(json.loads(path.read_text()), is_causal)
+           for path, is_causal in ((plain_path.with_name(plain_path.stem + "_gqa.json"), False),
+                                   (plain_path.with_name(plain_path.stem + "_gqa_causal.json"), True))
+           if path.exists()]
+    README.write_text(text[:start] + section(plain, causal, plot, gqa) + text[end:])
     return 0
 
 
