@@ -47,17 +47,17 @@ def _default_config(dtype: DType, d_head: int) -> FlashForwardKernelConfig:
 
 
 def _select_config(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
-                   device: int) -> FlashForwardKernelConfig:
+                   device: int, causal: bool = False) -> FlashForwardKernelConfig:
     """The library's choice for cfg=None/'auto': the user's tuning table for this GPU, else the
     shipped table for its family, else config_sets.default_config (see cupyflash.tuning).
     Both lookups are cached, so this costs two dict lookups per call."""
-    cfg = _tuned_config(dtype, d_head, seq_len_q, seq_len_k, device)
+    cfg = _tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
     return cfg if cfg is not None else _default_config(dtype, d_head)
 
 
 def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = None,
                    seq_len_q: int = 0, seq_len_k: int = 0,
-                   device: int = 0) -> FlashForwardKernelConfig | None:
+                   device: int = 0, causal: bool = False) -> FlashForwardKernelConfig | None:
     """A config object for `cfg` (object, short-form string, or None/'auto').
 
     For None/'auto' returns the library's pick when `dtype` and `d_head` are given, else None.
@@ -73,7 +73,7 @@ def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = No
                         f"got {type(cfg).__name__}")
     if dtype is None or d_head is None:
         return None
-    return _select_config(dtype, d_head, seq_len_q, seq_len_k, device)
+    return _select_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
 
 
 # -------------------------------------------------------------------------------- devices
@@ -170,7 +170,7 @@ def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.F
     if q.framework == TORCH:
         import torch
 
-        allocate = functools.partial(torch.empty, plan.out_shape, dtype=q.base.dtype, device=q.base.device)
+        allocate = None  # the fast path calls q.new_empty(out_shape) on each call's own q
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         current_stream = (functools.partial(raw, plan.device) if raw is not None
                           else functools.partial(resolve_stream, None, q))
@@ -178,7 +178,7 @@ def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.F
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
         current_stream = functools.partial(resolve_stream, None, q)
     return launch_plans.FastLaunch(kernel.func_ptr, plan.grid, plan.block, plan.smem_bytes, plan.device,
-                                   plan.pack(0, 0, 0, 0), allocate, current_stream)
+                                   plan.pack(0, 0, 0, 0), tuple(plan.out_shape), allocate, current_stream)
 
 
 def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,

@@ -31,45 +31,46 @@ _get_device: Callable[[], int] | None = None
 
 
 class FastLaunch:
-    """One validated launch, replayable with new pointers."""
+    """One validated launch, replayable with new pointers (see `lookup`)."""
 
-    __slots__ = ("func_ptr", "grid", "block", "smem_bytes", "device", "allocate", "current_stream",
-                 "is_torch", "_buf", "_argv", "_argv_ptr", "_lock")
+    __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "is_torch", "buf",
+                 "_argv", "argv_ptr", "lock")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
-                 params: bytes, allocate: Callable[[], Any], current_stream: Callable[[], int]) -> None:
-        self.func_ptr = func_ptr
-        self.grid = grid
-        self.block = block
-        self.smem_bytes = smem_bytes
+                 params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
+                 current_stream: Callable[[], int]) -> None:
+        # cuLaunchKernel's arguments up to the stream, as one tuple: fewer attribute reads per call
+        self.launch_head = (func_ptr, *grid, block, 1, 1, smem_bytes)
         self.device = device
-        self.allocate = allocate              # () -> a new output array in the caller's framework
+        self.out_shape = out_shape            # torch outputs: q.new_empty(out_shape)
+        self.allocate = allocate              # () -> a new output array (CuPy; None for torch)
         self.current_stream = current_stream  # () -> the caller's current stream handle
         self.is_torch = False                 # set by remember(): which pointer accessor to use
-        self._buf = ctypes.create_string_buffer(params, PARAMS_STRUCT.size)
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
-        self._argv_ptr = ctypes.addressof(self._argv)
-        self._lock = threading.Lock()
-
-    def launch(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int) -> None:
-        gx, gy, gz = self.grid
-        stream = self.current_stream()
-        with self._lock:  # the buffer is shared by every thread replaying this plan
-            _POINTERS.pack_into(self._buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
-            _launch_kernel(self.func_ptr, gx, gy, gz, self.block, 1, 1, self.smem_bytes, stream, self._argv_ptr, 0)
+        self.buf = ctypes.create_string_buffer(params, PARAMS_STRUCT.size)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self._argv)
+        self.lock = threading.Lock()  # the buffer is shared by every thread replaying this plan
 
 
-def _torch_key(t: Any) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.get_device())
+_TORCH, _CUPY = 1, 2
+_kinds: dict[type, int] = {}  # array type -> _TORCH / _CUPY / 0, so the module test runs once per type
 
 
-def _cupy_key(a: Any) -> tuple:
-    return (a.shape, a.strides, a.dtype, a.data.device_id)
+def _kind(cls: type) -> int:
+    kind = _kinds.get(cls)
+    if kind is None:
+        module = cls.__module__
+        kind = _TORCH if module.startswith("torch") else _CUPY if module.startswith("cupy") else 0
+        _kinds[cls] = kind
+    return kind
 
 
 def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
               causal: Any = False) -> tuple | None:
-    """The plan key for these arguments, or None when they cannot take the fast path."""
+    """The plan key for these arguments, or None when they cannot take the fast path.
+
+    One flat tuple (hashing nested tuples costs more): per array its shape, strides, dtype and
+    device, as the framework reports them without building any view."""
     if not (cfg is None or type(cfg) is str or type(cfg) is FlashForwardKernelConfig):
         return None
     if not (softmax_scale is None or type(softmax_scale) is float or type(softmax_scale) is int):
@@ -79,15 +80,24 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
     cls = type(q)
     if type(k) is not cls or type(v) is not cls or (out is not None and type(out) is not cls):
         return None
-    module = cls.__module__
-    if module.startswith("torch"):
-        key_of = _torch_key
-    elif module.startswith("cupy"):
-        key_of = _cupy_key
-    else:
-        return None
-    return (cls, cfg, softmax_scale, causal, key_of(q), key_of(k), key_of(v),
-            None if out is None else key_of(out))
+    kind = _kinds.get(cls) or _kind(cls)
+    if kind == _TORCH:
+        key = (cls, cfg, softmax_scale, causal,
+               q.shape, q.stride(), q.dtype, q.get_device(),
+               k.shape, k.stride(), k.dtype, k.get_device(),
+               v.shape, v.stride(), v.dtype, v.get_device())
+        if out is None:
+            return key
+        return key + (out.shape, out.stride(), out.dtype, out.get_device())
+    if kind == _CUPY:
+        key = (cls, cfg, softmax_scale, causal,
+               q.shape, q.strides, q.dtype, q.data.device_id,
+               k.shape, k.strides, k.dtype, k.data.device_id,
+               v.shape, v.strides, v.dtype, v.data.device_id)
+        if out is None:
+            return key
+        return key + (out.shape, out.strides, out.dtype, out.data.device_id)
+    return None
 
 
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
@@ -101,11 +111,22 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     else:
         q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
-    result = plan.allocate() if out is None else out
+    if out is not None:
+        result = out
+    elif is_torch:
+        result = q.new_empty(plan.out_shape)  # q's dtype and device; cheaper than torch.empty(...)
+    else:
+        result = plan.allocate()
     o_ptr = result.data_ptr() if is_torch else result.data.ptr
     if (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
         return None  # misaligned this time: the full path raises the proper error
-    plan.launch(q_ptr, k_ptr, v_ptr, o_ptr)
+    stream = plan.current_stream()
+    # Inline rather than a method: on this path every Python call frame is a visible share of
+    # the per-call cost. cuLaunchKernel copies the parameters before it returns, so the lock
+    # only has to cover the pack and the launch.
+    with plan.lock:
+        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
+        _launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
     return result
 
 
@@ -120,7 +141,7 @@ def remember(key: tuple | None, plan: FastLaunch) -> None:
         _launch_kernel, _get_device = launchKernel, getDevice
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    plan.is_torch = key[0].__module__.startswith("torch")
+    plan.is_torch = _kind(key[0]) == _TORCH
     _plans[key] = plan
 
 

@@ -36,7 +36,7 @@ _FP32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 # (dtype, d_head, seq_len_q, seq_len_k, device) -> config, for cfg=None / 'auto'.
-ConfigSelector = Callable[[DType, int, int, int, int], FlashForwardKernelConfig]
+ConfigSelector = Callable[[DType, int, int, int, int, bool], FlashForwardKernelConfig]
 
 
 class LaunchPlan(NamedTuple):
@@ -174,7 +174,7 @@ def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: T
 
     q and out are (batch, seq_len_q, n_heads, d_head); k and v are (batch, seq_len_k, n_kv_heads,
     d_head) with n_heads a multiple of n_kv_heads (GQA/MQA). `cfg` None means "library picks":
-    `select` is called with (dtype, d_head, seq_len_q, seq_len_k, device) once the inputs are
+    `select` is called with (dtype, d_head, seq_len_q, seq_len_k, device, causal) once the inputs are
     known to be sane, so its choice can depend on the problem. Raises TypeError/ValueError naming
     the argument.
     """
@@ -228,7 +228,7 @@ def check_forward_args(cfg: FlashForwardKernelConfig | None, q: TensorView, k: T
 
     # the config: picked now that dtype, shapes and device are known, then checked against them
     if cfg is None:
-        cfg = select(dtype, d_head, seq_len_q, seq_len_k, device)
+        cfg = select(dtype, d_head, seq_len_q, seq_len_k, device, causal)
     if cfg.dtype is not dtype:
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {dtype.name}")
     if d_head != cfg.d_head:

@@ -158,27 +158,29 @@ def _import_jax(peers: list[str]) -> tuple[Any | None, str | None]:
         return None, f"jax is not importable ({type(exc).__name__}: {exc})"
 
 
-def _auto_choice(dtype: DType, d_head: int, seq: int, device: int) -> tuple[FlashForwardKernelConfig, str]:
+def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
+                 causal: bool = False) -> tuple[FlashForwardKernelConfig, str]:
     """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
     from cupyflash.api import resolve_config
     from cupyflash.tuning import device_name, explain_choice
 
-    cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device))
+    cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal)
     if cfg is None:
         cfg, source = config_sets.default_config(dtype, d_head), "heuristic"
-    used = resolve_config(None, dtype, d_head, seq, seq, device)
+    used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
     if used != cfg:
         raise RuntimeError(f"bench.py: auto config mismatch: resolve_config gives {used}, tuning says {cfg}")
     return cfg, source
 
 
-def _prewarm(configs: list[FlashForwardKernelConfig], device: int) -> dict[str, str]:
-    """Compile everything the run will launch, in parallel, before any timing."""
+def _prewarm(configs: list[FlashForwardKernelConfig], device: int, causal: bool = False) -> dict[str, str]:
+    """Compile everything the run will launch, in parallel, before any timing (with `causal`, the
+    causal instantiations too)."""
     from cupyflash.device import device_arch
     from cupyflash.prewarm import prewarm
 
     arch, _ = device_arch(device)
-    rep = prewarm(sorted(set(configs)), [arch], progress=sys.stderr)
+    rep = prewarm(sorted(set(configs)), [arch], progress=sys.stderr, causal=(False, True) if causal else (False,))
     print(f"compiled/cached {len(rep.results)} kernels for {arch} in {rep.seconds:.1f} s", flush=True)
     return {r.short_form: (r.error or "compile failed") for r in rep.failed}
 
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Everything this run launches is compiled up front, in parallel.
     groups = [(dt, d) for dt in dtypes for d in d_heads]
-    needed = [_auto_choice(dt, d, s, device)[0] for dt, d in groups for s in (() if args.no_grid else seqs)]
+    needed = [_auto_choice(dt, d, s, device, args.causal)[0] for dt, d in groups
+              for s in (() if args.no_grid else seqs)]
     needed += [c for c in explicit if (c.dtype, c.d_head) in groups]
     if args.all_tune:
         needed += [c for dt, d in groups for c in config_sets.autotune_configs([dt], [d])]
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         needed += [c for dt, d in groups for c in config_sets.progression_configs(dt, d)]
     if not args.no_overhead:
         needed.append(_auto_choice(DType.BF16, 128, 128, device)[0])
-    failed_compiles = _prewarm(needed, device)
+    failed_compiles = _prewarm(needed, device, args.causal)
     for sf, err in failed_compiles.items():
         print(f"bench.py: COMPILE FAILED {sf}\n{err}", file=sys.stderr)
 
@@ -313,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
               f"median of {args.iters} timings after {args.warmup} warm-up calls", flush=True)
         for dtype, d_head in groups:
             for seq in seqs:
-                cfg, source = _auto_choice(dtype, d_head, seq, device)
+                cfg, source = _auto_choice(dtype, d_head, seq, device, args.causal)
                 impls = [(CupyflashImpl(None, "cupyflash"), {"config": str(cfg), "config_source": source})]
                 for i, c in enumerate(explicit):
                     if (c.dtype, c.d_head) == (dtype, d_head):

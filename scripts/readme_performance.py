@@ -33,7 +33,8 @@ def grid_rows(data: dict, causal: bool) -> list[str]:
     return rows
 
 
-def section(plain: dict, causal: dict, plot: str, gqa: list[tuple[dict, bool]] = ()) -> str:
+def section(plain: dict, causal: dict, plot: str, gqa: list[tuple[dict, bool]] = (),
+            releases: dict | None = None) -> str:
     meta = plain["meta"]
     ver = meta["versions"]
     o = plain.get("overhead") or {}
@@ -46,14 +47,14 @@ def section(plain: dict, causal: dict, plot: str, gqa: list[tuple[dict, bool]] =
         "inputs. TFLOP/s = `4*B*H*S_q*S_k*D / time` (causal: half), median of 50 CUDA-event timings after "
         "warm-up, `batch*seq = 16384`, `heads*d_head = 2048`. cupyflash runs with `cfg=None`, i.e. the "
         "shipped H100 tuning table (`cupyflash/tuning/default_h100.json`, made by `python -m cupyflash "
-        "autotune --write-default`). Raw results: `docs/bench_h100.json`, `docs/bench_h100_causal.json`; "
+        "autotune --write-default` and, for its causal rows, `... --d-heads 128 --causal --write-default`). Raw results: `docs/bench_h100.json`, `docs/bench_h100_causal.json`; "
         "`python scripts/readme_performance.py` writes this section from them.", "",
         f"![TFLOP/s vs sequence length]({plot})", "",
         "| dtype | d_head | causal | seq | cupyflash | SDPA flash (FA2) | SDPA cuDNN | cupyflash / FA2 |",
         "|---|---|---|---|---|---|---|---|",
         *grid_rows(plain, False), *grid_rows(causal, True), "",
         "cupyflash's mma.sync kernels beat FlashAttention-2 (the SDPA flash backend, also mma.sync) at every "
-        "point of the grid. cuDNN's Hopper kernels (wgmma, TMA, warp specialisation) are 1.3-1.8x faster "
+        "point of the grid. cuDNN's Hopper kernels (wgmma, TMA, warp specialisation) are 1.3-1.9x faster "
         "still; closing that gap needs an sm_90a kernel family.", "",
     ]
     if gqa:
@@ -68,11 +69,31 @@ def section(plain: dict, causal: dict, plot: str, gqa: list[tuple[dict, bool]] =
     if "cupyflash_auto" in o and "sdpa_flash" in o:
         a, c, s = o["cupyflash_auto"], o["cupyflash_cfg_out"], o["sdpa_flash"]
         lines += [
-            "Per-call cost on a tiny problem (1x128x8x128 bf16, torch tensors, kernel cached, 2000 back-to-back "
-            f"calls): `forward(None, q, k, v)` {a['us_per_call']:.1f} us per call ({a['issue_us_per_call']:.1f} us "
-            f"of it on the host), `forward(cfg, q, k, v, out=out)` {c['us_per_call']:.1f} us, SDPA flash "
-            f"{s['us_per_call']:.1f} us. These figures move by 2x between runs with the host's load; the ratio "
-            "within one run is what the benchmark checks.", "",
+            "Per-call cost on a tiny problem (1x128x8x128 bf16, torch tensors, kernel cached; medians of "
+            f"{o.get('rounds', 1)} interleaved rounds): `forward(None, q, k, v)` costs {a['issue_us_per_call']:.1f} us "
+            f"of host time per call, `forward(cfg, q, k, v, out=out)` {c['issue_us_per_call']:.1f} us, against "
+            f"{s['us_per_call']:.1f} us per back-to-back SDPA flash call.",
+        ]
+        if "python_side_us_per_call" in o:
+            lines[-1] += (
+                f" A bare `cuLaunchKernel` of the same kernel costs {o['bare_launch']['issue_us_per_call']:.1f} us, "
+                f"so the Python-side overhead of `forward(None, ...)` (argument signature, output allocation, "
+                f"launch bookkeeping) is {o['python_side_us_per_call']:.1f} us, "
+                f"{o['ratio_python_side_over_sdpa_wall']:.2f}x SDPA's per-call time; the whole host cost is "
+                f"{o['ratio_cupyflash_issue_over_sdpa_wall']:.2f}x.")
+        lines += ["These figures move by up to 2x between runs with the host's load; ratios within one round are "
+                  "what the benchmark compares.", ""]
+    if releases and releases.get("rows"):
+        rows = releases["rows"]
+        user = [r["new"] / r["old"] for r in rows]
+        kernel = [r["kernel_new_over_old"] for r in rows]
+        lines += [
+            "Against the previous release (`scripts/compare_releases.py --old <checkout>`: both releases on the "
+            f"non-causal grid above, bf16/fp16, d_head 64/128, in one run, {releases.get('rounds', 1)} alternating "
+            "rounds per point, `docs/compare_releases_h100.json`): new/old "
+            f"{min(user):.3f}-{max(user):.3f} with each release's own tuning table, "
+            f"{min(kernel):.3f}-{max(kernel):.3f} (mean {sum(kernel) / len(kernel):.3f}) for the two kernels on the "
+            "same configs.", "",
         ]
     prog = sorted((r for r in plain.get("progression", []) if r["dtype"] == "bf16" and r["d_head"] == 128
                    and "tflops" in r), key=lambda r: r["step"])
@@ -93,7 +114,9 @@ def main(argv: list[str]) -> int:
            for path, is_causal in ((plain_path.with_name(plain_path.stem + "_gqa.json"), False),
                                    (plain_path.with_name(plain_path.stem + "_gqa_causal.json"), True))
            if path.exists()]
-    README.write_text(text[:start] + section(plain, causal, plot, gqa) + text[end:])
+    releases_path = plain_path.with_name("compare_releases_h100.json")
+    releases = json.loads(releases_path.read_text()) if releases_path.exists() else None
+    README.write_text(text[:start] + section(plain, causal, plot, gqa, releases) + text[end:])
     return 0
 
 

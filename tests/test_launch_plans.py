@@ -27,6 +27,9 @@ class FakeTensor:
     def get_device(self):
         return self.device
 
+    def new_empty(self, shape):
+        return FakeTensor(0x4000, shape=shape, dtype=self.dtype, device=self.device)
+
 
 FakeTensor.__module__ = "torch.fake"  # the fast path dispatches on the type's module
 
@@ -41,9 +44,9 @@ def launches(monkeypatch):
     launch_plans.clear()
 
 
-def make_plan(allocated):
+def make_plan(allocated=None):
     params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
-    return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params,
+    return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params, out_shape=(1, 128, 8, 64),
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
 
 
@@ -92,16 +95,18 @@ def test_signature_refuses_what_it_cannot_replay():
 
 
 def test_replay_packs_new_pointers_and_allocates(launches):
-    out = FakeTensor(0x4000)
-    plan = make_plan(out)
+    plan = make_plan()
     q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
     key = launch_plans.signature(None, q, k, v, None, None)
     assert launch_plans.lookup(key, q, k, v, None) is None  # nothing remembered yet
     launch_plans.remember(key, plan)
-    assert launch_plans.lookup(key, q, k, v, None) is out
+    out = launch_plans.lookup(key, q, k, v, None)
+    # a torch output comes from the call's own q: its dtype and device, the plan's shape
+    assert isinstance(out, FakeTensor) and out.shape == (1, 128, 8, 64)
+    assert (out.dtype, out.device, out.ptr) == (q.dtype, q.device, 0x4000)
     (args,) = launches
     assert args[:9] == (0xF00, 1, 8, 1, 128, 1, 1, 49152, 0x5)
-    packed = PARAMS_STRUCT.unpack(ctypes.string_at(plan._buf, PARAMS_STRUCT.size))
+    packed = PARAMS_STRUCT.unpack(ctypes.string_at(plan.buf, PARAMS_STRUCT.size))
     fields = dict(zip(param_names(), packed))
     assert (fields["q"], fields["k"], fields["v"], fields["o"]) == (0x1000, 0x2000, 0x3000, 0x4000)
     assert fields["seq_len_q"] == 100 and fields["n_heads"] == 8  # the prepacked tail is untouched

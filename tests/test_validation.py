@@ -159,14 +159,16 @@ def test_cfg_d_head_mismatch():
 def test_cfg_none_calls_selector_with_problem_description():
     calls = []
 
-    def select(dtype, d_head, sq, sk, device):
-        calls.append((dtype, d_head, sq, sk, device))
+    def select(dtype, d_head, sq, sk, device, causal):
+        calls.append((dtype, d_head, sq, sk, device, causal))
         return CFG
 
     q, k, v = view((2, 128, 4, 64), device=1), view((2, 192, 4, 64), device=1), view((2, 192, 4, 64), device=1)
     plan = check_forward_args(None, q, k, v, select=select)
-    assert calls == [(DType.FP16, 64, 128, 192, 1)]
+    assert calls == [(DType.FP16, 64, 128, 192, 1, False)]
     assert plan.cfg is CFG
+    check_forward_args(None, q, k, v, causal=True, select=select)
+    assert calls[-1] == (DType.FP16, 64, 128, 192, 1, True)  # causal problems have their own table rows
 
 
 def test_cfg_none_without_selector():

@@ -1,7 +1,7 @@
 """Persisted tuning tables and the cfg=None / 'auto' config choice.
 
-A `TuningTable` maps (dtype, d_head, seq bucket) to the fastest kernel config measured on one GPU
-model. `cupyflash.autotune` writes them; `tuned_config` reads them for `forward(cfg=None)`:
+A `TuningTable` maps (dtype, d_head, seq bucket, causal) to the fastest kernel config measured on
+one GPU model. `cupyflash.autotune` writes them; `tuned_config` reads them for `forward(cfg=None)`:
 
 1. the user's table for this exact device name, `<cache dir>/tuning/<device slug>.json`
    (cache dir: $CUPYFLASH_CACHE_DIR or ~/.cache/cupyflash), written by `cupyflash autotune`;
@@ -10,12 +10,13 @@ model. `cupyflash.autotune` writes them; `tuned_config` reads them for `forward(
 3. otherwise None, and the caller uses the heuristic `config_sets.default_config(dtype, d_head)`.
 
 A tuned config serves any problem of its (dtype, d_head): the kernel masks sequence tails, so
-lengths need not be multiples of the config's B_r/B_c, and causal and GQA/MQA calls use the same
-table (it was measured non-causal, with as many k/v heads as q heads). A table file that is
+lengths need not be multiples of the config's B_r/B_c. Causal calls use the table's causal rows
+(`autotune --causal`) where it has any for their (dtype, d_head), else the non-causal rows; GQA/MQA
+calls use the same rows as MHA (measured with as many k/v heads as q heads). A table file that is
 unreadable or invalid is reported once with a RuntimeWarning and skipped, never an error.
 
 Tables are read once per process and choices are cached per (dtype, d_head, seq_len_q,
-seq_len_k, device); `clear_caches()` forgets them (autotune calls it after writing a table).
+seq_len_k, device, causal); `clear_caches()` forgets them (autotune calls it after writing a table).
 
 The bucket is chosen by seq_len_k: in the tuning grid (batch*seq fixed) every bucket launches
 the same number of CTAs, so what differs between buckets is the length of the K/V loop.
@@ -53,17 +54,20 @@ class TuningTableError(ValueError):
 
 @dataclass(frozen=True)
 class TuningEntry:
-    """The winner for one (dtype, d_head, seq bucket), with what was measured."""
+    """The winner for one (dtype, d_head, seq bucket, causal), with what was measured."""
 
     config: FlashForwardKernelConfig
     seq: int
     tflops: float | None = None
     ms: float | None = None
     info: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    causal: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.config.dtype.name, "d_head": self.config.d_head, "seq": self.seq,
-                "config": self.config.short_form(), "tflops": self.tflops, "ms": self.ms, **self.info}
+        out = {"dtype": self.config.dtype.name, "d_head": self.config.d_head, "seq": self.seq}
+        if self.causal:  # absent means False: tables written before the field read the same
+            out["causal"] = True
+        return {**out, "config": self.config.short_form(), "tflops": self.tflops, "ms": self.ms, **self.info}
 
 
 def pick_bucket(buckets: Iterable[int], seq_len: int) -> int | None:
@@ -88,32 +92,40 @@ class TuningTable:
         self.match = match
         self.comment = comment
         self.meta: dict[str, Any] = dict(meta or {})
-        self._entries: dict[tuple[DType, int, int], TuningEntry] = {}
+        self._entries: dict[tuple[DType, int, bool, int], TuningEntry] = {}
 
     # ------------------------------------------------------------------ entries
     def set(self, config: FlashForwardKernelConfig, seq: int, tflops: float | None = None,
-            ms: float | None = None, **info: Any) -> TuningEntry:
-        """Record `config` as the winner for (config.dtype, config.d_head, seq)."""
+            ms: float | None = None, *, causal: bool = False, **info: Any) -> TuningEntry:
+        """Record `config` as the winner for (config.dtype, config.d_head, seq, causal)."""
         if not isinstance(config, FlashForwardKernelConfig):
             raise TypeError(f"config: expected FlashForwardKernelConfig, got {type(config).__name__}")
         if int(seq) <= 0:
             raise ValueError(f"seq: expected a positive bucket, got {seq!r}")
-        entry = TuningEntry(config, int(seq), tflops, ms, dict(info))
-        self._entries[(config.dtype, config.d_head, int(seq))] = entry
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal: expected a bool, got {causal!r}")
+        entry = TuningEntry(config, int(seq), tflops, ms, dict(info), causal)
+        self._entries[(config.dtype, config.d_head, causal, int(seq))] = entry
         return entry
 
     def entries(self) -> list[TuningEntry]:
-        """All entries, sorted by (dtype, d_head, seq)."""
+        """All entries, sorted by (dtype, d_head, causal, seq)."""
         return [self._entries[k] for k in sorted(self._entries)]
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, dtype: DType, d_head: int, seq_len: int) -> TuningEntry | None:
-        """The entry of the bucket `seq_len` falls in (see `pick_bucket`), or None."""
+    def get(self, dtype: DType, d_head: int, seq_len: int, causal: bool = False) -> TuningEntry | None:
+        """The entry of the bucket `seq_len` falls in (see `pick_bucket`), or None. A causal
+        problem takes the causal rows of its (dtype, d_head) when there are any, else the
+        non-causal ones."""
         dtype = DType(dtype)
-        bucket = pick_bucket((s for (dt, d, s) in self._entries if dt is dtype and d == d_head), seq_len)
-        return None if bucket is None else self._entries[(dtype, d_head, bucket)]
+        for rows_causal in ((True, False) if causal else (False,)):
+            bucket = pick_bucket((s for (dt, d, c, s) in self._entries
+                                  if dt is dtype and d == d_head and c == rows_causal), seq_len)
+            if bucket is not None:
+                return self._entries[(dtype, d_head, rows_causal, bucket)]
+        return None
 
     def matches(self, device_name: str | None) -> bool:
         """True when this table applies to `device_name`: the same name (case-insensitive), or
@@ -125,11 +137,11 @@ class TuningTable:
         return bool(self.match) and self.match.upper() in _name_tokens(device_name)
 
     def lookup(self, device_name: str | None, dtype: DType, d_head: int,
-               seq_len: int) -> FlashForwardKernelConfig | None:
+               seq_len: int, causal: bool = False) -> FlashForwardKernelConfig | None:
         """The tuned config for this device and problem, or None (other device, or no entry)."""
         if not self.matches(device_name):
             return None
-        entry = self.get(dtype, d_head, seq_len)
+        entry = self.get(dtype, d_head, seq_len, causal)
         return entry.config if entry is not None else None
 
     # ------------------------------------------------------------------ JSON
@@ -164,6 +176,9 @@ class TuningTable:
                 dtype, d_head, seq = DType.parse(item["dtype"]), int(item["d_head"]), int(item["seq"])
                 tflops = None if item.get("tflops") is None else float(item["tflops"])
                 ms = None if item.get("ms") is None else float(item["ms"])
+                causal = item.get("causal", False)
+                if not isinstance(causal, bool):
+                    raise TypeError(f"causal: expected true or false, got {causal!r}")
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise TuningTableError(f"entries[{i}]: {type(exc).__name__}: {exc}") from None
             if (cfg.dtype, cfg.d_head) != (dtype, d_head):
@@ -171,8 +186,9 @@ class TuningTable:
                                        f"and d_head {d_head}")
             if seq <= 0 or (tflops is not None and not math.isfinite(tflops)):
                 raise TuningTableError(f"entries[{i}]: bad seq {seq} or tflops {tflops}")
-            info = {k: v for k, v in item.items() if k not in ("dtype", "d_head", "seq", "config", "tflops", "ms")}
-            table.set(cfg, seq, tflops, ms, **info)
+            info = {k: v for k, v in item.items()
+                    if k not in ("dtype", "d_head", "seq", "causal", "config", "tflops", "ms")}
+            table.set(cfg, seq, tflops, ms, causal=causal, **info)
         return table
 
     @classmethod
@@ -279,7 +295,7 @@ def device_name(device: int) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
-                   name: str | None) -> tuple[FlashForwardKernelConfig | None, str]:
+                   name: str | None, causal: bool = False) -> tuple[FlashForwardKernelConfig | None, str]:
     """(tuned config or None, where it came from) for a device called `name`.
 
     Sources: 'user table <path>', 'default table <path>', or 'heuristic' (config None: the caller
@@ -291,7 +307,7 @@ def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
         for source, table in candidates:
             if table is None:
                 continue
-            cfg = table.lookup(name, dtype, d_head, seq_len_k)
+            cfg = table.lookup(name, dtype, d_head, seq_len_k, causal)
             if cfg is not None:
                 return cfg, source
     return None, "heuristic"
@@ -299,11 +315,11 @@ def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
 
 @functools.lru_cache(maxsize=4096)
 def tuned_config(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
-                 device: int) -> FlashForwardKernelConfig | None:
+                 device: int, causal: bool = False) -> FlashForwardKernelConfig | None:
     """The tuned config for this problem on CUDA device `device`, or None (use the heuristic).
 
     Cached per argument tuple, so a forward call pays one dict lookup."""
-    return explain_choice(dtype, d_head, seq_len_q, seq_len_k, device_name(device))[0]
+    return explain_choice(dtype, d_head, seq_len_q, seq_len_k, device_name(device), causal)[0]
 
 
 def clear_caches() -> None:
