@@ -7,9 +7,11 @@ fastest correct one in a `TuningTable` that `forward(cfg=None)` reads (see cupyf
 Each bucket is timed on the SPEC §6 problem of that length (batch*seq = 16384, heads*d_head =
 2048; with --causal causally masked, filling the table's causal rows) in buffers the tuner
 allocates itself. Every candidate is first checked once against a float64 reference (SPEC §5
-relative L2 bound) and dropped if wrong. All candidates are timed with `iters` CUDA-event samples; the `finalists` fastest are timed again in FINAL_ROUNDS interleaved
-rounds of `iters` samples, and the lowest median of round medians wins (ties: the earlier config
-in the sorted candidate order, so the set and its order are deterministic).
+relative L2 bound) and dropped if wrong. All candidates are timed in two sweeps, in order and then
+reversed (`iters`/2 CUDA-event samples each; the mean of the two medians cancels clock drift);
+the `finalists` fastest are timed again in FINAL_ROUNDS interleaved rounds of `iters` samples,
+and the lowest median of round medians wins (ties: the earlier config in the sorted candidate
+order, so the set and its order are deterministic).
 """
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig,
         sets.append((q, k, v, cupy.empty_like(q)))
     flops = attention_flops(shape.batch, shape.heads, seq, seq, d_head, causal)
     label = f"{dtype.name} d{d_head} S={seq}{' causal' if causal else ''}"
+    sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
         r.timing, r.error = None, None
         cfg = r.cfg
@@ -118,12 +121,26 @@ def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig,
                     r.error = checked[cfg]
                 if r.error is None:
                     r.timing = time_cupy(lambda i, c=cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal),
-                                         n_sets, warmup, iters)
+                                         n_sets, warmup, sweep_iters)
             except Exception as exc:  # one broken config must not end the whole run; it is reported
                 r.error = checked[cfg] = f"{type(exc).__name__}: {exc}"
         item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {cfg}" if r.timing
                 else f"{label} FAILED {cfg}: {r.error}")
         bar.advance(item, failed=r.timing is None and not known_bad and "multiple of" not in (r.error or ""))
+    # A second sweep in reverse order: drift of the GPU's clocks over the first sweep (tens of
+    # seconds) favours whatever was timed in a fast stretch; the mean of the two sweeps cancels
+    # linear drift before the finalists are chosen.
+    for r in reversed(results):
+        if r.timing is None:
+            continue
+        try:
+            again = time_cupy(lambda i, c=r.cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal),
+                              n_sets, warmup, sweep_iters)
+        except Exception as exc:
+            r.timing, r.error = None, checked.setdefault(r.cfg, f"{type(exc).__name__}: {exc}")
+            continue
+        r.timing = Timing((r.timing.median_ms + again.median_ms) / 2, min(r.timing.min_ms, again.min_ms),
+                          max(r.timing.max_ms, again.max_ms), r.timing.samples + again.samples)
     timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
     winner = _final_round(timed[:max(1, finalists)], sets, n_sets, warmup, iters, causal)
     sets.clear()  # drop the buffers before the next bucket allocates its own

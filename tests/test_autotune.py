@@ -325,47 +325,53 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
     assert tuning.tuned_config(DType.BF16, 128, 256, 256, 0) == fast
 
 
-def test_autotune_causal_fills_the_causal_rows(isolated_tables, monkeypatch):
-    """--causal times causally masked problems (checked against a causal reference) and stores
-    causal rows beside the non-causal ones; forward(causal=True) then picks from them."""
+@pytest.fixture
+def fake_tuner(isolated_tables, monkeypatch):
+    """The autotune module with numpy for CuPy, an exact numpy forward (causal-aware), no
+    compiles, and a timer that asks `ns.time_of(cfg)` for each timing (fixtures, not
+    measurements). ns.launches logs (cfg, causal); ns.compiled the causal flag of each compile."""
     import sys
 
     from cupyflash import autotune as _  # noqa: F401
-    autotune_mod = sys.modules["cupyflash.autotune"]
     from cupyflash import device
+    from cupyflash.compiler import nvrtc_version
 
-    cands = TUNE_BF16_128[:4]
-    speed = {c: 1.0 + 0.1 * i for i, c in enumerate(cands)}  # fixture values, not measurements
-    speed[cands[3]] = 0.5
-    launches, compiled = [], []
+    ns = types.SimpleNamespace(mod=sys.modules["cupyflash.autotune"], launches=[], compiled=[], time_of=None)
 
     def fake_forward(cfg, q, k, v, out=None, causal=False, **kw):
-        launches.append((cfg, causal))
+        ns.launches.append((cfg, causal))
         _exact_attention(q, k, v, out, causal=causal)
 
     def fake_time(run, n_sets, warmup, iters):
         run(0)
-        t = speed[launches[-1][0]]
+        t = ns.time_of(ns.launches[-1][0])
         return benchmarking.Timing(t, t, t, iters)
 
     real_grid = benchmarking.grid_shape
-    from cupyflash.compiler import nvrtc_version
-
-    nvrtc_version()
+    nvrtc_version()  # loads NVRTC through the real CuPy before numpy stands in for it (cached)
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(device, "require_gpu", lambda: None)
-    monkeypatch.setattr(autotune_mod, "_compile_all",
-                        lambda configs, dev, stream, causal=False: compiled.append(causal) or {})
-    monkeypatch.setattr(autotune_mod, "time_cupy", fake_time)
-    monkeypatch.setattr(autotune_mod, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
+    monkeypatch.setattr(ns.mod, "_compile_all",
+                        lambda configs, dev, stream, causal=False: ns.compiled.append(causal) or {})
+    monkeypatch.setattr(ns.mod, "time_cupy", fake_time)
+    monkeypatch.setattr(ns.mod, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
     monkeypatch.setattr(api, "forward", fake_forward)
-    monkeypatch.setattr(autotune_mod, "default_table_path",
-                        lambda name: isolated_tables.shipped / "default_h100.json")
+    monkeypatch.setattr(ns.mod, "default_table_path", lambda name: isolated_tables.shipped / "default_h100.json")
+    return ns
+
+
+def test_autotune_causal_fills_the_causal_rows(isolated_tables, fake_tuner, monkeypatch):
+    """--causal times causally masked problems (checked against a causal reference) and stores
+    causal rows beside the non-causal ones; forward(causal=True) then picks from them."""
+    cands = TUNE_BF16_128[:4]
+    speed = {c: 1.0 + 0.1 * i for i, c in enumerate(cands)}  # fixture values, not measurements
+    speed[cands[3]] = 0.5
+    fake_tuner.time_of = speed.__getitem__
     _table([(cands[0], 128)], match="H100").save(isolated_tables.shipped / "default_h100.json")
 
-    autotune_mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=3, warmup=0,
-                          progress=False, write_default=True, causal=True)
-    assert compiled == [True] and {c for _, c in launches} == {True}
+    fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=3, warmup=0,
+                            progress=False, write_default=True, causal=True)
+    assert fake_tuner.compiled == [True] and {c for _, c in fake_tuner.launches} == {True}
     shipped = TuningTable.load(isolated_tables.shipped / "default_h100.json")
     assert [(e.seq, e.causal, e.config) for e in shipped.entries()] == [(128, False, cands[0]), (128, True, cands[3])]
     assert shipped.meta["causal"] is True
@@ -373,6 +379,27 @@ def test_autotune_causal_fills_the_causal_rows(isolated_tables, monkeypatch):
     assert tuning.tuned_config(DType.BF16, 128, 128, 128, 0, True) == cands[3]
     assert tuning.tuned_config(DType.BF16, 128, 128, 128, 0) == cands[0]
     assert api._select_config(DType.BF16, 128, 128, 128, 0, True) == cands[3]
+
+
+def test_two_sweeps_cancel_clock_drift(fake_tuner):
+    """The GPU slows down steadily while the first pass runs: timed once in order, the first
+    candidates would look fastest and fill the finals. The reversed second sweep cancels that,
+    so the truly fastest one is a finalist and wins (times are fixtures, not measurements)."""
+    cands = TUNE_BF16_128[:6]
+    true_ms = {c: 1.0 for c in cands}
+    true_ms[cands[5]] = 0.9  # fastest, but timed last in the first sweep
+    calls = []
+
+    def drifting(cfg):
+        calls.append(cfg)
+        return true_ms[cfg] * (1 + 0.05 * len(calls))  # each timing 5% slower than the one before
+
+    fake_tuner.time_of = drifting
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=4, warmup=0,
+                                    progress=False, finalists=2)
+    assert table.get(DType.BF16, 128, 128).config == cands[5]
+    # checked once each, then: sweep in order, sweep reversed, finals
+    assert calls[:6] == cands and calls[6:12] == cands[::-1]
 
 
 def test_autotune_cli_without_gpu_exits_2(monkeypatch, capsys):
