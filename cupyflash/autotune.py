@@ -84,6 +84,13 @@ def _compile_all(configs: Sequence[FlashForwardKernelConfig], device: int, strea
     return {r.short_form: (r.error or "compile failed") for r in report.failed}
 
 
+def _timed_call(cfg: FlashForwardKernelConfig, sets: list, causal: bool) -> Any:
+    """`run(set_index)` for time_cupy: one forward of `cfg` into the set's own output buffer."""
+    from .api import forward  # looked up per call so tests can stand in for it
+
+    return lambda i, c=cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal)
+
+
 def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig, str | None], dtype: DType,
                  d_head: int, seq: int, iters: int, warmup: int, finalists: int, bar: ProgressBar,
                  l2_bytes: int, causal: bool = False) -> tuple[_Result | None, list[_Result]]:
@@ -120,8 +127,7 @@ def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig,
                     checked[cfg] = None if rel <= tol else f"wrong result: relative L2 error {rel:.3g} > {tol:g}"
                     r.error = checked[cfg]
                 if r.error is None:
-                    r.timing = time_cupy(lambda i, c=cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal),
-                                         n_sets, warmup, sweep_iters)
+                    r.timing = time_cupy(_timed_call(cfg, sets, causal), n_sets, warmup, sweep_iters)
             except Exception as exc:  # one broken config must not end the whole run; it is reported
                 r.error = checked[cfg] = f"{type(exc).__name__}: {exc}"
         item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {cfg}" if r.timing
@@ -134,8 +140,7 @@ def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig,
         if r.timing is None:
             continue
         try:
-            again = time_cupy(lambda i, c=r.cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal),
-                              n_sets, warmup, sweep_iters)
+            again = time_cupy(_timed_call(r.cfg, sets, causal), n_sets, warmup, sweep_iters)
         except Exception as exc:
             r.timing, r.error = None, checked.setdefault(r.cfg, f"{type(exc).__name__}: {exc}")
             continue
@@ -155,17 +160,13 @@ def _final_round(finals: list[_Result], sets: list, n_sets: int, warmup: int, it
 
     The GPU's clocks drift by a few percent over seconds; timing each finalist once, one after
     the other, let that drift choose between configs a few percent apart."""
-    from .api import forward
-
     rounds: dict[int, list[Timing]] = {r.index: [] for r in finals}
     for n in range(FINAL_ROUNDS):
         for r in (finals if n % 2 == 0 else finals[::-1]):
             if r.timing is None:
                 continue
             try:
-                rounds[r.index].append(
-                    time_cupy(lambda i, c=r.cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal),
-                              n_sets, warmup, iters))
+                rounds[r.index].append(time_cupy(_timed_call(r.cfg, sets, causal), n_sets, warmup, iters))
             except Exception as exc:
                 r.timing, r.error = None, f"{type(exc).__name__}: {exc}"
     finals = [r for r in finals if r.timing and rounds[r.index]]

@@ -35,7 +35,7 @@ _FP32_MAX = 3.4028234663852886e38
 _FP32_MIN_NORMAL = 1.1754943508222875e-38
 
 
-# (dtype, d_head, seq_len_q, seq_len_k, device) -> config, for cfg=None / 'auto'.
+# (dtype, d_head, seq_len_q, seq_len_k, device, causal) -> config, for cfg=None / 'auto'.
 ConfigSelector = Callable[[DType, int, int, int, int, bool], FlashForwardKernelConfig]
 
 

@@ -94,8 +94,7 @@ struct ForwardCTA {
 
     // The query block this CTA computes. Under causal masking later query blocks see more keys;
     // starting them first keeps the last wave of CTAs short. A function of special registers
-    // rather than a member, so it is re-read where needed instead of holding a register (or a
-    // spill slot) across the key loop.
+    // rather than a member, so nothing forces it to stay live across the key loop.
     CF_DEVICE static int q_block() { return CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x; }
 
     // ---- global -> shared block loads ----
