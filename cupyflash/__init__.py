@@ -1,6 +1,7 @@
 """cupyflash: runtime-compiled FlashAttention forward kernels for CuPy, PyTorch and JAX."""
-from .config import DType, FlashForwardKernelConfig
-from .config_sets import get_kernel_configs
+from .config import DType
+from .families.forward_sm80.config import FlashForwardKernelConfig
+from .families.forward_sm80.config_sets import get_kernel_configs
 from .api import forward
 from .tuning import TuningTable
 # The function shadows its module as a package attribute (`cupyflash.autotune(...)`, as documented);

@@ -9,8 +9,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from . import config_sets, launch_plans
-from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from . import launch_plans
+from .families.forward_sm80 import config_sets
+from .config import SUPPORTED_D_HEADS, DType
+from .config import KernelConfig
+from .families import family_of, parse_config
+from .families.forward_sm80 import FORWARD_SM80
+from .families.forward_sm80.config import FlashForwardKernelConfig
 from .tuning import tuned_config as _tuned_config  # module attribute so tests can patch it
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, output_view,
                       resolve_stream, wrap_output)
@@ -34,9 +39,19 @@ def _parse_config(text: str) -> FlashForwardKernelConfig | None:
     if text.strip().lower() == AUTO:
         return None
     try:
-        return FlashForwardKernelConfig.parse(text)
+        config = parse_config(text)  # any family's short form; the family is read off its prefix
     except ValueError as exc:
         raise ValueError(f"cfg: {exc}") from None
+    return _forward_config(config)
+
+
+def _forward_config(cfg: Any) -> FlashForwardKernelConfig:
+    """`cfg` if forward() can launch it; ValueError naming the family otherwise."""
+    if type(cfg) is not FlashForwardKernelConfig:
+        family = family_of(cfg)
+        raise ValueError(f"cfg: {cfg} is a config of the {family.name} kernel family ({family.kind}); "
+                         f"forward() launches configs of the {FORWARD_SM80.name} family")
+    return cfg
 
 
 @functools.lru_cache(maxsize=64)
@@ -51,7 +66,7 @@ def _select_config(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
     """The library's choice for cfg=None/'auto': the user's tuning table for this GPU, else the
     shipped table for its family, else config_sets.default_config (see cupyflash.tuning).
     Both lookups are cached, so this costs two dict lookups per call."""
-    cfg = _tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
+    cfg = _tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal, FORWARD_SM80.name)
     return cfg if cfg is not None else _default_config(dtype, d_head)
 
 
@@ -64,6 +79,8 @@ def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = No
     """
     if isinstance(cfg, FlashForwardKernelConfig):
         return cfg
+    if isinstance(cfg, KernelConfig):
+        return _forward_config(cfg)
     if isinstance(cfg, str):
         config = _parse_config(cfg)
         if config is not None:

@@ -1,12 +1,13 @@
-"""Autotuning: time every candidate config per (dtype, d_head, seq bucket) on this GPU, keep the
-fastest correct one in a `TuningTable` that `forward(cfg=None)` reads (see cupyflash.tuning).
+"""Autotuning: time every candidate config of a kernel family per (dtype, d_head, seq bucket) on
+this GPU, keep the fastest correct one in a `TuningTable` that `cfg=None` reads (see
+cupyflash.tuning).
 
-    python -m cupyflash autotune [--dtypes bf16,fp16] [--d-heads 64,128] [--seqs 512,...,16384]
-                                 [--iters 20] [--table PATH] [--write-default] [--causal]
+    python -m cupyflash autotune [--family forward_sm80] [--dtypes bf16,fp16] [--d-heads 64,128]
+                                 [--seqs 512,...,16384] [--iters 20] [--table PATH] [--write-default] [--causal]
 
-Each bucket is timed on the SPEC §6 problem of that length (batch*seq = 16384, heads*d_head =
-2048; with --causal causally masked, filling the table's causal rows) in buffers the tuner
-allocates itself. Every candidate is first checked once against a float64 reference (SPEC §5
+Each bucket is timed on the family's tuning problem (`KernelFamily.tuning_problem`; for the
+forward families SPEC §6's grid at that length, batch*seq = 16384, heads*d_head = 2048; with
+--causal causally masked, filling the table's causal rows) in buffers the problem allocates. Every candidate is first checked once against a float64 reference (SPEC §5
 relative L2 bound) and dropped if wrong. All candidates are timed in two sweeps, in order and then
 reversed (`iters`/2 CUDA-event samples each; the mean of the two medians cancels clock drift);
 the `finalists` fastest are timed again in FINAL_ROUNDS interleaved rounds of `iters` samples,
@@ -23,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence, TextIO
 
-from . import config_sets
-from .benchmarking import (REL_L2_TOLERANCE, Timing, attention_flops, grid_shape, parse_dtypes, parse_ints, poison,
-                           random_inputs, rotation_sets, spot_check_rel_l2, time_cupy)
-from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from .families import DEFAULT_FAMILY, FAMILIES, KernelFamily, get_family
+from .families.base import TuningProblem
+from .benchmarking import Timing, grid_shape, parse_dtypes, parse_ints, time_cupy
+from .config import SUPPORTED_D_HEADS, DType, KernelConfig
 from .progress import ProgressBar
 from .tuning import (SEQ_BUCKETS, TuningTable, TuningTableError, clear_caches, default_table_path, device_family,
                      user_table_path)
@@ -40,17 +41,18 @@ DEFAULT_FINALISTS = 8
 FINAL_ROUNDS = 5
 
 
-def candidate_configs(dtype: DType, d_head: int,
-                      candidates: Iterable[FlashForwardKernelConfig] | None = None) -> list[FlashForwardKernelConfig]:
-    """The configs tried for (dtype, d_head): `candidates` (default: the autotuning set) restricted
-    to that dtype and d_head, deduplicated and sorted, so the order never depends on the caller's."""
-    pool = config_sets.autotune_configs([dtype], [d_head]) if candidates is None else candidates
-    return sorted({c for c in pool if c.dtype is dtype and c.d_head == d_head})
+def candidate_configs(dtype: DType, d_head: int, candidates: Iterable[KernelConfig] | None = None,
+                      family: str | KernelFamily = DEFAULT_FAMILY) -> list[KernelConfig]:
+    """The configs tried for (dtype, d_head): `candidates` (default: the family's autotuning set)
+    restricted to that dtype and d_head, deduplicated and sorted, so the order never depends on
+    the caller's."""
+    pool = get_family(family).tune_candidates(dtype, d_head) if candidates is None else candidates
+    return sorted({c for c in pool if c.dtype is dtype and c.d_head == d_head})  # type: ignore[attr-defined]
 
 
 @dataclass
 class _Result:
-    cfg: FlashForwardKernelConfig
+    cfg: KernelConfig
     index: int                    # position in the candidate order, the tie-breaker
     timing: Timing | None = None
     error: str | None = None
@@ -72,67 +74,48 @@ def _versions() -> dict[str, Any]:
             "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion()}
 
 
-def _compile_all(configs: Sequence[FlashForwardKernelConfig], device: int, stream: TextIO | None,
+def _compile_all(configs: Sequence[KernelConfig], device: int, stream: TextIO | None,
                  causal: bool = False) -> dict[str, str]:
     """Compile every candidate into the kernel cache in parallel (NVRTC in worker processes), so the
     timing loop only loads cubins. Returns {short form: error} for the ones that failed."""
-    from .device import device_arch
+    from .families import family_of
     from .prewarm import prewarm
 
-    arch, _ = device_arch(device)
-    report = prewarm(configs, [arch], progress=stream, causal=(causal,))
-    return {r.short_form: (r.error or "compile failed") for r in report.failed}
+    by_arch: dict[str, list[KernelConfig]] = {}
+    for cfg in configs:
+        by_arch.setdefault(family_of(cfg).arch_for_device(device), []).append(cfg)
+    failed: dict[str, str] = {}
+    for arch, cfgs in by_arch.items():
+        report = prewarm(cfgs, [arch], progress=stream, causal=(causal,))
+        failed.update({r.short_form: (r.error or "compile failed") for r in report.failed})
+    return failed
 
 
-def _timed_call(cfg: FlashForwardKernelConfig, sets: list, causal: bool) -> Any:
-    """`run(set_index)` for time_cupy: one forward of `cfg` into the set's own output buffer."""
-    from .api import forward  # looked up per call so tests can stand in for it
-
-    return lambda i, c=cfg: forward(c, *sets[i][:3], out=sets[i][3], causal=causal)
-
-
-def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig, str | None], dtype: DType,
-                 d_head: int, seq: int, iters: int, warmup: int, finalists: int, bar: ProgressBar,
-                 l2_bytes: int, causal: bool = False) -> tuple[_Result | None, list[_Result]]:
-    """Time every candidate at one bucket on the tuner's own buffers; returns (winner, all)."""
-    import cupy
-
-    from .api import forward
-
-    shape = grid_shape(seq, d_head)
-    n_sets = rotation_sets(4 * 2 * shape.batch * shape.seq * shape.heads * d_head, l2_bytes)
-    sets = []
-    for i in range(n_sets):
-        q, k, v = (random_inputs(shape.shape, dtype, seed=1000 * seq + 3 * i + j) for j in range(3))
-        sets.append((q, k, v, cupy.empty_like(q)))
-    flops = attention_flops(shape.batch, shape.heads, seq, seq, d_head, causal)
-    label = f"{dtype.name} d{d_head} S={seq}{' causal' if causal else ''}"
+def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None], problem: TuningProblem,
+                 iters: int, warmup: int, finalists: int, bar: ProgressBar) -> tuple[_Result | None, list[_Result]]:
+    """Time every candidate on one bucket's problem; returns (winner, all)."""
+    n_sets, flops, label = problem.n_sets, problem.flops, problem.label
     sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
         r.timing, r.error = None, None
         cfg = r.cfg
         known_bad = checked.get(cfg) is not None  # reported as failed at an earlier bucket already
-        if seq % cfg.B_r or seq % cfg.B_c:
-            r.error = f"seq {seq} is not a multiple of B_r={cfg.B_r} / B_c={cfg.B_c}"
+        skip = problem.skip_reason(cfg)
+        if skip is not None:
+            r.error = skip
         elif cfg in checked and checked[cfg] is not None:
             r.error = checked[cfg]
         else:
             try:
                 if cfg not in checked:  # once per config: a poisoned output against the float64 reference
-                    q, k, v, o = sets[0]
-                    poison(o, dtype)
-                    forward(cfg, q, k, v, out=o, causal=causal)
-                    rel = spot_check_rel_l2(q, k, v, o, dtype, causal=causal)
-                    tol = REL_L2_TOLERANCE[dtype]
-                    checked[cfg] = None if rel <= tol else f"wrong result: relative L2 error {rel:.3g} > {tol:g}"
-                    r.error = checked[cfg]
+                    checked[cfg] = r.error = problem.check(cfg)
                 if r.error is None:
-                    r.timing = time_cupy(_timed_call(cfg, sets, causal), n_sets, warmup, sweep_iters)
+                    r.timing = time_cupy(problem.timed_call(cfg), n_sets, warmup, sweep_iters)
             except Exception as exc:  # one broken config must not end the whole run; it is reported
                 r.error = checked[cfg] = f"{type(exc).__name__}: {exc}"
         item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {cfg}" if r.timing
                 else f"{label} FAILED {cfg}: {r.error}")
-        bar.advance(item, failed=r.timing is None and not known_bad and "multiple of" not in (r.error or ""))
+        bar.advance(item, failed=r.timing is None and not known_bad and skip is None)
     # A second sweep in reverse order: drift of the GPU's clocks over the first sweep (tens of
     # seconds) favours whatever was timed in a fast stretch; the mean of the two sweeps cancels
     # linear drift before the finalists are chosen.
@@ -140,21 +123,18 @@ def _tune_bucket(results: list[_Result], checked: dict[FlashForwardKernelConfig,
         if r.timing is None:
             continue
         try:
-            again = time_cupy(_timed_call(r.cfg, sets, causal), n_sets, warmup, sweep_iters)
+            again = time_cupy(problem.timed_call(r.cfg), n_sets, warmup, sweep_iters)
         except Exception as exc:
             r.timing, r.error = None, checked.setdefault(r.cfg, f"{type(exc).__name__}: {exc}")
             continue
         r.timing = Timing((r.timing.median_ms + again.median_ms) / 2, min(r.timing.min_ms, again.min_ms),
                           max(r.timing.max_ms, again.max_ms), r.timing.samples + again.samples)
     timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
-    winner = _final_round(timed[:max(1, finalists)], sets, n_sets, warmup, iters, causal)
-    sets.clear()  # drop the buffers before the next bucket allocates its own
-    cupy.get_default_memory_pool().free_all_blocks()
+    winner = _final_round(timed[:max(1, finalists)], problem, warmup, iters)
     return winner, results
 
 
-def _final_round(finals: list[_Result], sets: list, n_sets: int, warmup: int, iters: int,
-                 causal: bool = False) -> _Result | None:
+def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, iters: int) -> _Result | None:
     """Re-time the fastest candidates in FINAL_ROUNDS interleaved rounds (the order alternates)
     and pick the lowest median of the per-round medians (ties: candidate order).
 
@@ -166,7 +146,7 @@ def _final_round(finals: list[_Result], sets: list, n_sets: int, warmup: int, it
             if r.timing is None:
                 continue
             try:
-                rounds[r.index].append(time_cupy(_timed_call(r.cfg, sets, causal), n_sets, warmup, iters))
+                rounds[r.index].append(time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters))
             except Exception as exc:
                 r.timing, r.error = None, f"{type(exc).__name__}: {exc}"
     finals = [r for r in finals if r.timing and rounds[r.index]]
@@ -179,11 +159,12 @@ def _final_round(finals: list[_Result], sets: list, n_sets: int, warmup: int, it
 
 
 def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int] = SUPPORTED_D_HEADS,
-             seq_buckets: Iterable[int] = SEQ_BUCKETS, candidates: Iterable[FlashForwardKernelConfig] | None = None,
+             seq_buckets: Iterable[int] = SEQ_BUCKETS, candidates: Iterable[KernelConfig] | None = None,
              iters: int = DEFAULT_ITERS, progress: bool = True, table_path: str | Path | None = None, *,
              warmup: int = DEFAULT_WARMUP, finalists: int = DEFAULT_FINALISTS, device: int | None = None,
-             write_default: bool = False, stream: TextIO | None = None, causal: bool = False) -> TuningTable:
-    """Benchmark the candidates on the current GPU and store the winners.
+             write_default: bool = False, stream: TextIO | None = None, causal: bool = False,
+             family: str | KernelFamily = DEFAULT_FAMILY) -> TuningTable:
+    """Benchmark the candidates of kernel family `family` on the current GPU and store the winners.
 
     causal=True times causally masked problems and stores the table's causal rows (which
     forward(causal=True) prefers); the non-causal rows are left as they are, and vice versa.
@@ -198,6 +179,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
     from .device import require_gpu
 
     out = stream if stream is not None else sys.stdout
+    fam = get_family(family)
     require_gpu()
     dtypes = tuple(DType.parse(d) if isinstance(d, str) else DType(d) for d in dtypes)
     d_heads = tuple(int(d) for d in d_heads)
@@ -214,39 +196,43 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
     props = cupy.cuda.runtime.getDeviceProperties(device)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     l2_bytes = int(props.get("l2CacheSize", 0))
-    groups = [(dt, d, candidate_configs(dt, d, candidates)) for dt in dtypes for d in d_heads]
+    if not fam.supports(int(props.get("major", 9)) * 10 + int(props.get("minor", 0))):
+        raise ValueError(f"family: {fam.name} does not run on {name}")
+    groups = [(dt, d, candidate_configs(dt, d, candidates, fam)) for dt in dtypes for d in d_heads]
     log = sys.stderr if progress else None
 
     with cupy.cuda.Device(device):
         failed_compiles = _compile_all([c for _, _, cfgs in groups for c in cfgs], device, log, causal)
-        path = Path(table_path) if table_path is not None else user_table_path(name)
-        table = _existing_table(path, name)
-        run = TuningTable(device=name)
+        path = Path(table_path) if table_path is not None else user_table_path(name, family=fam.name)
+        table = _existing_table(path, name, fam.name)
+        run = TuningTable(device=name, family=fam.name)
         total = sum(len(cfgs) for _, _, cfgs in groups) * len(buckets)
         bar = ProgressBar(total, log, label="autotune")
         missing: list[str] = []
         broken: list[str] = []
         meta = {"date": _now(), "versions": _versions(), "iters": iters, "warmup": warmup,
-                "finalists": finalists, "causal": causal,
+                "finalists": finalists, "causal": causal, "family": fam.name,
                 "grid": f"batch*seq=16384, heads*d_head=2048, {'causal' if causal else 'non-causal'}, "
                         "seq_q=seq_k=bucket",
                 "missing": missing, "broken_configs": broken, "complete": False}
         for dtype, d_head, cfgs in groups:
-            checked: dict[FlashForwardKernelConfig, str | None] = {
+            checked: dict[KernelConfig, str | None] = {
                 c: f"compile failed: {(failed_compiles[c.short_form()].splitlines() or [''])[0]}"
                 for c in cfgs if c.short_form() in failed_compiles}
             results = [_Result(c, i) for i, c in enumerate(cfgs)]
-            heuristic = config_sets.default_config(dtype, d_head)
+            heuristic = fam.default_config(dtype, d_head)
             for seq in buckets:
-                winner, results = _tune_bucket(results, checked, dtype, d_head, seq, iters, warmup,
-                                               finalists, bar, l2_bytes, causal)
+                problem = fam.tuning_problem(dtype, d_head, seq, causal, l2_bytes)
+                try:
+                    winner, results = _tune_bucket(results, checked, problem, iters, warmup, finalists, bar)
+                finally:
+                    problem.close()
                 if winner is None:
                     missing.append(f"{dtype.name},{d_head},{seq}")
                     continue
-                shape = grid_shape(seq, d_head)
-                flops = attention_flops(shape.batch, shape.heads, seq, seq, d_head, causal)
+                flops = problem.flops
                 base = next((r for r in results if r.cfg == heuristic and r.timing), None)
-                info = {"batch": shape.batch, "heads": shape.heads,
+                info = {**problem.info,
                         "candidates": len(cfgs), "correct": sum(r.timing is not None for r in results),
                         "heuristic_tflops": round(base.timing.tflops(flops), 2) if base else None}
                 for t in (table, run):
@@ -281,29 +267,30 @@ def _store(table: TuningTable, run: TuningTable, path: Path, name: str, meta: di
     clear_caches()
     if not write_default:
         return None
-    family = device_family(name)
-    target = default_table_path(name)
-    shipped = TuningTable(device=None if family else name, match=family,
+    gpu = device_family(name)
+    target = default_table_path(name, run.family)
+    shipped = TuningTable(device=None if gpu else name, match=gpu,
                           comment=f"measured by `python -m cupyflash autotune --write-default` on {name}; "
                                   "meta describes the latest run that wrote into it",
-                          meta=run.meta)
-    previous = _existing_table(target, name) if target.is_file() else None
+                          meta=run.meta, family=run.family)
+    previous = _existing_table(target, name, run.family) if target.is_file() else None
     for e in (previous.entries() if previous is not None else []) + run.entries():
         shipped.set(e.config, e.seq, e.tflops, e.ms, causal=e.causal, **e.info)
     return shipped.save(target)
 
 
-def _existing_table(path: Path, name: str) -> TuningTable:
+def _existing_table(path: Path, name: str, family: str = DEFAULT_FAMILY) -> TuningTable:
     """The table at `path` to merge into, or a new one (with a warning when it is unusable)."""
     if path.is_file():
         try:
             old = TuningTable.load(path)
-            if old.matches(name):
+            if old.matches(name) and old.family == family:
                 return TuningTable.from_dict({**old.to_dict(), "device": name})
-            print(f"autotune: {path} belongs to {old.device or old.match}; replacing it", file=sys.stderr)
+            print(f"autotune: {path} belongs to {old.device or old.match} ({old.family}); replacing it",
+                  file=sys.stderr)
         except (OSError, TuningTableError) as exc:
             print(f"autotune: ignoring unreadable table {path} ({exc}); writing a new one", file=sys.stderr)
-    return TuningTable(device=name)
+    return TuningTable(device=name, family=family)
 
 
 def format_table(table: TuningTable, title: str = "") -> str:
@@ -323,6 +310,8 @@ def format_table(table: TuningTable, title: str = "") -> str:
 # ---------------------------------------------------------------------------- command line
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="cupyflash autotune", description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default=DEFAULT_FAMILY,
+                        help=f"kernel family to tune: {', '.join(FAMILIES)} (default {DEFAULT_FAMILY})")
     parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16,fp16 (default both)")
     parser.add_argument("--d-heads", default=",".join(map(str, SUPPORTED_D_HEADS)),
                         help="comma-separated head dimensions (default 64,128)")
@@ -351,7 +340,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         dtypes = parse_dtypes(args.dtypes)
         d_heads = parse_ints(args.d_heads, "--d-heads")
         seqs = parse_ints(args.seqs, "--seqs")
-        candidates = config_sets.get_kernel_configs(args.config_set) if args.config_set else None
+        family = get_family(args.family)
+        candidates = family.config_set(args.config_set) if args.config_set else None
     except ValueError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2
@@ -359,13 +349,14 @@ def run_from_args(args: argparse.Namespace) -> int:
 
     if not has_gpu():
         print("autotune: no CUDA GPU found: autotuning times kernels on the GPU it tunes for, so nothing "
-              "was run. forward(cfg=None) uses the shipped table or config_sets.default_config meanwhile.",
+              "was run. cfg=None uses the shipped table or the family's default config meanwhile.",
               file=sys.stderr)
         return 2
     try:
         table = autotune(dtypes, d_heads, seqs, candidates, iters=args.iters, progress=not args.quiet,
                          table_path=args.table, warmup=args.warmup, finalists=args.finalists,
-                         device=args.device, write_default=args.write_default, causal=args.causal)
+                         device=args.device, write_default=args.write_default, causal=args.causal,
+                         family=family)
     except ValueError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Content-addressed disk cache of compiled kernel modules, with an in-process memory layer.
 
-Key: sha256 over the rendered source, the name expressions, the NVRTC options (which include the
-target arch), the NVRTC version, the arch and the cupyflash version. Nothing time-based goes in, so
+Key: sha256 over the kernel family's name, the rendered source, the name expressions, the NVRTC
+options (which include the target arch), the NVRTC version, the arch and the cupyflash version. Nothing time-based goes in, so
 a cache prewarmed on a CPU-only CI machine is valid on any GPU machine with the same NVRTC.
 
 Entry file `<key>.cfk` layout (all integers little-endian):
@@ -31,7 +31,7 @@ ENTRY_SUFFIX = ".cfk"
 _MAGIC = b"CFKC\x00\x01\r\n"  # format 1; the CR/LF bytes catch text-mode mangling
 _HEADER = struct.Struct("<8sQQ")
 _DIGEST_SIZE = hashlib.sha256().digest_size
-_KEY_SCHEMA = "cupyflash-kernel-cache-key/1"
+_KEY_SCHEMA = "cupyflash-kernel-cache-key/2"  # /2: the family is part of the key
 
 
 def _package_version() -> str:
@@ -76,11 +76,13 @@ class KernelCache:
     # --------------------------------------------------------------------- keys
     @staticmethod
     def key(source: str, name_expressions: Sequence[str], arch: str,
-            options: Sequence[str] | None = None) -> str:
-        """sha256 hex digest naming the compilation of `source` for `arch` (see module doc)."""
+            options: Sequence[str] | None = None, family: str = "") -> str:
+        """sha256 hex digest naming the compilation of `source` for `arch` (see module doc);
+        `family` is the kernel family's name ('' for sources that belong to none)."""
         opts = list(compile_options(arch) if options is None else options)
         payload = json.dumps(
-            [_KEY_SCHEMA, source, list(name_expressions), opts, list(nvrtc_version()), arch, _package_version()],
+            [_KEY_SCHEMA, family, source, list(name_expressions), opts, list(nvrtc_version()), arch,
+             _package_version()],
             ensure_ascii=True, separators=(",", ":"),
         )
         return hashlib.sha256(payload.encode("ascii")).hexdigest()
@@ -107,24 +109,24 @@ class KernelCache:
                 self._memory[key] = module
         return module
 
-    def put(self, key: str, module: CompiledModule, short_forms: Sequence[str] = ()) -> None:
+    def put(self, key: str, module: CompiledModule, short_forms: Sequence[str] = (), family: str = "") -> None:
         """Store `module` under `key` in memory and, if possible, atomically on disk."""
         with self._lock:
             self._memory[key] = module
         if self._disk_ok:
             try:
-                self._write(key, module, short_forms)
+                self._write(key, module, short_forms, family)
             except OSError as exc:
                 self._fall_back_to_memory(exc)
 
     def lookup_or_compile(self, source: str, name_expressions: Sequence[str], arch: str,
-                          short_forms: Sequence[str] = ()) -> CacheLookup:
+                          short_forms: Sequence[str] = (), family: str = "") -> CacheLookup:
         """Return the cached module for this compilation, compiling and storing it on a miss.
 
         Threads asking for the same key wait for one compile; separate processes may both
         compile, and the atomic replace leaves one valid entry either way.
         """
-        key = self.key(source, name_expressions, arch)
+        key = self.key(source, name_expressions, arch, family=family)
         module = self.get(key)
         if module is not None:
             return CacheLookup(module, key, True)
@@ -133,13 +135,13 @@ class KernelCache:
             if module is not None:
                 return CacheLookup(module, key, True)
             module = compile_module(source, name_expressions, arch)
-            self.put(key, module, short_forms)
+            self.put(key, module, short_forms, family)
         return CacheLookup(module, key, False)
 
     def get_or_compile(self, source: str, name_expressions: Sequence[str], arch: str,
-                       short_forms: Sequence[str] = ()) -> CompiledModule:
+                       short_forms: Sequence[str] = (), family: str = "") -> CompiledModule:
         """`lookup_or_compile(...).module`."""
-        return self.lookup_or_compile(source, name_expressions, arch, short_forms).module
+        return self.lookup_or_compile(source, name_expressions, arch, short_forms, family).module
 
     # --------------------------------------------------------------------- inspection
     def entries(self) -> list[Path]:
@@ -206,9 +208,10 @@ class KernelCache:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
-    def _write(self, key: str, module: CompiledModule, short_forms: Sequence[str]) -> None:
+    def _write(self, key: str, module: CompiledModule, short_forms: Sequence[str], family: str = "") -> None:
         meta = {
             "key": key,
+            "family": family,
             "cupyflash_version": _package_version(),
             "arch": module.arch,
             "binary_kind": module.binary_kind,

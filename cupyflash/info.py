@@ -1,4 +1,5 @@
-"""Environment report for `cupyflash info`: versions, NVRTC, driver and devices, cache state."""
+"""Environment report for `cupyflash info`: versions, NVRTC, driver and devices, kernel families,
+cache state (entries per family)."""
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,36 @@ def collect_info() -> dict:
     except Exception as exc:
         info["nvrtc"] = {"error": f"{type(exc).__name__}: {exc}"}
     info["cuda"] = _cuda_info()
+    info["families"] = _families_info(info["cuda"]["devices"])
     cache = default_cache()
-    info["cache"] = {"dir": str(cache.directory), "entries": len(cache.entries()), "size_bytes": cache.size_bytes()}
+    per_family: dict[str, int] = {}
+    for path in cache.entries():
+        meta = cache.read_metadata(path) or {}
+        name = meta.get("family") or "(none)"
+        per_family[name] = per_family.get(name, 0) + 1
+    info["cache"] = {"dir": str(cache.directory), "entries": len(cache.entries()), "size_bytes": cache.size_bytes(),
+                     "entries_per_family": per_family}
     return info
+
+
+def _families_info(devices: list[dict]) -> list[dict]:
+    """Each kernel family: what it is, its archs and config sets, and which devices it runs on."""
+    from .families import FAMILIES
+
+    out = []
+    for family in FAMILIES.values():
+        item = family.describe()
+        sizes = {}
+        for key in ("tune", "prog"):
+            if key in family.set_keys:
+                try:
+                    sizes[key] = len(family.config_set(key))
+                except ValueError:
+                    pass
+        item["set_sizes"] = sizes
+        item["runs_on"] = [d["id"] for d in devices if family.supports(d["cc"])]
+        out.append(item)
+    return out
 
 
 def _cuda_info() -> dict:
@@ -79,7 +107,7 @@ def _cuda_info() -> dict:
             target = f"{arch} ({kind})"
         except RuntimeError as exc:
             target = f"unsupported: {exc}"
-        out["devices"].append({"id": i, "name": name, "compute_capability": f"{cc // 10}.{cc % 10}",
+        out["devices"].append({"id": i, "name": name, "compute_capability": f"{cc // 10}.{cc % 10}", "cc": cc,
                                "memory_gib": round(props["totalGlobalMem"] / 2**30, 1), "target": target})
     return out
 
@@ -99,8 +127,15 @@ def format_info(info: dict) -> str:
     else:
         reason = f" ({cuda['error']})" if cuda.get("error") else ""
         lines.append(f"device       no GPU found{reason}; compiling and prewarming still work")
+    for fam in info["families"]:
+        sets = ", ".join(f"{k} {n}" for k, n in fam["set_sizes"].items())
+        runs = ("runs on device " + ",".join(map(str, fam["runs_on"]))) if fam["runs_on"] else "no device here"
+        lines.append(f"family       {fam['family']} ({fam['kind']}): {fam['description']}; archs {' '.join(fam['archs'])}; "
+                     f"configs: {sets}; {runs}")
     c = info["cache"]
-    lines.append(f"cache        {c['dir']}: {c['entries']} entries, {c['size_bytes'] / 2**20:.1f} MiB")
+    per = ", ".join(f"{k} {n}" for k, n in sorted(c["entries_per_family"].items()))
+    lines.append(f"cache        {c['dir']}: {c['entries']} entries{f' ({per})' if per else ''}, "
+                 f"{c['size_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)
 
 

@@ -17,8 +17,8 @@ import struct
 import threading
 from typing import Any, Callable
 
-from .config import FlashForwardKernelConfig
-from .kernel_abi import PARAMS_STRUCT
+from .families.forward_sm80.config import FlashForwardKernelConfig
+from .families.forward_sm80.params import PARAMS_STRUCT
 
 __all__ = ["FastLaunch", "signature", "lookup", "remember", "clear"]
 

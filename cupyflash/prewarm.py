@@ -1,7 +1,8 @@
-"""Prewarm a kernel cache without a GPU: compile named config sets for named archs in parallel.
+"""Prewarm a kernel cache without a GPU: compile named config sets of any kernel family for named
+archs in parallel.
 
 NVRTC needs no device, so CI and container builds can fill a cache directory that a later GPU
-process (CUPYFLASH_CACHE_DIR=DIR) uses as is. Every (config, arch) is compiled through
+process (CUPYFLASH_CACHE_DIR=DIR) uses as is. Every (config, variant, arch) is compiled through
 `registry.compile_config`, the same function the run-time registry uses, so the cache keys match.
 """
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Iterable, Sequence, TextIO
 
 from .cache import KernelCache, default_cache_dir
 from .compiler import CompiledModule, KernelCompileError, parse_arch
-from .config import FlashForwardKernelConfig
-from .config_sets import get_kernel_configs
+from .config import KernelConfig
+from .families import DEFAULT_FAMILY, FAMILIES, Variant, family_of, get_family, parse_config
 from .progress import ProgressBar
 
 __all__ = ["PrewarmResult", "PrewarmReport", "prewarm", "parse_archs", "format_summary", "build_parser",
@@ -28,22 +29,31 @@ __all__ = ["PrewarmResult", "PrewarmReport", "prewarm", "parse_archs", "format_s
 
 @dataclass(frozen=True)
 class PrewarmResult:
-    """Outcome of one (config, arch) compile."""
+    """Outcome of one (config, variant, arch) compile."""
 
     short_form: str
     arch: str
     ok: bool
     cached: bool
-    registers: int | None = None
+    registers: int | None = None       # of the module's first kernel (the family's main role)
     spill_store_bytes: int | None = None
     spill_load_bytes: int | None = None
     compile_seconds: float = 0.0  # NVRTC time of the compile that produced the entry (also when cached)
     error: str | None = None
-    causal: bool = False  # which instantiation of the config: causally masked or not
+    variant: Variant = ()         # the family's template flags, e.g. (causal,)
+    family: str = DEFAULT_FAMILY
+    # Every kernel of the module, by role: (registers, spill stores, spill loads) from ptxas.
+    roles: tuple[tuple[str, int, int, int], ...] = ()
+
+    @property
+    def causal(self) -> bool:
+        """Whether this is the causally masked instantiation (families with a causal flag)."""
+        fam = get_family(self.family)
+        return "causal" in fam.variant_flags and bool(self.variant[fam.variant_flags.index("causal")])
 
     @property
     def label(self) -> str:
-        return self.short_form + (" [causal]" if self.causal else "")
+        return self.short_form + get_family(self.family).variant_label(self.variant)
 
     @property
     def spill_bytes(self) -> int | None:
@@ -87,73 +97,107 @@ def parse_archs(text: str | Iterable[str]) -> tuple[str, ...]:
 _worker_caches: dict[str, KernelCache] = {}  # one per directory and worker process, reused across tasks
 
 
-def _result(short_form: str, arch: str, causal: bool, module: CompiledModule, cached: bool) -> PrewarmResult:
-    res = next(iter(module.resources.values()), None)
+def _result(task: "_Task", module: CompiledModule, cached: bool) -> PrewarmResult:
+    family, short_form, arch, variant = task
+    fam = get_family(family)
+    cfg = fam.parse(short_form)
+    roles = []
+    for role, expr in fam.name_expressions(cfg, variant).items():
+        res = module.resources.get(expr)
+        if res is not None:
+            roles.append((role, res.registers, res.spill_store_bytes, res.spill_load_bytes))
+    first = module.resources.get(next(iter(fam.name_expressions(cfg, variant).values())))
     return PrewarmResult(
         short_form, arch, ok=True, cached=cached,
-        registers=res.registers if res else None,
-        spill_store_bytes=res.spill_store_bytes if res else None,
-        spill_load_bytes=res.spill_load_bytes if res else None,
-        compile_seconds=module.compile_seconds, causal=causal,
+        registers=first.registers if first else None,
+        spill_store_bytes=first.spill_store_bytes if first else None,
+        spill_load_bytes=first.spill_load_bytes if first else None,
+        compile_seconds=module.compile_seconds, variant=variant, family=family, roles=tuple(roles),
     )
 
 
-def _cached_result(cache: KernelCache, short_form: str, arch: str, causal: bool) -> PrewarmResult | None:
+def _cached_result(cache: KernelCache, task: "_Task") -> PrewarmResult | None:
     """The result for an entry already in `cache`, or None when it must be compiled."""
     from .registry import config_cache_key
 
-    module = cache.get(config_cache_key(FlashForwardKernelConfig.parse(short_form), arch, causal))
-    return _result(short_form, arch, causal, module, cached=True) if module is not None else None
+    family, short_form, arch, variant = task
+    module = cache.get(config_cache_key(get_family(family).parse(short_form), arch, variant=variant))
+    return _result(task, module, cached=True) if module is not None else None
 
 
-def _compile_with(cache: KernelCache, short_form: str, arch: str, causal: bool) -> PrewarmResult:
-    """Compile one (config, arch, causal) into `cache`, turning any failure into a failed result."""
+def _failed(task: "_Task", error: str) -> PrewarmResult:
+    family, short_form, arch, variant = task
+    return PrewarmResult(short_form, arch, ok=False, cached=False, error=error, variant=variant, family=family)
+
+
+def _compile_with(cache: KernelCache, task: "_Task") -> PrewarmResult:
+    """Compile one (config, arch, variant) into `cache`, turning any failure into a failed result."""
     from .registry import compile_config  # imported here so workers only load what they use
 
+    family, short_form, arch, variant = task
     try:
-        lookup = compile_config(FlashForwardKernelConfig.parse(short_form), arch, cache, causal)
+        lookup = compile_config(get_family(family).parse(short_form), arch, cache, variant=variant)
     except KernelCompileError as exc:
-        return PrewarmResult(short_form, arch, ok=False, cached=False, error=str(exc), causal=causal)
+        return _failed(task, str(exc))
     except Exception as exc:  # report every failure in the summary rather than kill the whole run
-        return PrewarmResult(short_form, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}",
-                             causal=causal)
-    return _result(short_form, arch, causal, lookup.module, lookup.cached)
+        return _failed(task, f"{type(exc).__name__}: {exc}")
+    return _result(task, lookup.module, lookup.cached)
 
 
-def _compile_in_worker(cache_dir: str, short_form: str, arch: str, causal: bool) -> PrewarmResult:
+def _compile_in_worker(cache_dir: str, task: "_Task") -> PrewarmResult:
     """Worker-process entry point (plain arguments so they pickle cheaply)."""
     cache = _worker_caches.get(cache_dir)
     if cache is None:
         cache = _worker_caches[cache_dir] = KernelCache(cache_dir)
-    return _compile_with(cache, short_form, arch, causal)
+    return _compile_with(cache, task)
+
+
+# (family name, short form, arch, variant): plain values, cheap to pickle to worker processes
+_Task = tuple[str, str, str, Variant]
+
+
+def _variants_for(cfg: KernelConfig, causal: Sequence[bool], variants: Sequence[Variant] | None) -> list[Variant]:
+    family = family_of(cfg)
+    if variants is not None:
+        return list(dict.fromkeys(family.check_variant(v) for v in variants))
+    wanted = dict.fromkeys(bool(c) for c in causal)
+    if "causal" not in family.variant_flags:
+        return [family.default_variant()]
+    return [family.variant(causal=c) for c in wanted]
 
 
 # ----------------------------------------------------------------------------- driver
-def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
+def prewarm(configs: Sequence[KernelConfig], archs: Sequence[str],
             cache_dir: str | os.PathLike | None = None, jobs: int | None = None,
-            progress: TextIO | None = sys.stderr, causal: Sequence[bool] = (False,)) -> PrewarmReport:
-    """Compile every config for every arch into `cache_dir` (default: the default cache dir).
+            progress: TextIO | None = sys.stderr, causal: Sequence[bool] = (False,),
+            variants: Sequence[Variant] | None = None) -> PrewarmReport:
+    """Compile every config (of any families) for every arch into `cache_dir` (default: the
+    default cache dir).
 
     jobs: worker processes (default os.cpu_count()); 1 compiles in this process. Progress goes to
-    `progress` (None = silent). causal: which instantiations of each config, (False,) for the
-    plain kernels only, (False, True) to add the causally masked ones. Failures are reported in
-    the result, not raised.
+    `progress` (None = silent). causal: which instantiations of each config of a family with a
+    causal flag, (False,) for the plain kernels only, (False, True) to add the causally masked
+    ones; `variants`, if given, lists the exact variants instead. An arch a config's family does
+    not compile for (sm_80 for an sm_90a family) is a ValueError before anything compiles.
+    Failures to compile are reported in the result, not raised.
     """
     archs = parse_archs(archs)
     configs = list(dict.fromkeys(configs))
     for cfg in configs:
-        if not isinstance(cfg, FlashForwardKernelConfig):
-            raise TypeError(f"configs: expected FlashForwardKernelConfig items, got {type(cfg).__name__}")
+        if not isinstance(cfg, KernelConfig):
+            raise TypeError(f"configs: expected kernel configs, got {type(cfg).__name__}")
+        for arch in archs:
+            family_of(cfg).check_arch(arch)
     directory = str(Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir())
     jobs = max(1, int(jobs or os.cpu_count() or 1))
-    variants = tuple(dict.fromkeys(bool(c) for c in causal))
-    tasks = [(cfg.short_form(), arch, c) for cfg in configs for c in variants for arch in archs]
+    tasks: list[_Task] = [(family_of(cfg).name, cfg.short_form(), arch, v) for cfg in configs
+                          for v in _variants_for(cfg, causal, variants) for arch in archs]
     bar = ProgressBar(len(tasks), progress, label="prewarm")
     start = time.perf_counter()
-    results: dict[tuple[str, str, bool], PrewarmResult] = {}
+    results: dict[_Task, PrewarmResult] = {}
 
     def record(result: PrewarmResult) -> None:
-        results[(result.short_form, result.arch, result.causal)] = result
+        results[(result.family, result.short_form, result.arch, result.variant)] = result
         status = "FAILED " if not result.ok else ("cached " if result.cached else "")
         bar.advance(f"{status}{result.arch} {result.label}", failed=not result.ok)
 
@@ -161,7 +205,7 @@ def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
     cache = KernelCache(directory)
     pending = []
     for task in tasks:
-        result = _cached_result(cache, *task)
+        result = _cached_result(cache, task)
         if result is not None:
             record(result)
         else:
@@ -169,20 +213,18 @@ def prewarm(configs: Sequence[FlashForwardKernelConfig], archs: Sequence[str],
     workers = min(jobs, max(1, len(pending)))
     if workers == 1:
         for task in pending:
-            record(_compile_with(cache, *task))
+            record(_compile_with(cache, task))
     else:
         # spawn, not fork: the parent may hold CUDA state (a GPU process prewarming), which must
         # never be inherited by a forked child.
         context = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = {pool.submit(_compile_in_worker, directory, *task): task for task in pending}
+            futures = {pool.submit(_compile_in_worker, directory, task): task for task in pending}
             for future in cf.as_completed(futures):
-                sf, arch, c = futures[future]
                 try:
                     record(future.result())
                 except Exception as exc:  # a worker died (e.g. killed); keep going, report it
-                    record(PrewarmResult(sf, arch, ok=False, cached=False, error=f"{type(exc).__name__}: {exc}",
-                                         causal=c))
+                    record(_failed(futures[future], f"{type(exc).__name__}: {exc}"))
     bar.finish()
     ordered = tuple(results[t] for t in tasks)
     return PrewarmReport(ordered, archs, len(configs), time.perf_counter() - start, jobs, directory)
@@ -219,18 +261,24 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(
         prog="prewarm_cache.py", description="Compile cupyflash kernels into a cache directory (no GPU needed)."
     )
-    parser.add_argument("--arch", required=True,
-                        help="comma-separated target archs, e.g. sm_80,sm_90 (sm_90a and compute_XY also accepted)")
+    parser.add_argument("--arch", default=None,
+                        help="comma-separated target archs, e.g. sm_80,sm_90 (sm_90a and compute_XY also accepted); "
+                             "default: the family's usual targets")
+    parser.add_argument("--family", default=DEFAULT_FAMILY,
+                        help=f"kernel family whose --set is compiled: {', '.join(FAMILIES)} (default {DEFAULT_FAMILY})")
     parser.add_argument("--set", dest="config_set", default=None,
-                        help="config set: tune, prog, prog_all, all or 'B_r,B_c' (default: $KERNELS, else tune)")
+                        help="config set of the family: for forward_sm80 tune, prog, prog_all, all or 'B_r,B_c' "
+                             "(default: $KERNELS, else tune)")
     parser.add_argument("--config", dest="configs", action="append", default=[], metavar="SHORT_FORM",
-                        help="a single config in short form, e.g. '(FP16, 128, 64, 64, 4): async+...'; "
-                             "repeatable; replaces --set when given")
+                        help="a single config in short form (any family, read off its prefix), e.g. "
+                             "'(FP16, 128, 64, 64, 4): async+...'; repeatable; replaces --set when given")
     parser.add_argument("--cache-dir", default=None,
                         help="cache directory (default: $CUPYFLASH_CACHE_DIR, else ~/.cache/cupyflash)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes (default: CPU count)")
     parser.add_argument("--causal", action="store_true",
-                        help="also compile each config's causally masked kernel (forward(causal=True))")
+                        help="also compile each config's causally masked kernel (families with a causal flag)")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="compile every variant (every combination of the family's template flags)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -240,16 +288,26 @@ def run_from_args(args: argparse.Namespace) -> int:
     try:
         if args.jobs is not None and args.jobs < 1:
             raise ValueError(f"--jobs: expected a positive integer, got {args.jobs}")
-        archs = parse_archs(args.arch)
+        family = get_family(args.family)
         if args.configs:
-            configs = [FlashForwardKernelConfig.parse(text) for text in args.configs]
+            configs = [parse_config(text) for text in args.configs]
         else:
-            configs = get_kernel_configs(args.config_set)
+            key = args.config_set if args.config_set is not None else os.environ.get("KERNELS", "tune")
+            configs = family.config_set(key)
+        families = {family_of(c).name for c in configs}
+        archs = parse_archs(args.arch) if args.arch else tuple(
+            dict.fromkeys(a for name in sorted(families) for a in get_family(name).default_archs()))
+        variants = None
+        if args.all_variants:
+            if len(families) != 1:
+                raise ValueError("--all-variants: the configs must be of one family")
+            variants = get_family(families.pop()).all_variants()
+        report = prewarm(configs, archs, cache_dir=args.cache_dir, jobs=args.jobs,
+                         progress=None if args.quiet else sys.stderr,
+                         causal=(False, True) if args.causal else (False,), variants=variants)
     except ValueError as exc:
         print(f"prewarm: error: {exc}", file=sys.stderr)
         return 2
-    report = prewarm(configs, archs, cache_dir=args.cache_dir, jobs=args.jobs,
-                     progress=None if args.quiet else sys.stderr, causal=(False, True) if args.causal else (False,))
     print(format_summary(report))
     for r in report.failed:
         print(f"\nprewarm: FAILED {r.arch} {r.label}\n{r.error}", file=sys.stderr)

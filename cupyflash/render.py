@@ -1,4 +1,10 @@
-"""Rendering of the NVRTC translation unit from kernel configs (Jinja2 only assembles text)."""
+"""Rendering of the NVRTC translation unit of a kernel family (Jinja2 only assembles text).
+
+Every family's template extends templates/base.cu.j2, which emits the DType enum, the family's
+config struct (generated from its dataclass, so the field list has one source of truth), its
+parameter structs, and inlines its kernel headers from kernels_cu/ (so the rendered text, whose
+hash is the cache key, covers every line NVRTC compiles).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,15 +14,15 @@ from typing import Iterable
 
 import jinja2
 
-from .config import DType, FlashForwardKernelConfig
-from .kernel_abi import PARAM_FIELDS
+from .config import DType, KernelConfig
+from .families import DEFAULT_FAMILY, KernelFamily, Variant, family_of, get_family
+from .families.base import cpp_type
 
-__all__ = ["render_source", "name_expression", "kernels_dir", "templates_dir", "KERNEL_HEADERS"]
+__all__ = ["render_source", "render_family_source", "name_expression", "name_expressions", "kernels_dir",
+           "templates_dir", "KERNEL_HEADERS"]
 
-# Headers of kernels_cu/ in dependency order; the rendered source inlines them so that its hash
-# covers every line NVRTC compiles.
-KERNEL_HEADERS = ("ptx.cuh", "tile_primitives.cuh", "online_softmax.cuh", "flash_forward.cuh")
-TEMPLATE_NAME = "flash_forward.cu.j2"
+# The mma.sync forward family's headers (kept as a name for callers that list them).
+KERNEL_HEADERS = get_family(DEFAULT_FAMILY).headers
 
 
 def _resource_dir(name: str) -> Path:
@@ -48,47 +54,47 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def _cpp_type(field: dataclasses.Field) -> str:
-    return {"DType": "DType", "int": "int", "bool": "bool"}[str(field.type)]
+def name_expressions(cfg: KernelConfig, variant: Variant | None = None) -> dict[str, str]:
+    """role -> C++ template instantiation of every kernel of `cfg`'s family for `variant`."""
+    return family_of(cfg).name_expressions(cfg, variant)
 
 
-def _cpp_value(value) -> str:
-    if isinstance(value, DType):
-        return f"DType::{value.name}"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(int(value))
-
-
-def name_expression(cfg: FlashForwardKernelConfig, causal: bool = False) -> str:
-    """The C++ template instantiation NVRTC is asked for, e.g.
-    flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{DType::FP16, 128, ...}>, false>.
-    `causal` selects the causally masked instantiation of the same config."""
-    values = ", ".join(_cpp_value(getattr(cfg, f.name)) for f in dataclasses.fields(cfg))
-    flag = "true" if causal else "false"
-    return f"flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{{{values}}}>, {flag}>"
+def name_expression(cfg: KernelConfig, causal: bool = False) -> str:
+    """The forward kernel's instantiation, e.g. flash_forward_kernel<StaticForwardKernelConfig<
+    FlashForwardKernelConfig{DType::FP16, 128, ...}>, false>; `causal` selects the masked one.
+    (For a family with several kernels or other flags, use `name_expressions`.)"""
+    family = family_of(cfg)
+    (expr,) = family.name_expressions(cfg, family.variant(causal=causal)).values()
+    return expr
 
 
 @functools.cache
-def _render_cached() -> str:
-    template = _environment().get_template(TEMPLATE_NAME)
-    return template.render(
+def render_family_source(family: str | KernelFamily) -> str:
+    """The translation unit of `family`. It does not depend on the configs: C++ templates
+    specialise, and each config is instantiated through its name expressions."""
+    fam = get_family(family)
+    seen: set[str] = set()
+    structs = []
+    for role in fam.roles:
+        if role.params.name not in seen:
+            seen.add(role.params.name)
+            structs.append((role.params.name, [(name, ctype) for name, ctype, _ in role.params.fields]))
+    return _environment().get_template(fam.template).render(
+        family=fam.name,
         dtypes=[(d.name, int(d)) for d in DType],
-        config_fields=[(f.name, _cpp_type(f)) for f in dataclasses.fields(FlashForwardKernelConfig)],
-        param_fields=[(name, ctype) for name, ctype, _ in PARAM_FIELDS],
+        config_name=fam.config_type.__name__,
+        config_fields=[(f.name, cpp_type(f)) for f in dataclasses.fields(fam.config_type)],
+        param_structs=structs,
         # Headers are passed as text, not Jinja includes: their inline PTX is full of "{%".
-        headers=[(name, (kernels_dir() / name).read_text()) for name in KERNEL_HEADERS],
+        headers=[(name, (kernels_dir() / name).read_text()) for name in fam.headers],
     )
 
 
-def render_source(configs: Iterable[FlashForwardKernelConfig] = ()) -> str:
-    """The translation unit for `configs`.
-
-    The text does not depend on which configs are asked for: C++ templates specialise, and each
-    config is instantiated through its name expression at compile time. The argument is kept so
-    callers state what the source is for (and for future per-config text).
-    """
-    for cfg in configs:
-        if not isinstance(cfg, FlashForwardKernelConfig):
-            raise TypeError(f"render_source: expected FlashForwardKernelConfig, got {type(cfg).__name__}")
-    return _render_cached()
+def render_source(configs: Iterable[KernelConfig] = (), family: str | KernelFamily | None = None) -> str:
+    """The translation unit for `configs` (all of one family; default the mma.sync forward family)."""
+    fams = {family_of(cfg).name for cfg in configs}
+    if family is not None:
+        fams.add(get_family(family).name)
+    if len(fams) > 1:
+        raise ValueError(f"configs: one translation unit per family, got configs of {sorted(fams)}")
+    return render_family_source(fams.pop() if fams else DEFAULT_FAMILY)

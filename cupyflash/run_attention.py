@@ -19,7 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import DType, FlashForwardKernelConfig
+from .config import DType
+from .families.forward_sm80.config import FlashForwardKernelConfig
 
 __all__ = ["build_parser", "run_from_args", "main"]
 

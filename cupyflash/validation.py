@@ -15,9 +15,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
+from .config import SUPPORTED_D_HEADS, DType
+from .families.forward_sm80.config import FlashForwardKernelConfig
 from .interop import TensorView, contiguous_strides
-from .kernel_abi import pack_params
+from .families.forward_sm80.params import pack_params
 
 __all__ = ["LaunchPlan", "ConfigSelector", "check_forward_args", "check_compute_capability",
            "check_softmax_scale", "check_flag", "check_lse_request", "check_lse_out", "MIN_COMPUTE_CAPABILITY",
@@ -70,7 +71,7 @@ class LaunchPlan(NamedTuple):
         return (self.out_shape[0], self.n_heads, self.seq_len_q)
 
     def pack(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
-        """The kernel's ForwardParams bytes (field order: kernel_abi.PARAM_FIELDS). `lse_ptr` 0:
+        """The kernel's ForwardParams bytes (field order: families.forward_sm80.params.PARAM_FIELDS). `lse_ptr` 0:
         the kernel writes no log-sum-exp."""
         return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, *self.q_strides, *self.k_strides,
                            *self.v_strides, *self.o_strides, self.seq_len_q, self.seq_len_k,

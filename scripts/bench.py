@@ -45,9 +45,9 @@ try:
 except ImportError:  # a plain checkout: use the package next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupyflash import config_sets  # noqa: E402
 from cupyflash.benchmarking import grid_shape, parse_dtypes, parse_ints  # noqa: E402
-from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig  # noqa: E402
+from cupyflash.config import SUPPORTED_D_HEADS, DType, KernelConfig  # noqa: E402
+from cupyflash.families import DEFAULT_FAMILY, FAMILIES, get_family, parse_config  # noqa: E402
 
 import bench_report as report  # noqa: E402
 
@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="causal attention for every implementation (FLOPs counted as 2*B*H*S*S*D)")
     p.add_argument("--configs", nargs="+", default=[], metavar="SHORT_FORM",
                    help="also time these cupyflash configs (quoted short forms), at the grid points of their dtype/d_head")
+    p.add_argument("--family", default=DEFAULT_FAMILY,
+                   help=f"kernel family whose tune/progression sets --all-tune and --progression run: "
+                        f"{', '.join(f for f in FAMILIES if get_family(f).kind == 'forward')} (default {DEFAULT_FAMILY})")
     p.add_argument("--all-tune", action="store_true",
                    help="also time every autotuning-set config of each dtype/d_head and report the best")
     p.add_argument("--progression", action="store_true",
@@ -159,30 +162,35 @@ def _import_jax(peers: list[str]) -> tuple[Any | None, str | None]:
 
 
 def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
-                 causal: bool = False) -> tuple[FlashForwardKernelConfig, str]:
+                 causal: bool = False) -> tuple[KernelConfig, str]:
     """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
     from cupyflash.api import resolve_config
     from cupyflash.tuning import device_name, explain_choice
 
     cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal)
     if cfg is None:
-        cfg, source = config_sets.default_config(dtype, d_head), "heuristic"
+        cfg, source = get_family(DEFAULT_FAMILY).default_config(dtype, d_head), "heuristic"
     used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
     if used != cfg:
         raise RuntimeError(f"bench.py: auto config mismatch: resolve_config gives {used}, tuning says {cfg}")
     return cfg, source
 
 
-def _prewarm(configs: list[FlashForwardKernelConfig], device: int, causal: bool = False) -> dict[str, str]:
+def _prewarm(configs: list[KernelConfig], device: int, causal: bool = False) -> dict[str, str]:
     """Compile everything the run will launch, in parallel, before any timing (with `causal`, the
-    causal instantiations too)."""
-    from cupyflash.device import device_arch
+    causal instantiations too), each family for its own target on this device."""
+    from cupyflash.families import family_of
     from cupyflash.prewarm import prewarm
 
-    arch, _ = device_arch(device)
-    rep = prewarm(sorted(set(configs)), [arch], progress=sys.stderr, causal=(False, True) if causal else (False,))
-    print(f"compiled/cached {len(rep.results)} kernels for {arch} in {rep.seconds:.1f} s", flush=True)
-    return {r.short_form: (r.error or "compile failed") for r in rep.failed}
+    by_arch: dict[str, list[KernelConfig]] = {}
+    for cfg in set(configs):
+        by_arch.setdefault(family_of(cfg).arch_for_device(device), []).append(cfg)
+    failed = {}
+    for arch, cfgs in sorted(by_arch.items()):
+        rep = prewarm(sorted(cfgs), [arch], progress=sys.stderr, causal=(False, True) if causal else (False,))
+        print(f"compiled/cached {len(rep.results)} kernels for {arch} in {rep.seconds:.1f} s", flush=True)
+        failed.update({r.short_form: (r.error or "compile failed") for r in rep.failed})
+    return failed
 
 
 def _measure(torch: Any, impl: Any, problem: Any, record: dict, args: argparse.Namespace) -> dict:
@@ -248,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         d_heads = parse_ints(args.d_heads, "--d-heads")
         seqs = parse_ints(args.seqs, "--seqs") if args.seqs else GRID_SEQS
         prog_seqs = seqs if args.seqs else PROGRESSION_SEQS
-        explicit = [FlashForwardKernelConfig.parse(s) for s in args.configs]
+        explicit = [parse_config(s) for s in args.configs]
+        family = get_family(args.family)
         peers = [p.strip() for p in args.peers.split(",") if p.strip()]
         for d in d_heads:
             if d not in SUPPORTED_D_HEADS:
@@ -286,9 +295,9 @@ def main(argv: list[str] | None = None) -> int:
               for s in (() if args.no_grid else seqs)]
     needed += [c for c in explicit if (c.dtype, c.d_head) in groups]
     if args.all_tune:
-        needed += [c for dt, d in groups for c in config_sets.autotune_configs([dt], [d])]
+        needed += [c for dt, d in groups for c in family.tune_candidates(dt, d)]
     if args.progression:
-        needed += [c for dt, d in groups for c in config_sets.progression_configs(dt, d)]
+        needed += [c for dt, d in groups for c in family.progression_configs(dt, d)]
     if not args.no_overhead:
         needed.append(_auto_choice(DType.BF16, 128, 128, device)[0])
     failed_compiles = _prewarm(needed, device, args.causal)
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                         impls.append((CupyflashImpl(c, f"cupyflash[{i + 1}]"), {"config": str(c)}))
                 if args.all_tune:
                     impls += [(CupyflashImpl(c, "cupyflash_tune"), {"config": str(c)})
-                              for c in config_sets.autotune_configs([dtype], [d_head])]
+                              for c in family.tune_candidates(dtype, d_head)]
                 records = _grid_point(torch, run, dtype, d_head, seq, impls + peers_now, l2)
                 tuned = [r for r in records if r["impl"] == "cupyflash_tune" and r["status"] == "ok"]
                 if args.all_tune:
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype, d_head in groups:
             for seq in prog_seqs:
                 impls = [(CupyflashImpl(c, "cupyflash_prog"), {"config": str(c), "step": i + 1})
-                         for i, c in enumerate(config_sets.progression_configs(dtype, d_head))]
+                         for i, c in enumerate(family.progression_configs(dtype, d_head))]
                 have = report.find_ok(run.data["grid"], impl="sdpa_flash", dtype=dtype.name.lower(), d_head=d_head, seq=seq)
                 if have is None and "sdpa_flash" in peers:
                     impls += [p for p in peers_now if p[0].name == "sdpa_flash"]

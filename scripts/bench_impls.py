@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 from cupyflash.benchmarking import GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize
-from cupyflash.config import DType, FlashForwardKernelConfig
+from cupyflash.config import DType
+from cupyflash.config import KernelConfig
 
 __all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Skip", "rel_l2_error",
            "time_events", "time_host", "measure_overhead", "JAX_BATCH"]
@@ -162,7 +163,7 @@ class Impl:
 class CupyflashImpl(Impl):
     """cupyflash.forward; `cfg` None means the library's choice (cfg='auto')."""
 
-    def __init__(self, cfg: FlashForwardKernelConfig | None, name: str = "cupyflash") -> None:
+    def __init__(self, cfg: KernelConfig | None, name: str = "cupyflash") -> None:
         import cupyflash
 
         self.cfg = cfg

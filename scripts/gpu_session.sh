@@ -11,7 +11,7 @@ OUT="${OUT:-/tmp/cupyflash-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
 python3 -m cupyflash info 2>&1 | tee "$OUT/info.log"
 
 case "$step" in

@@ -33,8 +33,9 @@ try:
 except ImportError:  # a plain checkout: use the package next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig  # noqa: E402
-from cupyflash.config_sets import default_config, get_kernel_configs  # noqa: E402
+from cupyflash.config import SUPPORTED_D_HEADS, DType  # noqa: E402
+from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig  # noqa: E402
+from cupyflash.families.forward_sm80.config_sets import default_config, get_kernel_configs  # noqa: E402
 
 # (batch, S_q, S_k, n_heads, n_kv_heads)
 SHAPES = ((1, 77, 200, 4, 1),    # MQA, S_q < S_k: bottom-right causal offset +123

@@ -16,7 +16,10 @@ import warnings
 import numpy as np
 import pytest
 
-from cupyflash import api, benchmarking, config_sets, tuning
+from cupyflash import api, benchmarking
+from cupyflash.families.forward_sm80 import tuning as forward_tuning
+from cupyflash.tuning import tables as tuning
+from cupyflash.families.forward_sm80 import config_sets
 from cupyflash.config import DType
 from cupyflash.tuning import SEQ_BUCKETS, TuningTable, TuningTableError, pick_bucket
 
@@ -298,10 +301,10 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
     monkeypatch.setattr(device, "require_gpu", lambda: None)
     monkeypatch.setattr(autotune_mod, "_compile_all", lambda configs, dev, stream, causal=False: {})
     monkeypatch.setattr(autotune_mod, "time_cupy", fake_time)
-    monkeypatch.setattr(autotune_mod, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
+    monkeypatch.setattr(forward_tuning, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
     monkeypatch.setattr(api, "forward", fake_forward)
     monkeypatch.setattr(autotune_mod, "default_table_path",
-                        lambda name: isolated_tables.shipped / "default_h100.json")
+                        lambda name, family=None: isolated_tables.shipped / "default_h100.json")
 
     fp16 = config_sets.default_config(DType.FP16, 128)  # from an earlier run split by dtype: kept
     _table([(fp16, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
@@ -354,9 +357,9 @@ def fake_tuner(isolated_tables, monkeypatch):
     monkeypatch.setattr(ns.mod, "_compile_all",
                         lambda configs, dev, stream, causal=False: ns.compiled.append(causal) or {})
     monkeypatch.setattr(ns.mod, "time_cupy", fake_time)
-    monkeypatch.setattr(ns.mod, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
+    monkeypatch.setattr(forward_tuning, "grid_shape", lambda s, d: real_grid(s, d, tokens=512, width=256))
     monkeypatch.setattr(api, "forward", fake_forward)
-    monkeypatch.setattr(ns.mod, "default_table_path", lambda name: isolated_tables.shipped / "default_h100.json")
+    monkeypatch.setattr(ns.mod, "default_table_path", lambda name, family=None: isolated_tables.shipped / "default_h100.json")
     return ns
 
 
@@ -474,7 +477,8 @@ def test_final_round_picks_the_lowest_median_of_interleaved_rounds(monkeypatch):
     monkeypatch.setattr(autotune_mod, "time_cupy", fake_time)
     first = benchmarking.Timing(0.5, 0.5, 0.5, 1)
     finals = [autotune_mod._Result(cfg, i, timing=first) for i, cfg in enumerate((a, b, c))]
-    winner = autotune_mod._final_round(finals, sets=[(None,) * 4], n_sets=1, warmup=0, iters=3)
+    problem = types.SimpleNamespace(n_sets=1, timed_call=lambda cfg: (lambda i, c=cfg: None))
+    winner = autotune_mod._final_round(finals, problem, warmup=0, iters=3)
     assert winner.cfg == b and winner.timing.median_ms == 1.00
     assert finals[0].timing.median_ms == 1.20  # reported: the round with the median median
     assert finals[2].timing is None and "launch failed" in finals[2].error

@@ -37,7 +37,8 @@ def test_info_json(tmp_path):
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert set(info["packages"]) == {"cupyflash", "cupy", "numpy", "jinja2", "ml_dtypes"}
-    assert info["cache"] == {"dir": str(tmp_path), "entries": 0, "size_bytes": 0}
+    assert info["cache"] == {"dir": str(tmp_path), "entries": 0, "size_bytes": 0, "entries_per_family": {}}
+    assert [f["family"] for f in info["families"]] == ["forward_sm80"]
     assert "sm_90" in info["nvrtc"]["archs"]
     assert isinstance(info["cuda"]["devices"], list)
 

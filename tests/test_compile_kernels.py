@@ -6,7 +6,7 @@ import pytest
 
 from cupyflash.compiler import nvrtc_version
 from cupyflash.config import SUPPORTED_D_HEADS, DType
-from cupyflash.config_sets import default_config, get_kernel_configs
+from cupyflash.families.forward_sm80.config_sets import default_config, get_kernel_configs
 from cupyflash.prewarm import format_summary, prewarm
 
 pytestmark = pytest.mark.compile

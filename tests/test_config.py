@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from cupyflash import get_kernel_configs
-from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
-from cupyflash.config_sets import (
+from cupyflash.config import SUPPORTED_D_HEADS, DType
+from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig
+from cupyflash.families.forward_sm80.config_sets import (
     ACCUMULATOR_REGISTER_BUDGET, PROGRESSION_D_HEADS, accumulator_registers,
     KERNEL_SET_KEYS, _candidates, default_config, progression_configs, should_autotune,
 )
@@ -39,7 +40,7 @@ TUNE = get_kernel_configs("tune")
 def fast_sets(monkeypatch):
     """Serve all_configs()/autotune_configs() from the lists computed above, for tests of
     get_kernel_configs' key dispatch (the sets themselves are checked against ALL_VALID)."""
-    from cupyflash import config_sets
+    from cupyflash.families.forward_sm80 import config_sets
 
     monkeypatch.setattr(config_sets, "all_configs", lambda *a, **k: list(ALL))
     monkeypatch.setattr(config_sets, "autotune_configs", lambda *a, **k: list(TUNE))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cupyflash.config import DType
-from cupyflash.config_sets import get_kernel_configs
+from cupyflash.families.forward_sm80.config_sets import get_kernel_configs
 from cupyflash.device import has_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]

@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
-from cupyflash.config_sets import default_config, get_kernel_configs
+from cupyflash.config import SUPPORTED_D_HEADS, DType
+from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig
+from cupyflash.families.forward_sm80.config_sets import default_config, get_kernel_configs
 from cupyflash.device import has_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]

@@ -6,9 +6,9 @@ import ctypes
 import pytest
 
 from cupyflash import launch_plans
-from cupyflash.config_sets import default_config
+from cupyflash.families.forward_sm80.config_sets import default_config
 from cupyflash.config import DType
-from cupyflash.kernel_abi import PARAMS_STRUCT, param_names
+from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, param_names
 
 
 class FakeTensor:

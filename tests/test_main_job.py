@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cupyflash.config import DType
-from cupyflash.config_sets import default_config
+from cupyflash.families.forward_sm80.config_sets import default_config
 from cupyflash.device import has_gpu
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run_attention.py"

@@ -11,7 +11,7 @@ from cupyflash import prewarm as prewarm_mod
 from cupyflash import registry as registry_mod
 from cupyflash.cache import KernelCache
 from cupyflash.config import DType
-from cupyflash.config_sets import progression_configs
+from cupyflash.families.forward_sm80.config_sets import progression_configs
 from cupyflash.progress import ProgressBar
 from cupyflash.registry import config_cache_key
 
@@ -97,7 +97,7 @@ def test_bad_arguments_exit_2_with_message(args, message, tmp_path, capsys):
 
 def test_failed_compile_is_reported_and_exit_code_1(tmp_path, monkeypatch, capsys):
     broken = "template <class C> __global__ void flash_forward_kernel() { this is not C++ }\n"
-    monkeypatch.setattr(registry_mod, "render_source", lambda configs: broken)
+    monkeypatch.setattr(registry_mod, "render_family_source", lambda family: broken)
     code = prewarm_mod.main(["--arch", "sm_80", "--config", CONFIGS[0].short_form(), "--cache-dir", str(tmp_path),
                              "--jobs", "1"])
     captured = capsys.readouterr()

@@ -9,8 +9,8 @@ import pytest
 from cupyflash import registry as registry_mod
 from cupyflash.cache import KernelCache
 from cupyflash.config import DType
-from cupyflash.config_sets import progression_configs
-from cupyflash.kernel_abi import PARAMS_STRUCT, pack_params, param_names
+from cupyflash.families.forward_sm80.config_sets import progression_configs
+from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, pack_params, param_names
 from cupyflash.registry import (
     DEFAULT_DYNAMIC_SMEM_LIMIT, KernelRegistry, LoadedKernel, compile_config, config_cache_key, get_registry,
 )
@@ -23,7 +23,8 @@ BIG = progression_configs(DType.BF16, 128)[-1].replace(B_r=128, n_warps=8)  # 64
 def test_config_cache_key_is_the_key_compile_config_uses(tmp_path):
     cache = KernelCache(tmp_path)
     key = config_cache_key(SMALL, "sm_80")
-    assert key == KernelCache.key(render_source([SMALL]), [name_expression(SMALL)], "sm_80")
+    assert key == KernelCache.key(render_source([SMALL]), [name_expression(SMALL)], "sm_80", family="forward_sm80")
+    assert key != KernelCache.key(render_source([SMALL]), [name_expression(SMALL)], "sm_80")  # the family counts
     lookup = compile_config(SMALL, "sm_80", cache)
     assert lookup.key == key and not lookup.cached
     assert [p.name for p in cache.entries()] == [f"{key}.cfk"]
@@ -55,7 +56,7 @@ def test_launch_passes_one_pointer_to_the_packed_params(monkeypatch):
 
     monkeypatch.setattr(registry_mod, "_launch_kernel", fake_launch)
     kernel = LoadedKernel(cfg=SMALL, device_id=0, arch="sm_80", function=_FakeFunction(), resources=None,
-                          lowered_name="_Zfake")
+                          lowered_name="_Zfake", params_size=PARAMS_STRUCT.size)
     params = _params()
     kernel.launch((4, 16, 2), 128, SMALL.smem_bytes(), 0xABC, params)
     other = bytes(reversed(params))
@@ -67,7 +68,7 @@ def test_launch_passes_one_pointer_to_the_packed_params(monkeypatch):
 def test_launch_rejects_wrong_params_size(monkeypatch):
     monkeypatch.setattr(registry_mod, "_launch_kernel", lambda *a: pytest.fail("must not launch"))
     kernel = LoadedKernel(cfg=SMALL, device_id=0, arch="sm_80", function=_FakeFunction(), resources=None,
-                          lowered_name="_Zfake")
+                          lowered_name="_Zfake", params_size=PARAMS_STRUCT.size)
     with pytest.raises(ValueError, match="params"):
         kernel.launch((1, 1, 1), 128, 0, 0, b"\0" * (PARAMS_STRUCT.size - 1))
 
@@ -83,7 +84,7 @@ def test_launch_from_many_threads_never_mixes_params(monkeypatch):
 
     monkeypatch.setattr(registry_mod, "_launch_kernel", fake_launch)
     kernel = LoadedKernel(cfg=SMALL, device_id=0, arch="sm_80", function=_FakeFunction(), resources=None,
-                          lowered_name="_Zfake")
+                          lowered_name="_Zfake", params_size=PARAMS_STRUCT.size)
 
     def worker(tag: int):
         for _ in range(300):
@@ -100,11 +101,11 @@ def test_launch_from_many_threads_never_mixes_params(monkeypatch):
 def test_registry_loads_each_key_once_under_contention(monkeypatch):
     calls = []
 
-    def fake_load(self, cfg, device_id, causal):
+    def fake_load(self, cfg, device_id, variant):
         calls.append((device_id, cfg))
         time.sleep(0.05)
-        return LoadedKernel(cfg=cfg, device_id=device_id, arch="sm_80", function=_FakeFunction(),
-                            resources=None, lowered_name="_Zfake")
+        return {"forward": LoadedKernel(cfg=cfg, device_id=device_id, arch="sm_80", function=_FakeFunction(),
+                                        resources=None, lowered_name="_Zfake", params_size=PARAMS_STRUCT.size)}
 
     monkeypatch.setattr(KernelRegistry, "_load", fake_load)
     reg = KernelRegistry()
@@ -167,6 +168,7 @@ def test_load_compiles_through_cache_and_raises_smem_limit(cfg, tmp_path, monkey
             return False
 
     monkeypatch.setattr(device, "device_arch", lambda i: ("sm_80", "cubin"))
+    monkeypatch.setattr(device, "compute_capability", lambda i: 80)
     monkeypatch.setattr(cupy.cuda.function, "Module", FakeModule)
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
     monkeypatch.setattr(driver, "funcSetAttribute", lambda *a: set_attrs.append(a))

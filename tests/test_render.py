@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from cupyflash.config import DType, FlashForwardKernelConfig
-from cupyflash.config_sets import progression_configs
-from cupyflash.kernel_abi import PARAM_FIELDS
+from cupyflash.config import DType
+from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig
+from cupyflash.families.forward_sm80.config_sets import progression_configs
+from cupyflash.families.forward_sm80.params import PARAM_FIELDS
 from cupyflash.render import KERNEL_HEADERS, kernels_dir, name_expression, render_source, templates_dir
 
 CFG = FlashForwardKernelConfig.parse(
@@ -138,5 +139,5 @@ def test_name_expressions_are_unique():
 
 
 def test_resource_folders_found():
-    assert (templates_dir() / "flash_forward.cu.j2").is_file()
+    assert (templates_dir() / "forward_sm80.cu.j2").is_file() and (templates_dir() / "base.cu.j2").is_file()
     assert kernels_dir().is_dir()

@@ -9,10 +9,11 @@ import pytest
 
 import cupyflash
 from cupyflash import api, interop
-from cupyflash.config import SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig
-from cupyflash.config_sets import default_config, progression_configs
+from cupyflash.config import SUPPORTED_D_HEADS, DType
+from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig
+from cupyflash.families.forward_sm80.config_sets import default_config, progression_configs
 from cupyflash.interop import TensorView, as_view, contiguous_strides, output_view, resolve_stream
-from cupyflash.kernel_abi import PARAMS_STRUCT, param_names
+from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, param_names
 from cupyflash.validation import (
     INT32_MAX, MAX_GRID_YZ, MIN_COMPUTE_CAPABILITY, check_compute_capability, check_flag, check_forward_args,
     check_lse_out, check_lse_request, check_softmax_scale,
@@ -560,7 +561,7 @@ def test_resolve_config_bad_type(bad):
 
 
 def test_auto_uses_config_sets_default(monkeypatch):
-    from cupyflash import config_sets
+    from cupyflash.families.forward_sm80 import config_sets
 
     seen = []
 
@@ -596,7 +597,7 @@ def test_plan_forward_passes_causal():
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d_head", SUPPORTED_D_HEADS)
 def test_default_config_exists_and_fits(dtype, d_head):
-    from cupyflash import config_sets
+    from cupyflash.families.forward_sm80 import config_sets
 
     assert hasattr(config_sets, "default_config"), "config_sets.default_config(dtype, d_head) is missing"
     cfg = config_sets.default_config(dtype, d_head)

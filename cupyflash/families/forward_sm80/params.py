@@ -1,13 +1,13 @@
-"""The kernel's launch ABI: one parameter struct passed by value.
+"""The mma.sync forward kernel's launch ABI: one parameter struct passed by value.
 
-`PARAM_FIELDS` is the single definition of `ForwardParams`: the template renders the C++ struct
+`FORWARD_PARAMS` is the single definition of `ForwardParams`: the template renders the C++ struct
 from it and `pack_params` packs the same fields, so the two cannot drift.
 """
 from __future__ import annotations
 
-import struct
+from ..base import ParamStruct
 
-__all__ = ["PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names"]
+__all__ = ["FORWARD_PARAMS", "PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names"]
 
 # (name, C++ type, struct format char). Pointers and 64-bit strides first keep the struct
 # free of padding on both sides.
@@ -41,11 +41,12 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("reserved", "int", "i"),
 )
 
-PARAMS_STRUCT = struct.Struct("<" + "".join(f for _, _, f in PARAM_FIELDS))
+FORWARD_PARAMS = ParamStruct("ForwardParams", PARAM_FIELDS)
+PARAMS_STRUCT = FORWARD_PARAMS.layout
 
 
 def param_names() -> tuple[str, ...]:
-    return tuple(name for name, _, _ in PARAM_FIELDS)
+    return FORWARD_PARAMS.names()
 
 
 def pack_params(*values) -> bytes:

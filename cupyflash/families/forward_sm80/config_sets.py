@@ -1,4 +1,4 @@
-"""Named sets of kernel configurations: autotuning, progression, all, and B_r,B_c selections."""
+"""Named sets of the mma.sync forward family's configs: autotuning, progression, all, and B_r,B_c selections."""
 from __future__ import annotations
 
 import functools
@@ -6,9 +6,8 @@ import itertools
 import os
 from typing import Iterable
 
-from .config import (
-    B_C_VALUES, B_R_VALUES, N_WARPS_VALUES, SUPPORTED_D_HEADS, DType, FlashForwardKernelConfig,
-)
+from ...config import SUPPORTED_D_HEADS, DType
+from .config import B_C_VALUES, B_R_VALUES, N_WARPS_VALUES, FlashForwardKernelConfig
 
 __all__ = ["default_config", "should_autotune", "autotune_configs", "progression_configs", "all_configs",
            "get_kernel_configs", "KERNEL_SET_KEYS"]
