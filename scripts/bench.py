@@ -9,8 +9,9 @@ Grid: batch*seq = 16384, heads*d_head = 2048, S_q = S_k = S; FLOPs = 4*B*H*S*S*D
 2*B*H*S*S*D (half the score matrix is masked, and skipped). Implementations: cupyflash
 (cfg='auto', plus --configs / --all-tune; causal=True with --causal), PyTorch SDPA with the
 FLASH_ATTENTION and CUDNN_ATTENTION backends on `.transpose(1, 2)` views of the same (B, S, H, D)
-tensors (is_causal=True with --causal), and JAX's cuDNN attention (jitted, zero-copy DLPack views;
-is_causal=True with --causal) when jax is importable. A peer that is missing or
+tensors (is_causal=True with --causal), JAX's cuDNN attention (jitted, zero-copy DLPack views;
+is_causal=True with --causal) when jax is importable, and FlashAttention-3 (`flash_attn3_jax.flash_mha`,
+jitted, d_head 128 only) when the flash-attn3-jax wheel is installed. A peer that is missing or
 fails is skipped with its reason printed. Times: median of --iters CUDA-event timings after
 warm-up (JAX: host clock over batches of back-to-back calls, as its stream is not torch's), input
 sets rotated when one set is smaller than 3x L2. Every implementation's output is checked once
@@ -77,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the progression set at S=4096 (or --seqs) and print each step's gain")
     p.add_argument("--no-grid", action="store_true", help="skip the grid (e.g. only --progression)")
     p.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead measurement")
-    p.add_argument("--peers", default="sdpa_flash,sdpa_cudnn,jax_cudnn",
-                   help="peers to run (default all: sdpa_flash,sdpa_cudnn,jax_cudnn; '' for none)")
+    p.add_argument("--peers", default="sdpa_flash,sdpa_cudnn,jax_cudnn,fa3",
+                   help="peers to run (default all: sdpa_flash,sdpa_cudnn,jax_cudnn,fa3; '' for none)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
     p.add_argument("--overhead-calls", type=int, default=2000, help="back-to-back calls per overhead round")
@@ -150,7 +151,7 @@ def _meta(torch: Any, jax: Any | None) -> dict:
 
 
 def _import_jax(peers: list[str]) -> tuple[Any | None, str | None]:
-    if "jax_cudnn" not in peers:
+    if "jax_cudnn" not in peers and "fa3" not in peers:
         return None, "not requested"
     try:
         import jax
@@ -278,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench_impls import CupyflashImpl, JaxImpl, SdpaImpl, Skip, measure_overhead
+    from bench_impls import CupyflashImpl, Fa3Impl, JaxImpl, SdpaImpl, Skip, measure_overhead
 
     device = torch.cuda.current_device()
     jax, jax_reason = _import_jax(peers)
@@ -308,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for name, make in (("sdpa_flash", lambda: SdpaImpl(torch, "FLASH_ATTENTION", "sdpa_flash")),
                            ("sdpa_cudnn", lambda: SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn")),
-                           ("jax_cudnn", lambda: JaxImpl(jax) if jax else _raise(Skip(jax_reason)))):
+                           ("jax_cudnn", lambda: JaxImpl(jax) if jax else _raise(Skip(jax_reason))),
+                           ("fa3", lambda: Fa3Impl(jax) if jax else _raise(Skip(jax_reason)))):
             if name not in peers:
                 continue
             try:

@@ -19,7 +19,7 @@ from cupyflash.benchmarking import GridShape, Timing, attention_flops, rotation_
 from cupyflash.config import DType
 from cupyflash.config import KernelConfig
 
-__all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Skip", "rel_l2_error",
+__all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Fa3Impl", "Skip", "rel_l2_error",
            "time_events", "time_host", "measure_overhead", "JAX_BATCH"]
 
 _SLEEP_CYCLES = 10_000_000  # ~5 ms of GPU spin before timing, so the host can queue ahead of the GPU
@@ -261,6 +261,32 @@ class JaxImpl(Impl):
     def time(self, torch: Any, warmup: int, iters: int) -> Timing:
         samples = max(5, iters // 4)
         return time_host(self.run, lambda x: x.block_until_ready(), len(self._sets), warmup, samples)
+
+
+class Fa3Impl(JaxImpl):
+    """FlashAttention-3 (Hopper: wgmma, TMA, warp specialisation) through the `flash-attn3-jax`
+    wheel: `flash_attn3_jax.flash_mha` jitted, on DLPack views of the same (B, S, H, D) inputs.
+    The wheel is built for d_head 128 only; other head dims are skipped."""
+
+    name = "fa3"
+
+    def __init__(self, jax: Any) -> None:
+        try:
+            import flash_attn3_jax
+        except Exception as exc:  # not installed, or its extension does not load here
+            raise Skip(f"flash_attn3_jax is not importable ({type(exc).__name__}: {exc})") from None
+        super().__init__(jax)
+        self._mha = flash_attn3_jax.flash_mha
+
+    def prepare(self, problem: Problem) -> None:
+        import torch
+
+        if problem.shape.d_head != 128:
+            raise Skip(f"the flash-attn3-jax wheel is built for d_head 128, not {problem.shape.d_head}")
+        Impl.prepare(self, problem)
+        torch.cuda.synchronize()  # JAX reads the tensors on its own stream
+        self._sets = [tuple(self._to_jax(t) for t in s) for s in problem.sets]
+        self._fn = self.jax.jit(functools.partial(self._mha, softmax_scale=problem.scale, is_causal=problem.causal))
 
 
 # ---------------------------------------------------------------------------- per-call overhead

@@ -12,7 +12,7 @@ __all__ = ["target_ratio", "find_ok", "impl_columns", "format_grid", "format_pro
            "PEER_ORDER", "BASELINE"]
 
 BASELINE = "sdpa_flash"
-PEER_ORDER = ("sdpa_flash", "sdpa_cudnn", "jax_cudnn")
+PEER_ORDER = ("sdpa_flash", "sdpa_cudnn", "jax_cudnn", "fa3")
 
 
 def target_ratio(d_head: int, seq: int, causal: bool, dtype: str | None = None) -> float | None:

@@ -12,6 +12,11 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python3 -m pip install -q --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+# Optional peers carried as wheels (.whl/, git-ignored; e.g. flash-attn3-jax for the FA3 column).
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$OUT/install.log" 2>&1 && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 python3 -m cupyflash info 2>&1 | tee "$OUT/info.log"
 
 case "$step" in
