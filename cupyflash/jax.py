@@ -1,0 +1,199 @@
+"""cupyflash.jax: attention as a JAX operation that works eagerly, under `jax.jit` and `jax.vmap`.
+
+The kernel runs inside XLA's program through `jax.experimental.buffer_callback`: XLA hands the
+callback its own device buffers (inputs, and the outputs to fill) and its compute stream, and the
+callback launches the cupyflash kernel there. Nothing is copied and nothing synchronises; with
+`command_buffer_compatible=True` XLA may record the launch into a CUDA graph (command buffer) and
+replay it without calling Python again.
+
+Everything that depends only on shapes happens once, while tracing: `forward`'s argument rules
+(errors are raised to the caller as the same TypeError/ValueError), the config choice, the kernel
+compile and load, the launch geometry. The callback then only reads five device pointers, packs
+them into the prepared parameter block and calls cuLaunchKernel.
+
+`jax.vmap` folds the mapped axis into the batch axis (the kernel's batch dimension is exactly a
+map over independent problems), so a vmapped call is one launch; an unmapped k/v is broadcast to
+the mapped size first.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from .config import DType
+from .interop import JAX, TensorView, contiguous_strides
+from .validation import ALIGN_BYTES, LaunchPlan, check_flag, check_forward_args, check_softmax_scale
+
+__all__ = ["attention", "plan_attention"]
+
+_DTYPES = {np.dtype(jnp.float16): DType.FP16, np.dtype(jnp.bfloat16): DType.BF16}
+
+
+class _Spec(NamedTuple):
+    """Shape and dtype of one operand: what tracing knows, and the key of the plan cache."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _spec(x: Any, name: str) -> _Spec:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}")
+    return _Spec(tuple(int(n) for n in shape), np.dtype(dtype))
+
+
+def _view(spec: _Spec, device: int) -> TensorView:
+    # XLA buffers passed to a custom call are dense row-major; the pointer is checked at launch.
+    return TensorView(0, spec.shape, contiguous_strides(spec.shape), _DTYPES.get(spec.dtype), spec.dtype,
+                      device, JAX, None)
+
+
+# ------------------------------------------------------------------ GPU-facing steps (patchable)
+def _trace_device() -> int:
+    """The CUDA device kernels are prepared for while tracing: CuPy's current device (other
+    devices load theirs at first launch)."""
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _select(dtype: DType, d_head: int, seq_q: int, seq_k: int, device: int, causal: bool) -> Any:
+    from .api import _select_config
+
+    return _select_config(dtype, d_head, seq_q, seq_k, device, causal)
+
+
+def _prepare_kernel(plan: LaunchPlan) -> None:
+    """Compile/load the kernel now, outside any stream capture, and check the GPU."""
+    from . import api
+
+    if not api._gpu_ready:
+        api._ensure_gpu()
+    if plan.device not in api._checked_devices:
+        api._check_device(plan.device)
+    if plan.launch:
+        from .registry import get_registry
+
+        get_registry().get(plan.cfg, plan.device, plan.causal)
+
+
+def _buffer_ptr(buf: Any) -> int:
+    return buf.__cuda_array_interface__["data"][0]
+
+
+def _launch(plan: LaunchPlan, ctx: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+    """Launch the planned kernel on XLA's stream with XLA's buffers (the callback's body)."""
+    from .api import _launch as launch_kernel
+
+    ptrs = (_buffer_ptr(q), _buffer_ptr(k), _buffer_ptr(v), _buffer_ptr(out))
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) % ALIGN_BYTES:  # XLA aligns its buffers far more
+        raise ValueError(f"q: XLA passed a buffer not {ALIGN_BYTES}-byte aligned: {[hex(p) for p in ptrs]}")
+    stream = ctx.stream
+    stream = stream() if callable(stream) else stream  # a method in jaxlib 0.10/0.11
+    device = int(q.__dlpack_device__()[1])
+    if device != plan.device:
+        plan = plan._replace(device=device)
+    views = [TensorView(p, (), (), None, None, device, JAX) for p in ptrs]
+    launch_kernel(plan, *views, int(stream), _buffer_ptr(lse) if lse is not None else 0)
+
+
+# ------------------------------------------------------------------ planning and the operation
+class _Callback:
+    """The buffer_callback body for one plan. One object per plan (cached), so the primitive's
+    parameters compare equal across traces and XLA's lowering and compile caches hit."""
+
+    def __init__(self, plan: LaunchPlan, with_lse: bool) -> None:
+        self.plan = plan
+        self.with_lse = with_lse
+
+    def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any) -> None:
+        if self.plan.launch:  # zero-size problems: empty outputs, nothing to compute
+            _launch(self.plan, ctx, q, k, v, outs[0], outs[1] if self.with_lse else None)
+
+
+def plan_attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None) -> LaunchPlan:
+    """`forward`'s argument rules applied to JAX arrays or abstract values (shape and dtype);
+    the launch plan, or the TypeError/ValueError `forward` would raise."""
+    return _plan(_spec(q, "q"), _spec(k, "k"), _spec(v, "v"), causal, softmax_scale)
+
+
+def _plan(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float | None) -> LaunchPlan:
+    device = _trace_device()
+    return check_forward_args(None, _view(q, device), _view(k, device), _view(v, device), None,
+                              softmax_scale, causal, select=_select)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prepared(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float | None,
+              with_lse: bool) -> tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]:
+    """(callback, result types) for one problem signature; validates and loads the kernel once."""
+    plan = _plan(q, k, v, causal, softmax_scale)
+    _prepare_kernel(plan)
+    results = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype),)
+    if with_lse:
+        results += (jax.ShapeDtypeStruct(plan.lse_shape, np.float32),)
+    return _Callback(plan, with_lse), results
+
+
+def _call(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, softmax_scale: float | None,
+          with_lse: bool) -> tuple[jax.Array, ...]:
+    """One unbatched launch: (out,) or (out, lse)."""
+    callback, results = _prepared(_spec(q, "q"), _spec(k, "k"), _spec(v, "v"), causal, softmax_scale, with_lse)
+    run = buffer_callback(callback, results, command_buffer_compatible=True)
+    return tuple(run(q, k, v))
+
+
+def _fold(x: jax.Array, batched: bool, axis_size: int) -> jax.Array:
+    """(axis_size, batch, ...) -> (axis_size * batch, ...); an unmapped operand is broadcast."""
+    if not batched:
+        x = jnp.broadcast_to(x, (axis_size, *x.shape))
+    return x.reshape((axis_size * x.shape[1], *x.shape[2:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _operation(causal: bool, softmax_scale: float | None, with_lse: bool) -> Any:
+    """The jitted, vmappable operation for one set of static options."""
+
+    @jax.custom_batching.custom_vmap
+    def op(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        return _call(q, k, v, causal, softmax_scale, with_lse)
+
+    @op.def_vmap
+    def op_vmap(axis_size: int, in_batched: Any, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:
+        # The mapped axis arrives first; each mapped entry is an independent problem, exactly what
+        # the batch axis is, so one launch over (axis_size * batch) entries computes them all.
+        # forward's rules first, on the per-entry operands, so errors name their real shapes.
+        entries = [jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype) for x, b in zip((q, k, v), in_batched)]
+        plan_attention(*entries, causal, softmax_scale)
+        batch = entries[0].shape[0]
+        folded = op(*(_fold(x, b, axis_size) for x, b in zip((q, k, v), in_batched)))
+        outs = tuple(o.reshape((axis_size, batch, *o.shape[1:])) for o in folded)
+        return outs, tuple(True for _ in outs)
+
+    return jax.jit(op)
+
+
+def attention(q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
+              return_lse: bool = False) -> Any:
+    """softmax(q k^T * softmax_scale + mask) v on JAX arrays, inside or outside `jax.jit`.
+
+    Same arguments and rules as `cupyflash.forward`: q (batch, seq_q, heads, d_head), k/v
+    (batch, seq_k, kv_heads, d_head), fp16 or bf16, kv_heads dividing heads (GQA/MQA), causal
+    masking aligned bottom-right; `causal`, `softmax_scale` and `return_lse` are static (Python
+    values). Returns the output, or (out, lse) with return_lse=True (lse float32
+    (batch, heads, seq_q)). Under `jax.vmap` the mapped axis is folded into the batch axis.
+    """
+    if causal is not True and causal is not False:
+        causal = check_flag(causal, "causal")
+    if return_lse is not True and return_lse is not False:
+        return_lse = check_flag(return_lse, "return_lse")
+    if softmax_scale is not None:
+        softmax_scale = check_softmax_scale(softmax_scale, 1)  # a hashable float for the caches
+    outs = _operation(causal, softmax_scale, return_lse)(q, k, v)
+    return outs if return_lse else outs[0]

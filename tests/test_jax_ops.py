@@ -1,0 +1,230 @@
+"""cupyflash.jax: attention inside jax.jit and jax.vmap, through buffer_callback.
+
+CPU tests (need jax, no GPU): the operation's machinery (tracing-time validation, jit, vmap folding,
+lse, caching) with the GPU-facing steps replaced by a NumPy reference writing into XLA's CPU
+buffers. GPU tests: the real kernel on XLA's stream, eagerly, in jit and under vmap, against the
+SPEC §5 rule.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with CuPy/torch
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+import cupyflash.jax as cfj  # noqa: E402  (after the importorskip)
+from cupyflash.config import DType  # noqa: E402
+from cupyflash.config_sets import default_config  # noqa: E402
+from cupyflash.device import has_gpu  # noqa: E402
+from framework_support import numpy_attention, prewarm_problems  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+JAX_DTYPES = {DType.BF16: jnp.bfloat16, DType.FP16: jnp.float16}
+
+
+def _clear_caches():
+    cfj._prepared.cache_clear()
+    cfj._operation.cache_clear()
+
+
+# ----------------------------------------------------------------------------- CPU
+class ReferenceLaunches:
+    """Stands in for the kernel launch on XLA's CPU buffers; records each plan it runs."""
+
+    def __init__(self) -> None:
+        self.plans = []
+
+    def __call__(self, plan, ctx, q, k, v, out, lse) -> None:
+        self.plans.append(plan)
+        o, l = numpy_attention(np.asarray(q).astype(np.float32), np.asarray(k).astype(np.float32),
+                               np.asarray(v).astype(np.float32), plan.softmax_scale, plan.causal)
+        target = np.asarray(out)
+        target[...] = o.astype(target.dtype)
+        if lse is not None:
+            np.asarray(lse)[...] = l
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """The operation with a NumPy stand-in for the GPU steps, on JAX's CPU device."""
+    launches = ReferenceLaunches()
+    monkeypatch.setattr(cfj, "_trace_device", lambda: 0)
+    monkeypatch.setattr(cfj, "_select", lambda dtype, d_head, *_: default_config(dtype, d_head))
+    monkeypatch.setattr(cfj, "_prepare_kernel", lambda plan: None)
+    monkeypatch.setattr(cfj, "_launch", launches)
+    _clear_caches()
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield launches
+    _clear_caches()
+
+
+def _inputs(seed, q_shape=(2, 40, 4, 64), kv_shape=(2, 56, 2, 64), dtype=jnp.bfloat16, lead=()):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(keys[0], lead + q_shape, dtype), jax.random.normal(keys[1], lead + kv_shape, dtype),
+            jax.random.normal(keys[2], lead + kv_shape, dtype))
+
+
+def _expected(q, k, v, scale=None, causal=False):
+    return numpy_attention(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32),
+                           scale, causal)
+
+
+def _assert_close(got, want, atol=3e-2):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=atol, rtol=0)
+
+
+def test_eager_and_jit_with_lse(on_cpu):
+    q, k, v = _inputs(0)
+    out = cfj.attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _assert_close(out, _expected(q, k, v)[0])
+    f = jax.jit(lambda q, k, v: cfj.attention(q * 2, k, v, causal=True, softmax_scale=0.1, return_lse=True))
+    out, lse = f(q, k, v)
+    want, want_lse = _expected(q * 2, k, v, 0.1, causal=True)
+    assert lse.shape == (2, 4, 40) and lse.dtype == jnp.float32
+    _assert_close(out, want)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4)
+    assert on_cpu.plans[-1].causal and on_cpu.plans[-1].softmax_scale == pytest.approx(0.1)
+
+
+def test_plans_are_made_once_per_signature(on_cpu):
+    q, k, v = _inputs(1)
+    f = jax.jit(lambda q, k, v: cfj.attention(q, k, v))
+    for seed in (2, 3):
+        f(*_inputs(seed))
+    cfj.attention(q, k, v)
+    assert cfj._prepared.cache_info().currsize == 1 and len(on_cpu.plans) == 3
+
+
+def test_vmap_folds_the_mapped_axis_into_batch(on_cpu):
+    q, k, v = _inputs(4, lead=(3,))
+    out = jax.vmap(lambda q, k, v: cfj.attention(q, k, v))(q, k, v)
+    assert out.shape == (3, 2, 40, 4, 64)
+    assert on_cpu.plans[-1].out_shape == (6, 40, 4, 64)  # one launch for all mapped entries
+    for i in range(3):
+        _assert_close(out[i], _expected(q[i], k[i], v[i])[0])
+
+
+def test_vmap_unmapped_kv_lse_and_nested(on_cpu):
+    q, k, v = _inputs(5, lead=(3,))
+    f = jax.jit(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, causal=True, return_lse=True),
+                         in_axes=(0, None, None)))
+    out, lse = f(q, k[0], v[0])
+    assert out.shape == (3, 2, 40, 4, 64) and lse.shape == (3, 2, 4, 40)
+    for i in range(3):
+        want, want_lse = _expected(q[i], k[0], v[0], causal=True)
+        _assert_close(out[i], want)
+        np.testing.assert_allclose(np.asarray(lse[i]), want_lse, atol=1e-4)
+    # nested, over a non-leading axis of the outer array
+    qq = jnp.stack([q, q * 0.5], axis=1)  # (3, 2, 2, 40, 4, 64)
+    nested = jax.vmap(jax.vmap(lambda q: cfj.attention(q, k[1], v[1])), in_axes=1)(qq)
+    assert nested.shape == (2, 3, 2, 40, 4, 64)
+    _assert_close(nested[1, 2], _expected(q[2] * 0.5, k[1], v[1])[0])
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda q, k, v: cfj.attention(q.astype(jnp.float32), k, v), TypeError, "q: dtype must be float16 or bfloat16"),
+    (lambda q, k, v: jax.jit(lambda q: cfj.attention(q, k[..., :32], v))(q), ValueError, "k: d_head 32"),
+    (lambda q, k, v: cfj.attention(q, k, v[:, :9]), ValueError, "v: seq_len 9"),
+    (lambda q, k, v: cfj.attention(q[0], k[0], v[0]), ValueError, "q: expected 4 dimensions"),
+    (lambda q, k, v: jax.vmap(lambda q: cfj.attention(q, k, v))(jnp.stack([q[..., :32]] * 2)), ValueError,
+     "k: d_head 64 does not match q's 32"),
+    (lambda q, k, v: cfj.attention(q, k, v, causal=1), TypeError, "causal: expected a bool"),
+    (lambda q, k, v: cfj.attention(q, k, v, return_lse=None), TypeError, "return_lse: expected a bool"),
+    (lambda q, k, v: cfj.attention(q, k, v, softmax_scale=float("nan")), ValueError, "softmax_scale: expected a finite"),
+    (lambda q, k, v: cfj.attention(q, k, v, softmax_scale="1"), TypeError, "softmax_scale: expected None or a real"),
+], ids=["dtype", "d-head-jit", "v-shape", "rank", "vmap-d-head", "causal", "return-lse", "scale-nan", "scale-str"])
+def test_argument_errors_name_the_argument(on_cpu, call, error, message):
+    with pytest.raises(error, match=message):
+        call(*_inputs(6))
+
+
+def test_zero_size_batch_launches_nothing(on_cpu):
+    q, k, v = (x[:0] for x in _inputs(7))
+    out, lse = cfj.attention(q, k, v, return_lse=True)
+    assert out.shape == (0, 40, 4, 64) and lse.shape == (0, 4, 40) and not on_cpu.plans
+
+
+# ----------------------------------------------------------------------------- GPU
+PROBLEMS = [(DType.BF16, 128, 256, 256, False), (DType.BF16, 128, 256, 256, True),
+            (DType.FP16, 128, 256, 256, False)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    prewarm_problems(PROBLEMS)
+
+
+def _cupy(cp, x):
+    """A CuPy copy of a JAX array (bf16 as raw 16-bit patterns, which gpu_reference reads)."""
+    host = np.asarray(x)
+    return cp.asarray(host.view(np.uint16) if host.dtype == jnp.bfloat16 else host)
+
+
+def _check(dtype, q, k, v, out, scale=None, causal=False, lse=None, context=""):
+    import cupy as cp
+    from gpu_reference import check_attention
+
+    check_attention(cp, dtype, _cupy(cp, q), _cupy(cp, k), _cupy(cp, v), _cupy(cp, out), scale, causal=causal,
+                    lse=cp.asarray(np.asarray(lse)) if lse is not None else None, context=context)
+
+
+def _gpu_inputs(seed, dtype, q_shape, kv_shape, lead=()):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.standard_normal(lead + s, dtype=np.float32)).astype(JAX_DTYPES[dtype])
+                 for s in (q_shape, kv_shape, kv_shape))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype,causal,q_shape,kv_shape,scale", [
+    (DType.BF16, False, (2, 256, 4, 128), (2, 256, 4, 128), None),
+    (DType.BF16, True, (2, 200, 8, 128), (2, 256, 2, 128), 0.05),
+    (DType.FP16, False, (1, 256, 2, 128), (1, 77, 2, 128), None),
+])
+def test_eager_and_jit_match_reference(kernels, dtype, causal, q_shape, kv_shape, scale):
+    _clear_caches()
+    q, k, v = _gpu_inputs(None, dtype, q_shape, kv_shape)
+    out, lse = cfj.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == jnp.float32
+    _check(dtype, q, k, v, out, scale, causal, lse, "eager")
+    # in a jitted function between other XLA ops, over several fresh inputs (new buffers)
+    f = jax.jit(lambda q, k, v: cfj.attention(q * 0.5, k, v + 1, causal=causal, softmax_scale=scale) * 2)
+    for seed in range(3):
+        q, k, v = _gpu_inputs(None, dtype, q_shape, kv_shape)
+        got = f(q, k, v)
+        want = cfj.attention(q * 0.5, k, v + 1, causal=causal, softmax_scale=scale)
+        _check(dtype, q * 0.5, k, v + 1, want, scale, causal, context="eager, shifted inputs")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want * 2))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_vmap_matches_per_entry_calls(kernels):
+    q, k, v = _gpu_inputs(None, DType.BF16, (2, 256, 4, 128), (2, 256, 4, 128), lead=(3,))
+    f = jax.jit(jax.vmap(lambda q, k, v: cfj.attention(q, k, v, return_lse=True), in_axes=(0, None, 0)))
+    out, lse = f(q, k[0], v)
+    assert out.shape == q.shape and lse.shape == (3, 2, 4, 256)
+    for i in range(3):
+        want, want_lse = cfj.attention(q[i], k[0], v[i], return_lse=True)
+        np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(want))  # the same kernel rows
+        np.testing.assert_array_equal(np.asarray(lse[i]), np.asarray(want_lse))
+    _check(DType.BF16, q[1], k[0], v[1], out[1], lse=lse[1], context="vmap entry 1")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_jit_in_a_loop_and_errors(kernels):
+    q, k, v = _gpu_inputs(None, DType.BF16, (1, 256, 4, 128), (1, 256, 4, 128))
+    step = jax.jit(lambda x, k, v: jax.lax.fori_loop(0, 4, lambda i, x: cfj.attention(x, k, v, causal=True), x))
+    got = step(q, k, v)
+    want = q
+    for _ in range(4):
+        want = cfj.attention(want, k, v, causal=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(TypeError, match="q: dtype must be float16 or bfloat16"):
+        jax.jit(lambda q: cfj.attention(q.astype(jnp.float32), k, v))(q)

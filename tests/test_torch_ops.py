@@ -1,0 +1,269 @@
+"""cupyflash.torch: the `cupyflash::` operators.
+
+CPU tests (need torch, no GPU): schema, fake kernels on meta tensors (shapes, strides, dtypes,
+errors), and the operator machinery (opcheck, torch.compile(fullgraph=True)) run over a NumPy
+reference put in place of the kernel. GPU tests: the real kernel eagerly against the SPEC §5 rule,
+opcheck, torch.compile with Inductor, CUDA graph capture and replay.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupyflash.torch as cft  # noqa: E402  (after the importorskip)
+from cupyflash.config import DType  # noqa: E402
+from cupyflash.device import has_gpu  # noqa: E402
+from framework_support import numpy_attention, prewarm_problems  # noqa: E402
+
+needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")
+TORCH_DTYPES = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+
+
+def meta(*shape: int, dtype=torch.bfloat16) -> "torch.Tensor":
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+# ----------------------------------------------------------------------------- CPU: registration
+def test_import_cupyflash_stays_framework_free():
+    code = ("import sys, cupyflash; bad = [m for m in ('torch', 'jax') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_schemas_and_tags():
+    for name, schema in cft.SCHEMAS.items():
+        op = getattr(torch.ops.cupyflash, name).default
+        assert str(op._schema) == f"cupyflash::{name}{schema}"
+        assert torch.Tag.pt2_compliant_tag in op.tags
+    assert cft.attention_forward is torch.ops.cupyflash.attention_forward.default
+
+
+# ----------------------------------------------------------------------------- CPU: fake kernels
+@pytest.mark.parametrize("q_shape,kv_shape", [
+    ((2, 100, 8, 128), (2, 300, 2, 128)),   # GQA, seq_q < seq_k
+    ((1, 257, 4, 64), (1, 3, 4, 64)),       # seq_q > seq_k
+    ((0, 16, 4, 64), (0, 16, 4, 64)),       # zero-size batch
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fake_shapes_strides_dtypes(q_shape, kv_shape, dtype):
+    b, s, h, d = q_shape
+    # q as a transposed view of (b, h, s, d): the output is contiguous all the same, like forward()'s
+    q = meta(b, h, s, d, dtype=dtype).transpose(1, 2)
+    k, v = meta(*kv_shape, dtype=dtype), meta(*kv_shape, dtype=dtype)
+    out = cft.attention(q, k, v)
+    assert out.shape == q_shape and out.dtype == dtype and out.is_contiguous()
+    out, lse = cft.attention(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q_shape and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (b, h, s) and lse.dtype == torch.float32 and lse.is_contiguous()
+    assert lse.stride() == (h * s, s, 1)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: cft.attention(meta(1, 8, 2, 64, dtype=torch.float32), meta(1, 8, 2, 64), meta(1, 8, 2, 64)),
+     TypeError, "q: dtype must be float16 or bfloat16"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float16), meta(1, 8, 2, 64)),
+     TypeError, "k: dtype"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 32), meta(1, 8, 2, 32)), ValueError, "k: d_head 32"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 9, 2, 64)), ValueError, "v: seq_len 9"),
+    (lambda: cft.attention(meta(1, 8, 3, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64)), ValueError, "k: k and v have 2 heads"),
+    (lambda: cft.attention(meta(8, 2, 64), meta(8, 2, 64), meta(8, 2, 64)), ValueError, "q: expected 4 dimensions"),
+    (lambda: cft.attention(meta(1, 8, 2, 48), meta(1, 8, 2, 48), meta(1, 8, 2, 48)), ValueError, "q: d_head 48"),
+    (lambda: cft.attention(meta(1, 8, 2, 128)[..., ::2], meta(1, 8, 2, 64), meta(1, 8, 2, 64)),
+     ValueError, "q: the last dimension"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), causal=1),
+     TypeError, "causal: expected a bool"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), return_lse="yes"),
+     TypeError, "return_lse: expected a bool"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), softmax_scale=-1.0),
+     ValueError, "softmax_scale: expected a finite number > 0"),
+    (lambda: cft.attention(meta(1, 8, 2, 64), meta(1, 8, 2, 64), meta(1, 8, 2, 64), softmax_scale="0.1"),
+     TypeError, "softmax_scale: expected None or a real number"),
+    (lambda: cft.attention(*(torch.randn(1, 8, 2, 64, dtype=torch.float16) for _ in range(3))),
+     TypeError, "q: expected a CUDA tensor"),
+], ids=["q-dtype", "k-dtype", "d-head", "v-shape", "heads", "rank", "unsupported-d", "strided-d",
+        "causal-int", "return-lse-str", "negative-scale", "scale-str", "host-tensors"])
+def test_argument_errors_name_the_argument(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+# ----------------------------------------------------------------------------- CPU: machinery
+def _reference_kernel(q, k, v, causal, softmax_scale, return_lse):
+    """NumPy stand-in for the CUDA kernel: outputs laid out exactly as forward() returns them."""
+    out, lse = numpy_attention(q.float().numpy(), k.float().numpy(), v.float().numpy(), softmax_scale, causal)
+    out = torch.from_numpy(out).to(q.dtype).contiguous()
+    return (out, torch.from_numpy(lse).float().contiguous()) if return_lse else out
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    monkeypatch.setattr(cft, "_host_kernel", _reference_kernel)
+
+
+def _inputs(device, dtype=torch.bfloat16, shape=(2, 40, 4, 64), kv=(2, 56, 2, 64)):
+    return (torch.randn(shape, device=device, dtype=dtype), torch.randn(kv, device=device, dtype=dtype),
+            torch.randn(kv, device=device, dtype=dtype))
+
+
+def test_opcheck_over_reference(reference_kernel):
+    q, k, v = _inputs("cpu")
+    for op, args, kwargs in [(cft.attention_forward, (q, k, v), {}),
+                             (cft.attention_forward, (q, k, v), {"causal": True, "softmax_scale": 0.3}),
+                             (cft.attention_forward_lse, (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True),
+                              {})]:
+        result = torch.library.opcheck(op, args, kwargs)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+class AttentionBlock(torch.nn.Module):
+    """A pre-norm self-attention block with a fused QKV projection, as a transformer has."""
+
+    def __init__(self, dim: int = 256, heads: int = 2, dtype=torch.bfloat16, device="cpu") -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = torch.nn.LayerNorm(dim, dtype=dtype, device=device)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=dtype, device=device)
+        self.proj = torch.nn.Linear(dim, dim, dtype=dtype, device=device)
+
+    def forward(self, x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        y, lse = cft.attention(q, k, v, causal=True, return_lse=True)
+        return x + self.proj(y.reshape(b, n, d)), lse
+
+
+def test_compile_fullgraph_over_reference(reference_kernel):
+    torch._dynamo.reset()
+    block = AttentionBlock()
+    x = torch.randn(2, 33, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(block)(x)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        for n in (33, 47):  # a second length: recompiled (or dynamic) without a break
+            x = torch.randn(2, n, 256, dtype=torch.bfloat16)
+            got, want = compiled(x), block(x)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ----------------------------------------------------------------------------- GPU
+PROBLEMS = [(DType.BF16, 128, 256, 256, False), (DType.BF16, 128, 256, 256, True),
+            (DType.FP16, 128, 256, 256, False)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    prewarm_problems(PROBLEMS)
+
+
+def _cupy(cp, t):
+    """A CuPy view of a CUDA tensor (bf16 as its raw 16-bit patterns, which gpu_reference reads)."""
+    return cp.asarray(t.view(torch.int16) if t.dtype == torch.bfloat16 else t)
+
+
+def _poison_allocator(shape, dtype):
+    """Leave a NaN-filled block of this size in torch's caching allocator, so the operator's
+    output allocation (same size, same stream) gets it and an unwritten element shows as NaN."""
+    block = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del block
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype,causal,q_shape,kv_shape,scale", [
+    (DType.BF16, False, (2, 256, 4, 128), (2, 256, 4, 128), None),
+    (DType.BF16, True, (2, 200, 8, 128), (2, 256, 2, 128), 0.05),   # causal GQA, seq_q < seq_k
+    (DType.FP16, False, (1, 256, 2, 128), (1, 77, 2, 128), None),   # seq_k not a block multiple
+])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_eager_matches_reference(kernels, dtype, causal, q_shape, kv_shape, scale, return_lse):
+    import cupy as cp
+    from gpu_reference import check_attention
+
+    tdtype = TORCH_DTYPES[dtype]
+    q = torch.randn(q_shape, device="cuda", dtype=tdtype)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=tdtype) for _ in range(2))
+    _poison_allocator(q_shape, tdtype)
+    if return_lse:
+        _poison_allocator((q_shape[0], q_shape[2], q_shape[1]), torch.float32)
+    result = cft.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=return_lse)
+    out, lse = result if return_lse else (result, None)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.dtype == tdtype and out.is_contiguous()
+    check_attention(cp, dtype, _cupy(cp, q), _cupy(cp, k), _cupy(cp, v), _cupy(cp, out), scale, causal=causal,
+                    lse=cp.asarray(lse) if lse is not None else None, context="cupyflash.torch.attention")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_opcheck_cuda(kernels):
+    q, k, v = _inputs("cuda", shape=(2, 256, 4, 128), kv=(2, 256, 2, 128))
+    for op, args in [(cft.attention_forward, (q, k, v)), (cft.attention_forward, (q, k, v, True, 0.1)),
+                     (cft.attention_forward_lse, (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, True))]:
+        result = torch.library.opcheck(op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_eager_errors_from_the_kernel_path(kernels):
+    # A pointer the fake kernel cannot see: misaligned by one element, caught by forward() itself.
+    flat = torch.randn(2 * 256 * 4 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    q = flat[1:].view(2, 256, 4, 128)
+    k = v = torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
+        cft.attention(q, k, v)
+    with pytest.raises(TypeError, match="k: expected a CUDA tensor"):
+        cft.attention(k, k.cpu(), v)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compile_inductor_fullgraph_block(kernels):
+    torch._dynamo.reset()
+    block = AttentionBlock(dim=512, heads=4, device="cuda")  # d_head 128
+    x = torch.randn(2, 256, 512, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(block)(x)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True)
+        got, want = compiled(x), block(x)
+    torch.testing.assert_close(got[1], want[1], atol=2e-2, rtol=1e-2)  # lse: fp32, same kernel
+    torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)  # Inductor fuses the norm/bias
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_cuda_graph_capture_and_replay(kernels):
+    shape = (2, 256, 4, 128)
+    static = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs asks
+        for _ in range(2):
+            cft.attention(*static)
+            cft.attention(*static, causal=True, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cft.attention(*static)
+        out_c, lse_c = cft.attention(*static, causal=True, return_lse=True)
+    for _ in range(2):  # new inputs each replay, compared with eager calls on the same values
+        for t in static:
+            t.copy_(torch.randn(shape, device="cuda", dtype=torch.bfloat16))
+        graph.replay()
+        want = cft.attention(*static)
+        want_c, want_lse = cft.attention(*static, causal=True, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(out_c, want_c) and torch.equal(lse_c, want_lse)
+        assert not torch.isnan(out).any()
+    expected = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in static)).transpose(1, 2)
+    assert (out.float() - expected.float()).abs().max().item() < 2e-2
+
