@@ -1,0 +1,212 @@
+"""Per-call overhead of the framework front ends on a tiny problem (1x128x8x128 bf16, kernel cached).
+
+PyTorch: cupyflash.torch.attention (the `cupyflash::` operator defined with torch.library.Library),
+the same operator called as an OpOverload, the same body registered with torch.library.custom_op,
+plain cupyflash.forward, SDPA flash, and a bare cuLaunchKernel of the same kernel. Each is measured
+as host issue cost (calls queued behind a GPU spin, so only the host side counts) and as wall time
+of back-to-back calls, in interleaved rounds (medians).
+
+JAX: cupyflash.jax.attention against jax.nn.dot_product_attention (cuDNN and XLA), as eager calls
+and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an unrolled chain of
+32), with the number of Python callback runs per attention call (below 1 when XLA replays the
+launch from a command buffer).
+
+    python scripts/bench_frameworks.py [--json out.json]
+"""
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with torch/CuPy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SHAPE = (1, 128, 8, 128)  # (batch, seq, heads, d_head)
+
+
+# ------------------------------------------------------------------------------------ torch
+def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cupyflash
+    import cupyflash.torch as cft
+    from bench_impls import _issue_us, _wall_us
+    from cupyflash import launch_plans
+
+    @torch.library.custom_op("cupyflash_bench::attention_forward", mutates_args=())
+    def custom_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                         softmax_scale: float | None = None) -> torch.Tensor:
+        return cupyflash.forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    @custom_attention.register_fake
+    def _(q, k, v, causal=False, softmax_scale=None):
+        return q.new_empty(q.shape)
+
+    q, k, v = (torch.randn(SHAPE, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    op = torch.ops.cupyflash.attention_forward.default
+    flash = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])  # noqa: E731
+    table: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "cupyflash.forward": (lambda: cupyflash.forward(None, q, k, v), contextlib.nullcontext),
+        "cupyflash.torch.attention": (lambda: cft.attention(q, k, v), contextlib.nullcontext),
+        "torch.ops.cupyflash.attention_forward": (lambda: op(q, k, v), contextlib.nullcontext),
+        "custom_op (same body)": (lambda: custom_attention(q, k, v), contextlib.nullcontext),
+        "SDPA flash": (lambda: sdpa(qt, kt, vt), flash),
+    }
+    for name, (call, context) in table.items():
+        with context():
+            for _ in range(200):
+                call()
+    ref = sdpa(qt, kt, vt).transpose(1, 2)
+    err = (cft.attention(q, k, v).float() - ref.float()).abs().max().item()
+    plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
+    out = torch.empty_like(q)
+    launch_plans._POINTERS.pack_into(plan.buf, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    from cupy_backends.cuda.api.driver import launchKernel
+
+    stream = torch.cuda.current_stream().cuda_stream
+    table["bare cuLaunchKernel"] = (lambda: launchKernel(*plan.launch_head, stream, plan.argv_ptr, 0),
+                                    contextlib.nullcontext)
+    samples = {name: {"issue": [], "wall": [], "gpu": []} for name in table}
+    for r in range(rounds):
+        for name in (list(table) if r % 2 == 0 else list(reversed(table))):
+            call, context = table[name]
+            with context():
+                samples[name]["issue"].append(_issue_us(torch, call, 5))
+                wall, gpu = _wall_us(torch, call, calls)
+            samples[name]["wall"].append(wall)
+            samples[name]["gpu"].append(gpu)
+    result = {name: {key: statistics.median(vals) for key, vals in got.items()} | {"samples": got}
+              for name, got in samples.items()}
+    base = samples["cupyflash.forward"]["issue"]
+    for name in ("torch.ops.cupyflash.attention_forward", "cupyflash.torch.attention", "custom_op (same body)"):
+        result[name]["dispatch_us"] = statistics.median(a - b for a, b in zip(samples[name]["issue"], base))
+    result["max_abs_vs_sdpa"] = err
+    return result
+
+
+# ------------------------------------------------------------------------------------ jax
+def _timed(run: Callable[[], Any], reps: int) -> float:
+    """Median seconds of run() (which blocks until its result is ready)."""
+    run()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_jax(iters: int, reps: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    import cupyflash.jax as cfj
+
+    runs = {"count": 0}
+    launch = cfj._launch
+
+    def counted(*args: Any) -> None:
+        runs["count"] += 1
+        launch(*args)
+
+    cfj._launch = counted  # the callback looks the name up at each run
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(kk, SHAPE, jnp.bfloat16) for kk in keys)
+    impls: dict[str, Callable[..., Any]] = {"cupyflash.jax.attention": lambda q, k, v: cfj.attention(q, k, v)}
+    for impl in ("cudnn", "xla"):
+        fn = lambda q, k, v, impl=impl: jax.nn.dot_product_attention(q, k, v, implementation=impl)  # noqa: E731
+        try:
+            jax.block_until_ready(jax.jit(fn)(q, k, v))
+            impls[f"jax.nn.dot_product_attention ({impl})"] = fn
+        except Exception as exc:  # reported, not fatal
+            print(f"dot_product_attention({impl}) unavailable: {type(exc).__name__}: {exc}")
+    ref = jax.nn.dot_product_attention(q, k, v)
+    err = float(jnp.abs(cfj.attention(q, k, v).astype(jnp.float32) - ref.astype(jnp.float32)).max())
+    unroll = 32
+    result: dict[str, Any] = {"iters": iters, "unroll": unroll, "max_abs_vs_dpa": err}
+    for name, fn in impls.items():
+        eager = fn if name.startswith("cupyflash") else jax.jit(fn)
+        chain = jax.jit(lambda x, k, v, fn=fn: jax.lax.fori_loop(0, iters, lambda i, x: fn(x, k, v), x))
+
+        def unrolled_body(x, k, v, fn=fn):
+            for _ in range(unroll):
+                x = fn(x, k, v)
+            return x
+
+        unrolled = jax.jit(unrolled_body)
+        entry: dict[str, float] = {}
+        for mode, run, per in (
+                ("eager_us", lambda: jax.block_until_ready([eager(q, k, v) for _ in range(iters)]), iters),
+                ("fori_loop_us", lambda: chain(q, k, v).block_until_ready(), iters),
+                ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll)):
+            run()  # compile
+            before = runs["count"]
+            entry[mode] = _timed(run, reps) * 1e6 / per
+            if name.startswith("cupyflash"):
+                entry[mode.replace("_us", "_callbacks_per_call")] = (runs["count"] - before) / ((reps + 1) * per)
+        result[name] = entry
+    cfj._launch = launch
+    return result
+
+
+# ------------------------------------------------------------------------------------ report
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (torch)")
+    p.add_argument("--calls", type=int, default=1000, help="back-to-back calls per wall-time sample (torch)")
+    p.add_argument("--jax-iters", type=int, default=200, help="calls per JAX timing sample")
+    p.add_argument("--jax-reps", type=int, default=7, help="JAX timing samples (median)")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-jax", action="store_true")
+    p.add_argument("--json", help="write all figures here")
+    args = p.parse_args(argv)
+    data: dict[str, Any] = {"shape": list(SHAPE), "dtype": "bf16"}
+    if not args.no_torch:
+        import torch
+
+        data["torch_version"] = torch.__version__
+        data["device"] = torch.cuda.get_device_name()
+        data["torch"] = bench_torch(args.rounds, args.calls)
+    if not args.no_jax:
+        import jax
+
+        data["jax_version"] = jax.__version__
+        data["jax"] = bench_jax(args.jax_iters, args.jax_reps)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    print(f"\nper-call cost, {'x'.join(map(str, SHAPE))} bf16, {data.get('device', '')}")
+    if "torch" in data:
+        print(f"\nPyTorch {data['torch_version']} (medians of {args.rounds} interleaved rounds; max |diff| vs SDPA "
+              f"{data['torch']['max_abs_vs_sdpa']:.3g})")
+        print(f"| {'call':40s} | issue us | wall us | dispatch over forward, us |")
+        print(f"|{'-' * 42}|---------:|--------:|--------------------------:|")
+        for name, fig in data["torch"].items():
+            if isinstance(fig, dict):
+                extra = f"{fig['dispatch_us']:.1f}" if "dispatch_us" in fig else ""
+                print(f"| {name:40s} | {fig['issue']:8.1f} | {fig['wall']:7.1f} | {extra:>25s} |")
+    if "jax" in data:
+        j = data["jax"]
+        print(f"\nJAX {data['jax_version']} (us per attention call; median of {args.jax_reps}; max |diff| vs "
+              f"dot_product_attention {j['max_abs_vs_dpa']:.3g})")
+        print(f"| {'call':40s} | eager | jit fori_loop ({j['iters']}) | jit unrolled ({j['unroll']}) |")
+        print(f"|{'-' * 42}|------:|------------------:|-----------------:|")
+        for name, fig in j.items():
+            if isinstance(fig, dict):
+                print(f"| {name:40s} | {fig['eager_us']:5.1f} | {fig['fori_loop_us']:17.1f} | {fig['unrolled_us']:16.1f} |")
+        c = j.get("cupyflash.jax.attention", {})
+        if c:
+            print("python callback runs per cupyflash call: eager {:.2f}, fori_loop {:.2f}, unrolled {:.2f}".format(
+                c["eager_callbacks_per_call"], c["fori_loop_callbacks_per_call"], c["unrolled_callbacks_per_call"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
