@@ -18,6 +18,7 @@ the mapped size first.
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
+from . import launch_plans
 from .config import DType
 from .interop import JAX, TensorView, contiguous_strides
 from .validation import ALIGN_BYTES, LaunchPlan, check_flag, check_forward_args, check_softmax_scale
@@ -69,38 +71,68 @@ def _select(dtype: DType, d_head: int, seq_q: int, seq_k: int, device: int, caus
     return _select_config(dtype, d_head, seq_q, seq_k, device, causal)
 
 
-def _prepare_kernel(plan: LaunchPlan) -> None:
-    """Compile/load the kernel now, outside any stream capture, and check the GPU."""
+def _prepare_kernel(callback: "_Callback") -> None:
+    """Check the GPU, compile/load the kernel and pack its launch now, while tracing: outside any
+    stream capture, and off the per-run path."""
     from . import api
 
+    plan = callback.plan
     if not api._gpu_ready:
         api._ensure_gpu()
     if plan.device not in api._checked_devices:
         api._check_device(plan.device)
     if plan.launch:
-        from .registry import get_registry
-
-        get_registry().get(plan.cfg, plan.device, plan.causal)
+        _launcher(callback, plan.device)
 
 
 def _buffer_ptr(buf: Any) -> int:
     return buf.__cuda_array_interface__["data"][0]
 
 
-def _launch(plan: LaunchPlan, ctx: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
-    """Launch the planned kernel on XLA's stream with XLA's buffers (the callback's body)."""
-    from .api import _launch as launch_kernel
+_POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
+_launch_kernel: Any = None  # cuLaunchKernel and cudaGetDevice, bound at the first launch
+_get_device: Any = None
 
-    ptrs = (_buffer_ptr(q), _buffer_ptr(k), _buffer_ptr(v), _buffer_ptr(out))
-    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) % ALIGN_BYTES:  # XLA aligns its buffers far more
-        raise ValueError(f"q: XLA passed a buffer not {ALIGN_BYTES}-byte aligned: {[hex(p) for p in ptrs]}")
+
+def _launcher(callback: "_Callback", device: int) -> launch_plans.FastLaunch:
+    """The callback's plan on `device`, packed once: kernel handle, grid and every parameter but
+    the pointers (cupyflash.launch_plans' replayable launch)."""
+    from .registry import get_registry
+
+    plan = callback.plan
+    kernel = get_registry().get(plan.cfg, device, plan.causal)
+    fast = launch_plans.FastLaunch(kernel.func_ptr, plan.grid, plan.block, plan.smem_bytes, device,
+                                   plan.pack(0, 0, 0, 0, 0), plan.out_shape, None, None)
+    callback.launchers[device] = fast
+    return fast
+
+
+def _launch(callback: "_Callback", ctx: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+    """Launch the callback's kernel on XLA's stream with XLA's buffers (the callback's body, per run:
+    five pointers, one pack, one cuLaunchKernel)."""
+    global _launch_kernel, _get_device
+    if _launch_kernel is None:
+        from cupy.cuda.runtime import getDevice
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        _launch_kernel, _get_device = launchKernel, getDevice
+    q_ptr, k_ptr, v_ptr, o_ptr = _buffer_ptr(q), _buffer_ptr(k), _buffer_ptr(v), _buffer_ptr(out)
+    if (q_ptr | k_ptr | v_ptr | o_ptr) % ALIGN_BYTES:  # XLA aligns its buffers far more than this
+        raise ValueError(f"q: XLA passed a buffer not {ALIGN_BYTES}-byte aligned: "
+                         f"{[hex(p) for p in (q_ptr, k_ptr, v_ptr, o_ptr)]}")
     stream = ctx.stream
     stream = stream() if callable(stream) else stream  # a method in jaxlib 0.10/0.11
-    device = int(q.__dlpack_device__()[1])
-    if device != plan.device:
-        plan = plan._replace(device=device)
-    views = [TensorView(p, (), (), None, None, device, JAX) for p in ptrs]
-    launch_kernel(plan, *views, int(stream), _buffer_ptr(lse) if lse is not None else 0)
+    device = q.__dlpack_device__()[1]
+    fast = callback.launchers.get(device) or _launcher(callback, device)
+    with fast.lock:  # cuLaunchKernel copies the parameters before it returns
+        _POINTERS.pack_into(fast.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, _buffer_ptr(lse) if lse is not None else 0)
+        if _get_device() == device:  # XLA's thread has its device current; cuLaunchKernel needs it
+            _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
+        else:
+            import cupy
+
+            with cupy.cuda.Device(device):
+                _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
 
 
 # ------------------------------------------------------------------ planning and the operation
@@ -111,10 +143,11 @@ class _Callback:
     def __init__(self, plan: LaunchPlan, with_lse: bool) -> None:
         self.plan = plan
         self.with_lse = with_lse
+        self.launchers: dict[int, launch_plans.FastLaunch] = {}  # per device, made at first launch
 
     def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any) -> None:
         if self.plan.launch:  # zero-size problems: empty outputs, nothing to compute
-            _launch(self.plan, ctx, q, k, v, outs[0], outs[1] if self.with_lse else None)
+            _launch(self, ctx, q, k, v, outs[0], outs[1] if self.with_lse else None)
 
 
 def plan_attention(q: Any, k: Any, v: Any, causal: bool = False, softmax_scale: float | None = None) -> LaunchPlan:
@@ -134,11 +167,12 @@ def _prepared(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float |
               with_lse: bool) -> tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]:
     """(callback, result types) for one problem signature; validates and loads the kernel once."""
     plan = _plan(q, k, v, causal, softmax_scale)
-    _prepare_kernel(plan)
+    callback = _Callback(plan, with_lse)
+    _prepare_kernel(callback)
     results = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype),)
     if with_lse:
         results += (jax.ShapeDtypeStruct(plan.lse_shape, np.float32),)
-    return _Callback(plan, with_lse), results
+    return callback, results
 
 
 def _call(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool, softmax_scale: float | None,

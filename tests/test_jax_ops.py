@@ -38,7 +38,8 @@ class ReferenceLaunches:
     def __init__(self) -> None:
         self.plans = []
 
-    def __call__(self, plan, ctx, q, k, v, out, lse) -> None:
+    def __call__(self, callback, ctx, q, k, v, out, lse) -> None:
+        plan = callback.plan
         self.plans.append(plan)
         o, l = numpy_attention(np.asarray(q).astype(np.float32), np.asarray(k).astype(np.float32),
                                np.asarray(v).astype(np.float32), plan.softmax_scale, plan.causal)
@@ -54,7 +55,7 @@ def on_cpu(monkeypatch):
     launches = ReferenceLaunches()
     monkeypatch.setattr(cfj, "_trace_device", lambda: 0)
     monkeypatch.setattr(cfj, "_select", lambda dtype, d_head, *_: default_config(dtype, d_head))
-    monkeypatch.setattr(cfj, "_prepare_kernel", lambda plan: None)
+    monkeypatch.setattr(cfj, "_prepare_kernel", lambda callback: None)
     monkeypatch.setattr(cfj, "_launch", launches)
     _clear_caches()
     with jax.default_device(jax.devices("cpu")[0]):
@@ -143,6 +144,13 @@ def test_argument_errors_name_the_argument(on_cpu, call, error, message):
         call(*_inputs(6))
 
 
+def test_launch_packs_the_leading_pointer_fields():
+    from cupyflash.kernel_abi import PARAM_FIELDS
+
+    assert [(name, fmt) for name, _, fmt in PARAM_FIELDS[:5]] == [(n, "Q") for n in ("q", "k", "v", "o", "lse")]
+    assert cfj._POINTERS.size == 5 * 8
+
+
 def test_zero_size_batch_launches_nothing(on_cpu):
     q, k, v = (x[:0] for x in _inputs(7))
     out, lse = cfj.attention(q, k, v, return_lse=True)
@@ -228,3 +236,20 @@ def test_jit_in_a_loop_and_errors(kernels):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(TypeError, match="q: dtype must be float16 or bfloat16"):
         jax.jit(lambda q: cfj.attention(q.astype(jnp.float32), k, v))(q)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_unrolled_chain_replayed_with_new_buffers(kernels):
+    # Enough launches in one program for XLA to record them into a command buffer (CUDA graph):
+    # later runs replay the recorded launches, and fresh inputs (new buffer addresses) must still
+    # reach the kernel.
+    def chain(q, k, v):
+        for _ in range(6):
+            q = cfj.attention(q, k, v)
+        return q
+
+    f = jax.jit(chain)
+    for _ in range(3):
+        q, k, v = _gpu_inputs(None, DType.BF16, (1, 256, 4, 128), (1, 256, 4, 128))
+        np.testing.assert_array_equal(np.asarray(f(q, k, v)), np.asarray(chain(q, k, v)))
