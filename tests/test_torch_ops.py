@@ -96,7 +96,7 @@ def test_argument_errors_name_the_argument(call, error, message):
 # ----------------------------------------------------------------------------- CPU: machinery
 def _reference_kernel(q, k, v, causal, softmax_scale, return_lse):
     """NumPy stand-in for the CUDA kernel: outputs laid out exactly as forward() returns them."""
-    out, lse = numpy_attention(q.float().numpy(), k.float().numpy(), v.float().numpy(), softmax_scale, causal)
+    out, lse = numpy_attention(*(x.detach().float().numpy() for x in (q, k, v)), softmax_scale, causal)
     out = torch.from_numpy(out).to(q.dtype).contiguous()
     return (out, torch.from_numpy(lse).float().contiguous()) if return_lse else out
 
@@ -151,6 +151,14 @@ def test_compile_fullgraph_over_reference(reference_kernel):
             got, want = compiled(x), block(x)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
+
+
+def test_compile_reports_argument_errors_while_tracing(reference_kernel):
+    torch._dynamo.reset()
+    q, k, v = _inputs("cpu")
+    compiled = torch.compile(lambda q, k, v: cft.attention(q, k, v), fullgraph=True, backend="aot_eager")
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="k: d_head 32 does not match q's 64"):
+        compiled(q, k[..., :32], v[..., :32])
 
 # ----------------------------------------------------------------------------- GPU
 PROBLEMS = [(DType.BF16, 128, 256, 256, False), (DType.BF16, 128, 256, 256, True),
