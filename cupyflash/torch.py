@@ -121,7 +121,7 @@ def _meta_view(x: torch.Tensor, name: str) -> TensorView:
 
 def _any_config(dtype: DType, d_head: Any, *_: Any) -> Any:
     # The output shapes do not depend on the config; the CUDA kernel picks the real one.
-    from .config_sets import default_config
+    from .families.forward_sm80.config_sets import default_config
 
     return default_config(dtype, int(d_head))
 

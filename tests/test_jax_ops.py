@@ -18,7 +18,7 @@ jnp = jax.numpy
 
 import cupyflash.jax as cfj  # noqa: E402  (after the importorskip)
 from cupyflash.config import DType  # noqa: E402
-from cupyflash.config_sets import default_config  # noqa: E402
+from cupyflash.families.forward_sm80.config_sets import default_config  # noqa: E402
 from cupyflash.device import has_gpu  # noqa: E402
 from framework_support import numpy_attention, prewarm_problems  # noqa: E402
 
@@ -145,7 +145,7 @@ def test_argument_errors_name_the_argument(on_cpu, call, error, message):
 
 
 def test_launch_packs_the_leading_pointer_fields():
-    from cupyflash.kernel_abi import PARAM_FIELDS
+    from cupyflash.families.forward_sm80.params import PARAM_FIELDS
 
     assert [(name, fmt) for name, _, fmt in PARAM_FIELDS[:5]] == [(n, "Q") for n in ("q", "k", "v", "o", "lse")]
     assert cfj._POINTERS.size == 5 * 8
