@@ -1,0 +1,212 @@
+"""Launching the Hopper forward family on validated views (the lead's `forward` wires it in).
+
+`plan_sm90` runs the library's validation (cupyflash.validation.check_forward_args, the same
+rules and messages as `forward`), then the family's own rules; `launch_sm90` encodes the TMA
+descriptors (cached), packs `HopperForwardParams` and launches. `forward_sm90` is the whole call
+on CuPy / PyTorch / DLPack arrays, for tests and benchmarks until `forward(cfg=None)` picks this
+family on Hopper.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, NamedTuple
+
+from ... import config_sets
+from ...compiler import KernelResources
+from ...config import DType
+from ...interop import (TensorView, allocate_lse, allocate_output, as_view, output_view, resolve_stream,
+                        wrap_output)
+from ...validation import LaunchPlan, check_forward_args, check_lse_out, check_lse_request
+from . import tma
+from .config import D_HEADS, HopperForwardKernelConfig
+from .config_sets import default_config
+from .params import PARAMS_STRUCT, pack_params
+from .render import name_expression, render_source
+
+__all__ = ["Sm90Plan", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel", "ARCH"]
+
+ARCH = "sm_90a"
+_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class Sm90Plan(NamedTuple):
+    cfg: HopperForwardKernelConfig
+    base: LaunchPlan  # the validated problem (strides, lengths, scale, device, causal)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (-(-self.base.seq_len_q // self.cfg.B_r), self.base.n_heads, self.base.out_shape[0])
+
+
+def unsupported_reason(q: TensorView, k: TensorView, v: TensorView) -> str | None:
+    """Why this family cannot run a validated problem (the mma.sync family then takes it), or None."""
+    d = q.shape[3]
+    if d not in D_HEADS:
+        return f"q: d_head {d} is not supported by forward_sm90 (supported: {D_HEADS})"
+    for view, name in ((q, "q"), (k, "k"), (v, "v")):
+        problem = tma.tma_layout_problem(name, view.shape, view.strides)
+        if problem:
+            return problem
+    return None
+
+
+def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorView, v: TensorView,
+              out: TensorView | None = None, softmax_scale: Any = None, causal: Any = False) -> Sm90Plan:
+    """Validate as `forward` does, then apply this family's rules; ValueError naming the argument."""
+    if cfg is not None and not isinstance(cfg, HopperForwardKernelConfig):
+        raise TypeError(f"cfg: expected a HopperForwardKernelConfig or None, got {type(cfg).__name__}")
+    # The shared validation checks shapes, dtypes, devices, layouts and the scale; its config
+    # argument only matters for dtype/d_head, so the mma.sync default stands in for it.
+    base = check_forward_args(None, q, k, v, out, softmax_scale, causal,
+                              select=lambda dt, d, *_: config_sets.default_config(dt, d))
+    reason = unsupported_reason(q, k, v)
+    if reason:
+        raise ValueError(reason)
+    if cfg is None:
+        cfg = default_config(q.dtype, q.shape[3])
+    if cfg.dtype is not q.dtype:
+        raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {q.dtype.name}")
+    if cfg.d_head != q.shape[3]:
+        raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {q.shape[3]}")
+    return Sm90Plan(cfg, base)
+
+
+# ------------------------------------------------------------------------------ kernels
+class LoadedSm90Kernel:
+    """One compiled, loaded kernel with a preallocated parameter buffer."""
+
+    def __init__(self, function: Any, resources: KernelResources | None) -> None:
+        self.function = function  # keeps the module alive
+        self.func_ptr = int(function.ptr)
+        self.resources = resources
+        self._buf = ctypes.create_string_buffer(PARAMS_STRUCT.size)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
+        self._argv_ptr = ctypes.addressof(self._argv)
+        self._lock = threading.Lock()
+
+    def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int, params: bytes) -> None:
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        with self._lock:
+            ctypes.memmove(self._buf, params, PARAMS_STRUCT.size)
+            launchKernel(self.func_ptr, *grid, block, 1, 1, smem, stream, self._argv_ptr, 0)
+
+
+_kernels: dict[tuple[int, HopperForwardKernelConfig, bool], LoadedSm90Kernel] = {}
+_kernels_lock = threading.Lock()
+
+
+def compile_sm90(cfg: HopperForwardKernelConfig, causal: bool = False, cache=None):
+    """Compile (or read from the kernel cache) the module of (cfg, causal) for sm_90a."""
+    from ...cache import default_cache
+
+    cache = cache if cache is not None else default_cache()
+    return cache.lookup_or_compile(render_source(), [name_expression(cfg, causal)], ARCH,
+                                   short_forms=[cfg.short_form() + (" [causal]" if causal else "")])
+
+
+def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool) -> LoadedSm90Kernel:
+    key = (device, cfg, causal)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    with _kernels_lock:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            import cupy
+            from cupy_backends.cuda.api import driver
+
+            module = compile_sm90(cfg, causal).module
+            expr = name_expression(cfg, causal)
+            with cupy.cuda.Device(device):
+                cuda_module = cupy.cuda.function.Module()
+                cuda_module.load(module.binary)
+                function = cuda_module.get_function(module.lowered_names[expr])
+                driver.funcSetAttribute(function.ptr, _MAX_DYNAMIC_SMEM_ATTR, cfg.smem_bytes())
+            kernel = LoadedSm90Kernel(function, module.resources.get(expr))
+            _kernels[key] = kernel
+    return kernel
+
+
+# ------------------------------------------------------------------------------ launch
+def pack_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o_ptr: int, lse_ptr: int) -> bytes:
+    """HopperForwardParams for one call: the three (cached) descriptors, then the scalars."""
+    cfg, b = plan.cfg, plan.base
+    dtype = cfg.dtype
+    tq = tma.encode_cached(tma.tensor_map_spec(q.ptr, dtype, q.shape, q.strides, cfg.B_r))
+    tk = tma.encode_cached(tma.tensor_map_spec(k.ptr, dtype, k.shape, k.strides, cfg.B_c))
+    tv = tma.encode_cached(tma.tensor_map_spec(v.ptr, dtype, v.shape, v.strides, cfg.B_c))
+    return pack_params(tq, tk, tv, o_ptr, lse_ptr, *b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads,
+                       b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2, b.kv_group_size, 0)
+
+
+def launch_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
+                stream_ptr: int, lse_ptr: int = 0) -> None:
+    """Launch a validated plan (nothing to do for an empty problem)."""
+    if not plan.base.launch:
+        return
+    import cupy
+
+    kernel = get_kernel(plan.cfg, plan.base.device, plan.base.causal)
+    params = pack_sm90(plan, q, k, v, o.ptr, lse_ptr)
+    cfg = plan.cfg
+    if cupy.cuda.runtime.getDevice() == plan.base.device:
+        kernel.launch(plan.grid, cfg.n_threads, cfg.smem_bytes(), stream_ptr, params)
+    else:
+        with cupy.cuda.Device(plan.base.device):
+            kernel.launch(plan.grid, cfg.n_threads, cfg.smem_bytes(), stream_ptr, params)
+
+
+def forward_sm90(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale: float | None = None,
+                 causal: bool = False, return_lse: bool = False, lse: Any = None, stream: Any = None) -> Any:
+    """`cupyflash.forward` with this family's kernel (same arguments and results; `cfg` a
+    HopperForwardKernelConfig, its short form, or None for the family default)."""
+    if isinstance(cfg, str):
+        try:
+            cfg = HopperForwardKernelConfig.parse(cfg)
+        except ValueError as exc:
+            raise ValueError(f"cfg: {exc}") from None
+    qv, kv, vv = as_view(q, "q"), as_view(k, "k"), as_view(v, "v")
+    ov = output_view(out) if out is not None else None
+    plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
+    want_lse = check_lse_request(return_lse, lse is not None)
+    lv = None
+    if lse is not None:
+        lv = output_view(lse, "lse")
+        check_lse_out(lv, plan.base)
+    stream_ptr = resolve_stream(stream, qv)
+    if ov is None:
+        ov = allocate_output(qv, plan.base.out_shape)
+    if want_lse and lv is None:
+        lv = allocate_lse(qv, plan.base.lse_shape)
+    launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
+    result = out if out is not None else wrap_output(ov)
+    if want_lse:
+        return result, (lse if lse is not None else wrap_output(lv))
+    return result
+
+
+def _compile_one(args: tuple[HopperForwardKernelConfig, bool]) -> tuple[str, bool, str | None]:
+    cfg, causal = args
+    try:
+        compile_sm90(cfg, causal)
+        return str(cfg), causal, None
+    except Exception as exc:  # reported, not raised: the caller decides
+        return str(cfg), causal, f"{type(exc).__name__}: {exc}"
+
+
+def prewarm_sm90(configs, causal_variants=(False, True), jobs: int | None = None) -> list[tuple[str, bool, str | None]]:
+    """Compile (cfg, causal) modules into the default kernel cache in parallel processes (no GPU
+    needed); returns (short form, causal, error or None) per module."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    work = [(cfg, c) for cfg in configs for c in causal_variants]
+    jobs = jobs or min(len(work), os.cpu_count() or 1)
+    if jobs <= 1:
+        return [_compile_one(w) for w in work]
+    ctx = multiprocessing.get_context("spawn")  # no inherited CUDA state
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        return list(pool.map(_compile_one, work))

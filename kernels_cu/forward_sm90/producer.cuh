@@ -1,0 +1,46 @@
+// TMA producer: Q once per tile, then K and V of each key block into a ring of STAGES slots.
+// One thread issues everything; `k_full`/`v_full` of a stage complete when its bytes have landed,
+// `kv_empty` when every consumer warp has finished reading it.
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+struct Producer {
+    const HopperForwardParams& p;
+    SmemLayout<Cfg> smem;
+    TileScheduler<Cfg, CAUSAL> tile;
+    int kv_head;
+
+    CF_DEVICE Producer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t)
+        : p(params), smem(layout), tile(t), kv_head(t.head / params.kv_group_size) {}
+
+    CF_DEVICE void load_q() const {
+        mbarrier_arrive_expect_tx(smem.q_full(), Cfg::Q_BYTES);
+#pragma unroll
+        for (int c = 0; c < Cfg::D_BLOCKS; ++c)
+            tma_load_4d(smem.q() + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(), c * Cfg::COL_BLOCK,
+                        tile.first_row(), tile.head, tile.batch);
+    }
+
+    // Key block `block` into its stage, once the consumers have released the stage's last use.
+    CF_DEVICE void load_block(int block) const {
+        const int stage = ring_stage(block, Cfg::STAGES);
+        mbarrier_wait(smem.kv_empty(stage), ring_phase(block, Cfg::STAGES) ^ 1u);
+        const int key0 = block * Cfg::BC;
+        mbarrier_arrive_expect_tx(smem.k_full(stage), Cfg::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < Cfg::D_BLOCKS; ++c)
+            tma_load_4d(smem.k(stage) + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_k, smem.k_full(stage),
+                        c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
+        mbarrier_arrive_expect_tx(smem.v_full(stage), Cfg::KV_BYTES);
+#pragma unroll
+        for (int c = 0; c < Cfg::D_BLOCKS; ++c)
+            tma_load_4d(smem.v(stage) + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_v, smem.v_full(stage),
+                        c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
+    }
+
+    // The whole schedule of a tile (warp-specialised producer thread).
+    CF_DEVICE void run(int n_blocks) const {
+        load_q();
+        for (int block = 0; block < n_blocks; ++block) load_block(block);
+    }
+};
