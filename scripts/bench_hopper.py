@@ -39,7 +39,8 @@ from bench_impls import (CupyflashImpl, Impl, SdpaImpl, Skip, make_problem, rel_
 from cupyflash.benchmarking import grid_shape, parse_dtypes  # noqa: E402
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig  # noqa: E402
-from cupyflash.families.forward_sm90.config_sets import default_config, progression_configs  # noqa: E402
+from cupyflash.families.forward_sm90.config_sets import (KERNEL_SET_KEYS, default_config,  # noqa: E402
+                                                          get_kernel_configs, progression_configs)
 
 REL_L2_LIMIT = {DType.BF16: 2e-2, DType.FP16: 5e-3}
 
@@ -121,11 +122,22 @@ class Fa3Impl(Impl):
         return time_host(self.run, lambda x: x.block_until_ready(), len(self._sets), warmup, max(5, iters // 4))
 
 
+def extra_configs(text: str) -> list[HopperForwardKernelConfig]:
+    """--configs: a config-set key of the family ('tune', 'prog_all', ...) or short forms joined by ';'."""
+    if not text:
+        return []
+    if text in KERNEL_SET_KEYS:
+        return get_kernel_configs(text)
+    return [HopperForwardKernelConfig.parse(t) for t in text.split(";") if t.strip()]
+
+
 def make_impls(torch, args) -> list:
     impls: list = [Sm90Impl(None, "sm90")]
     if args.prog:
         for i, cfg in enumerate(progression_configs(), 1):
             impls.append(Sm90Impl(cfg, f"sm90_p{i}"))
+    for cfg in extra_configs(args.configs):
+        impls.append(Sm90Impl(cfg, str(cfg).replace("forward_sm90", "")))
     factories = {"cupyflash": lambda: CupyflashImpl(None, "cupyflash"),
                  "sdpa_flash": lambda: SdpaImpl(torch, "FLASH_ATTENTION", "sdpa_flash"),
                  "sdpa_cudnn": lambda: SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn"),
@@ -148,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--d-heads", default="128")
     parser.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     parser.add_argument("--prog", action="store_true", help="also time every progression config (bf16 d128)")
+    parser.add_argument("--configs", default="", help="more forward_sm90 configs: a set key (tune, ...) "
+                        "or short forms joined by ';' (each timed where its dtype and d_head match)")
     parser.add_argument("--peers", default="cupyflash,sdpa_flash,sdpa_cudnn,fa3")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=30)
@@ -169,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                     problem = make_problem(torch, dtype, shape, causal, l2)
                     for impl in impls:
                         if impl.name.startswith("sm90_p") and not (dtype is DType.BF16 and d == 128):
+                            continue
+                        fixed = getattr(impl, "cfg", None)
+                        if isinstance(fixed, HopperForwardKernelConfig) and (fixed.dtype, fixed.d_head) != (dtype, d):
                             continue
                         row = {"impl": impl.name, "dtype": dtype.name, "d_head": d, "causal": causal, "seq": seq,
                                "batch": shape.batch, "heads": shape.heads}
@@ -197,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(format_table(rows, [i.name for i in impls]))
+    print(f"{meta['gpu']}, {meta['date']}; TFLOP/s; columns: " + ", ".join(
+        f"{i.name}={getattr(i, 'cfg_used', '')}" for i in impls if isinstance(i, Sm90Impl)))
     return 0
 
 

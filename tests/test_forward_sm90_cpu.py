@@ -45,6 +45,7 @@ def test_parse_rejects(text, message):
     ((DType.BF16, 96, 128, 128, 2, True, True, True), "d_head in"),
     ((DType.BF16, 128, 192, 128, 2, True, False, True), "B_r in"),
     ((DType.BF16, 128, 128, 32, 2, True, False, True), "B_c in"),
+    ((DType.BF16, 128, 128, 192, 2, True, False, True), "B_c in"),
     ((DType.BF16, 128, 128, 128, 5, True, False, True), "n_stages in"),
     ((DType.BF16, 128, 64, 128, 2, True, True, True), "pingpong needs two consumer warpgroups"),
     ((DType.BF16, 128, 128, 128, 2, False, True, True), "pingpong needs two consumer warpgroups"),
@@ -74,7 +75,7 @@ def test_configs_are_ordered_hashable_keys():
 def test_smem_and_threads():
     cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True)
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 7 + 1024
+    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 9 + 1024
     assert H(DType.FP16, 128, 128, 128, 2, False, False, False).n_threads == 256
     assert H(DType.FP16, 128, 64, 128, 2, True, False, True).n_threads == 256
 

@@ -37,8 +37,8 @@ struct StaticHopperForwardConfig {
     static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-    // q_full, then per stage k_full, v_full, kv_empty: 8 bytes each
-    static constexpr int BAR_BYTES = 8 * (1 + 3 * STAGES);
+    // q_full, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
+    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
     // + 1024: the kernel rounds the dynamic shared memory base up to a 1024-byte boundary (the
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
@@ -61,7 +61,8 @@ struct SmemLayout {
     CF_DEVICE u32 q_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + stage); }
     CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + stage); }
-    CF_DEVICE u32 kv_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + 3 * Cfg::STAGES + stage); }
 };
 
 // Stage and phase parity of key block `block` in the K/V ring.

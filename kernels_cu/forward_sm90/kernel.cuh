@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1) flash_forward_sm90_kernel(c
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.k_full(s), 1);
             mbarrier_init(smem.v_full(s), 1);
-            mbarrier_init(smem.kv_empty(s), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+            mbarrier_init(smem.k_empty(s), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+            mbarrier_init(smem.v_empty(s), 4 * Cfg::CONSUMERS);
         }
         fence_barrier_init();
     }

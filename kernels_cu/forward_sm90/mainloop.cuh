@@ -75,9 +75,12 @@ struct Consumer {
     }
 
     // ---- synchronisation ----
-    // Every warp releases a stage once its own wgmmas reading it have completed.
-    CF_DEVICE void release(int stage) const {
-        if (lane == 0) mbarrier_arrive(smem.kv_empty(stage));
+    // Every warp releases a stage's K (V) once its own wgmmas reading it have completed.
+    CF_DEVICE void release_k(int stage) const {
+        if (lane == 0) mbarrier_arrive(smem.k_empty(stage));
+    }
+    CF_DEVICE void release_v(int stage) const {
+        if (lane == 0) mbarrier_arrive(smem.v_empty(stage));
     }
 
     CF_DEVICE void wait_turn() const {
@@ -125,6 +128,7 @@ struct Consumer {
             pass_turn(false);
             wgmma_wait<0>();
             fence_registers(s[0]);
+            release_k(stage);
             Softmax::mask(s, p, j, wg_row0(), row(), lane);
             if (j == 0) {
                 float unused[1][2];
@@ -141,25 +145,27 @@ struct Consumer {
             pass_turn(j == n_blocks - 1);
             wgmma_wait<0>();
             fence_registers(o);
-            release(stage);
+            release_v(stage);
             refill(j);
         }
     }
 
+    // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs
+    // while P V is on the tensor cores. O is rescaled by block j-1's factor between the two
+    // issues (P V_{j-2} has completed, and the Q K^T just issued does not touch O).
     template <class Refill>
     CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
         Scores s;
+        float rescale[1][2];
         mbarrier_wait(smem.k_full(0), 0);
         wait_turn();
         issue_qk(s, 0);
         pass_turn(false);
         wgmma_wait<0>();
         fence_registers(s[0]);
+        release_k(0);
         Softmax::mask(s, p, 0, wg_row0(), row(), lane);
-        {
-            float unused[1][2];
-            softmax.stats.template update<true>(s, unused, p.softmax_scale, p.softmax_scale_log2);
-        }
+        softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
         Softmax::convert(s, pa);
         for (int j = 1; j < n_blocks; ++j) {
             const int stage = ring_stage(j, Cfg::STAGES);
@@ -167,29 +173,30 @@ struct Consumer {
             mbarrier_wait(smem.k_full(stage), ring_phase(j, Cfg::STAGES));
             wait_turn();
             issue_qk(s, stage);
+            if (j > 1) rescale_output(rescale);  // block j-1's factor (block 0 has none)
             mbarrier_wait(smem.v_full(prev), ring_phase(j - 1, Cfg::STAGES));
             issue_pv(prev);
             pass_turn(false);
             wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
             fence_registers(s[0]);
+            release_k(stage);
             Softmax::mask(s, p, j, wg_row0(), row(), lane);
-            float rescale[1][2];
             softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
             wgmma_wait<0>();
             fence_registers(o);
-            release(prev);
+            release_v(prev);
             refill(j - 1);
-            rescale_output(rescale);
             Softmax::convert(s, pa);
         }
         const int last = ring_stage(n_blocks - 1, Cfg::STAGES);
+        if (n_blocks > 1) rescale_output(rescale);
         mbarrier_wait(smem.v_full(last), ring_phase(n_blocks - 1, Cfg::STAGES));
         wait_turn();
         issue_pv(last);
         pass_turn(true);
         wgmma_wait<0>();
         fence_registers(o);
-        release(last);
+        release_v(last);
         refill(n_blocks - 1);
     }
 };

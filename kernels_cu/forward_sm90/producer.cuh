@@ -1,6 +1,8 @@
 // TMA producer: Q once per tile, then K and V of each key block into a ring of STAGES slots.
 // One thread issues everything; `k_full`/`v_full` of a stage complete when its bytes have landed,
-// `kv_empty` when every consumer warp has finished reading it.
+// `k_empty`/`v_empty` when every consumer warp has finished reading its K (after Q K^T) or V
+// (after P V). K and V are released separately: K is free a whole P V earlier, so the next K
+// load starts that much sooner (with intra-warpgroup overlap, P V_j runs an iteration late).
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -21,16 +23,19 @@ struct Producer {
                         tile.first_row(), tile.head, tile.batch);
     }
 
-    // Key block `block` into its stage, once the consumers have released the stage's last use.
+    // Key block `block` into its stage, each of K and V once the consumers have released the
+    // stage's previous K or V.
     CF_DEVICE void load_block(int block) const {
         const int stage = ring_stage(block, Cfg::STAGES);
-        mbarrier_wait(smem.kv_empty(stage), ring_phase(block, Cfg::STAGES) ^ 1u);
+        const u32 free_phase = ring_phase(block, Cfg::STAGES) ^ 1u;
         const int key0 = block * Cfg::BC;
+        mbarrier_wait(smem.k_empty(stage), free_phase);
         mbarrier_arrive_expect_tx(smem.k_full(stage), Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
             tma_load_4d(smem.k(stage) + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_k, smem.k_full(stage),
                         c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
+        mbarrier_wait(smem.v_empty(stage), free_phase);
         mbarrier_arrive_expect_tx(smem.v_full(stage), Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)

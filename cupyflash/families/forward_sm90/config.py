@@ -27,7 +27,7 @@ __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "
 FAMILY = "forward_sm90"
 D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
 B_R_VALUES = (64, 128)        # 64 query rows per consumer warpgroup (one wgmma m64 tile)
-B_C_VALUES = (64, 128)        # key-tile columns: the N of S = Q K^T
+B_C_VALUES = (64, 128, 176)   # key-tile columns: the N of S = Q K^T (176: FA3's d128 tile)
 STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
@@ -98,7 +98,7 @@ class HopperForwardKernelConfig:
         """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
         itemsize = 2
         tiles = (self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
-        barriers = 8 * (1 + 3 * self.n_stages)
+        barriers = 8 * (1 + 4 * self.n_stages)  # q_full; per stage k/v full and empty
         return tiles + barriers + 1024
 
     # ------------------------------------------------------------ short form
