@@ -8,7 +8,7 @@ export CUPYFLASH_CACHE_DIR=${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash_cache}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # this tree's cupyflash, kernels_cu and templates
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-python3 scripts/prewarm_sm90.py > "$OUT/prewarm.txt" 2>&1; tail -1 "$OUT/prewarm.txt"
+python3 scripts/prewarm_sm90.py prog_all defaults > "$OUT/prewarm.txt" 2>&1; tail -1 "$OUT/prewarm.txt"
 timeout ${PLAIN_TIMEOUT:-90} python3 scripts/sanitize_sm90.py > "$OUT/sanitize_plain.txt" 2>&1; rc=$?
 echo "sanitize plain rc=$rc"
 if [ $rc -ne 0 ]; then tail -40 "$OUT/sanitize_plain.txt"; exit 1; fi  # wrong or hung: nothing else is worth the time

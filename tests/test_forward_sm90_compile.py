@@ -22,7 +22,8 @@ _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
 def _modules():
     defaults = config_sets.get_kernel_configs("defaults")
     configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog")
-                                 + [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16]))
+                                 + [c for c in config_sets.get_kernel_configs("tune")
+                                    if c.dtype is DType.BF16 and c.pingpong and c.persistent]))
     # causal instantiations of the defaults only: the mask adds code, not structure
     return [(c, False) for c in configs] + [(c, True) for c in defaults]
 

@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- configs
 def test_short_form_names_the_family_and_round_trips():
-    cfg = H(DType.BF16, 128, 128, 128, 2, True, True, True)
-    assert cfg.short_form() == "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap"
+    cfg = H(DType.BF16, 128, 128, 128, 2, True, True, True, True)
+    assert cfg.short_form() == "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent"
     for key in config_sets.KERNEL_SET_KEYS:
         for c in config_sets.get_kernel_configs(key):
             assert H.parse(c.short_form()) == c
@@ -42,16 +42,17 @@ def test_parse_rejects(text, message):
 
 
 @pytest.mark.parametrize("fields, rule", [
-    ((DType.BF16, 96, 128, 128, 2, True, True, True), "d_head in"),
-    ((DType.BF16, 128, 192, 128, 2, True, False, True), "B_r in"),
-    ((DType.BF16, 128, 128, 32, 2, True, False, True), "B_c in"),
-    ((DType.BF16, 128, 128, 192, 2, True, False, True), "B_c in"),
-    ((DType.BF16, 128, 128, 128, 5, True, False, True), "n_stages in"),
-    ((DType.BF16, 128, 64, 128, 2, True, True, True), "pingpong needs two consumer warpgroups"),
-    ((DType.BF16, 128, 128, 128, 2, False, True, True), "pingpong needs two consumer warpgroups"),
-    ((DType.BF16, 128, 128, 128, 1, True, False, True), "intra_wg_overlap needs n_stages >= 2"),
-    ((DType.BF16, 256, 128, 128, 2, True, False, False), "accumulator registers"),
-    ((DType.BF16, 128, 128, 128, 4, True, False, False), "shared memory"),
+    ((DType.BF16, 96, 128, 128, 2, True, True, True, False), "d_head in"),
+    ((DType.BF16, 128, 192, 128, 2, True, False, True, False), "B_r in"),
+    ((DType.BF16, 128, 128, 32, 2, True, False, True, False), "B_c in"),
+    ((DType.BF16, 128, 128, 192, 2, True, False, True, False), "B_c in"),
+    ((DType.BF16, 128, 128, 128, 5, True, False, True, False), "n_stages in"),
+    ((DType.BF16, 128, 64, 128, 2, True, True, True, False), "pingpong needs two consumer warpgroups"),
+    ((DType.BF16, 128, 128, 128, 2, False, True, True, False), "pingpong needs two consumer warpgroups"),
+    ((DType.BF16, 128, 128, 128, 1, True, False, True, False), "intra_wg_overlap needs n_stages >= 2"),
+    ((DType.BF16, 128, 128, 128, 2, False, False, False, True), "persistent needs warp_specialized"),
+    ((DType.BF16, 256, 128, 128, 2, True, False, False, False), "accumulator registers"),
+    ((DType.BF16, 128, 128, 128, 4, True, False, False, False), "shared memory"),
 ])
 def test_rules_name_the_violation(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -60,10 +61,10 @@ def test_rules_name_the_violation(fields, rule):
 
 def test_field_kinds_are_checked():
     with pytest.raises(ValueError, match="warp_specialized: expected bool"):
-        H(DType.BF16, 128, 128, 128, 2, 1, False, False)
+        H(DType.BF16, 128, 128, 128, 2, 1, False, False, False)
     with pytest.raises(ValueError, match="d_head: expected int"):
-        H(DType.BF16, 128.0, 128, 128, 2, True, False, False)
-    assert H("bf16", 128, 128, 128, 2, True, False, False).dtype is DType.BF16
+        H(DType.BF16, 128.0, 128, 128, 2, True, False, False, False)
+    assert H("bf16", 128, 128, 128, 2, True, False, False, False).dtype is DType.BF16
 
 
 def test_configs_are_ordered_hashable_keys():
@@ -73,18 +74,18 @@ def test_configs_are_ordered_hashable_keys():
 
 
 def test_smem_and_threads():
-    cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True)
+    cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True, False)
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 9 + 1024
-    assert H(DType.FP16, 128, 128, 128, 2, False, False, False).n_threads == 256
-    assert H(DType.FP16, 128, 64, 128, 2, True, False, True).n_threads == 256
+    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 10 + 1024
+    assert H(DType.FP16, 128, 128, 128, 2, False, False, False, False).n_threads == 256
+    assert H(DType.FP16, 128, 64, 128, 2, True, False, True, False).n_threads == 256
 
 
 # ----------------------------------------------------------------------------- sets
 def test_progression_adds_one_feature_per_step():
     steps = config_sets.progression_configs()
-    assert [s.short_form().split(": ")[1] for s in steps] == ["tma", "tma+ws", "tma+ws+pingpong",
-                                                               "tma+ws+pingpong+overlap"]
+    assert [s.short_form().split(": ")[1] for s in steps] == [
+        "tma", "tma+ws", "tma+ws+pingpong", "tma+ws+pingpong+overlap", "tma+ws+pingpong+overlap+persistent"]
     assert steps[-1] == config_sets.default_config(DType.BF16, 128)
 
 
@@ -103,7 +104,7 @@ def test_tune_set_follows_the_rule_and_covers_every_head_dim():
 def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert params.PARAMS_SIZE % 64 == 0 and params.PARAMS_STRUCT.size == params.PARAMS_SIZE
     descs = [bytes([i]) * 128 for i in (1, 2, 3)]
-    packed = params.pack_params(*descs, 0x1111, 0x2222, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 0)
+    packed = params.pack_params(*descs, 0x1111, 0x2222, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3)
     assert len(packed) == params.PARAMS_SIZE
     for (name, offset), desc in zip(sorted(params.DESCRIPTOR_OFFSETS.items(), key=lambda kv: kv[1]), descs):
         assert offset % 64 == 0 and packed[offset:offset + 128] == desc, name
@@ -111,6 +112,7 @@ def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert (o, lse, sb, ss, sh) == (0x1111, 0x2222, 10, 20, 30)
     seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 40)
     assert (seq_q, seq_k, heads, kv_heads) == (7, 9, 4, 2)
+    assert struct.unpack_from("<ffii", packed, 384 + 56) == (0.5, pytest.approx(0.72), 2, 3)
     assert packed[params.PARAMS_STRUCT.size - 8:] == b"\0" * 8  # tail padding to sizeof
 
 
@@ -124,7 +126,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = config_sets.default_config(DType.FP16, 64)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true}>, true>")
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true>")
 
 
 def test_generated_wgmma_header_is_up_to_date():
@@ -167,7 +169,10 @@ def test_plan_uses_the_library_validation_and_family_rules():
     q, k = _view((2, 300, 8, 128)), _view((2, 500, 2, 128))
     plan = plan_sm90(None, q, k, k, causal=True)
     assert plan.cfg == config_sets.default_config(DType.BF16, 128)
-    assert plan.grid == (3, 8, 2) and plan.base.kv_group_size == 4 and plan.base.causal
+    assert plan.n_tiles == 3 * 8 * 2 and plan.base.kv_group_size == 4 and plan.base.causal
+    assert plan._replace(sm_count=132).grid == (48, 1, 1) and plan._replace(sm_count=20).grid == (20, 1, 1)
+    plain = plan_sm90(config_sets.progression_configs()[3], q, k, k)
+    assert plain.grid == (3, 8, 2)
     with pytest.raises(ValueError, match="^v: seq_len"):
         plan_sm90(None, q, k, _view((2, 400, 2, 128)))
     with pytest.raises(ValueError, match="^q: d_head 96 is not supported by forward_sm90"):

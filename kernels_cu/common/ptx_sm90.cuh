@@ -78,6 +78,10 @@ CF_DEVICE void mbarrier_wait(u32 bar, u32 phase) {
         : "memory");
 }
 
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// (TMA, wgmma) accesses of the same memory.
+CF_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 // ---- TMA --------------------------------------------------------------------------------------
 CF_DEVICE void tma_prefetch_descriptor(const TmaDescriptor* desc) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(desc)) : "memory");

@@ -17,6 +17,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool WARP_SPECIALIZED = C.warp_specialized;
     static constexpr bool PINGPONG = C.pingpong;
     static constexpr bool OVERLAP = C.intra_wg_overlap;
+    static constexpr bool PERSISTENT = C.persistent;
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
     static constexpr int CONSUMERS = BR / WG_ROWS;
@@ -37,8 +38,8 @@ struct StaticHopperForwardConfig {
     static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-    // q_full, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
-    static constexpr int BAR_BYTES = 8 * (1 + 4 * STAGES);
+    // q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
     // + 1024: the kernel rounds the dynamic shared memory base up to a 1024-byte boundary (the
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
@@ -48,6 +49,7 @@ struct StaticHopperForwardConfig {
     static_assert(BC % 16 == 0 && BC <= 256, "key tile is a wgmma N (<= 256) and whole k-steps of P V");
     static_assert(!PINGPONG || (CONSUMERS == 2 && WARP_SPECIALIZED), "ping-pong alternates two consumer warpgroups");
     static_assert(STAGES >= 1, "at least one K/V stage");
+    static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
 };
 
 // Shared-memory addresses (shared window, 32-bit) of one CTA's tiles and barriers.
@@ -59,10 +61,11 @@ struct SmemLayout {
     CF_DEVICE u32 k(int stage) const { return base + Cfg::K_OFFSET + stage * Cfg::KV_BYTES; }
     CF_DEVICE u32 v(int stage) const { return base + Cfg::V_OFFSET + stage * Cfg::KV_BYTES; }
     CF_DEVICE u32 q_full() const { return base + Cfg::BAR_OFFSET; }
-    CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + stage); }
-    CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + stage); }
-    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES + stage); }
-    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (1 + 3 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 q_empty() const { return base + Cfg::BAR_OFFSET + 8; }  // the Q tile (and O staging) is free
+    CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + Cfg::STAGES + stage); }
+    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 2 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 3 * Cfg::STAGES + stage); }
 };
 
 // Stage and phase parity of key block `block` in the K/V ring.

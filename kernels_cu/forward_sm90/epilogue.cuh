@@ -51,5 +51,12 @@ struct Epilogue {
                 st_global_16(o_dst + (long long)row * p.o_seq_stride + 8 * ch,
                              ld_shared_16(q_tile_address(q_base, c.wg, r, 8 * ch)));
         }
+        if constexpr (Cfg::PERSISTENT) {
+            // The next tile's Q (a TMA write, async proxy) may overwrite these rows once every
+            // consumer warp is done with them: order this warp's generic-proxy accesses first.
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (c.lane == 0) mbarrier_arrive(c.smem.q_empty());
+        }
     }
 };

@@ -25,14 +25,17 @@ struct Consumer {
     const int tid;   // thread index inside the warpgroup
     const int lane;
     const int warp;  // warp inside the warpgroup: rows 16*warp .. +15 of the warpgroup's 64
+    const int ring_base;  // ring position of the tile's first key block (persistent CTAs continue it)
+    const int tile_iter;  // tiles this CTA has computed before this one (phase of q_full)
 
     float o[Cfg::D / 8][4];
     typename Softmax::Probabilities pa;
     Softmax softmax;
 
     CF_DEVICE Consumer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t,
-                       int warpgroup, int thread)
-        : p(params), smem(layout), tile(t), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5) {
+                       int warpgroup, int thread, int ring = 0, int iter = 0)
+        : p(params), smem(layout), tile(t), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5),
+          ring_base(ring), tile_iter(iter) {
 #pragma unroll
         for (int n = 0; n < Cfg::D / 8; ++n)
 #pragma unroll
@@ -108,7 +111,7 @@ struct Consumer {
     // issue the next loads from there).
     template <class Refill>
     CF_DEVICE void run(int n_blocks, Refill&& refill) {
-        mbarrier_wait(smem.q_full(), 0);
+        mbarrier_wait(smem.q_full(), (u32)tile_iter & 1u);
         if (n_blocks <= 0) return;
         if constexpr (Cfg::PINGPONG)
             if (wg == 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
@@ -120,8 +123,8 @@ struct Consumer {
     CF_DEVICE void run_sequential(int n_blocks, Refill& refill) {
         Scores s;
         for (int j = 0; j < n_blocks; ++j) {
-            const int stage = ring_stage(j, Cfg::STAGES);
-            const u32 phase = ring_phase(j, Cfg::STAGES);
+            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+            const u32 phase = ring_phase(ring_base + j, Cfg::STAGES);
             mbarrier_wait(smem.k_full(stage), phase);
             wait_turn();
             issue_qk(s, stage);
@@ -157,24 +160,25 @@ struct Consumer {
     CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
         Scores s;
         float rescale[1][2];
-        mbarrier_wait(smem.k_full(0), 0);
+        const int first = ring_stage(ring_base, Cfg::STAGES);
+        mbarrier_wait(smem.k_full(first), ring_phase(ring_base, Cfg::STAGES));
         wait_turn();
-        issue_qk(s, 0);
+        issue_qk(s, first);
         pass_turn(false);
         wgmma_wait<0>();
         fence_registers(s[0]);
-        release_k(0);
+        release_k(first);
         Softmax::mask(s, p, 0, wg_row0(), row(), lane);
         softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
         Softmax::convert(s, pa);
         for (int j = 1; j < n_blocks; ++j) {
-            const int stage = ring_stage(j, Cfg::STAGES);
-            const int prev = ring_stage(j - 1, Cfg::STAGES);
-            mbarrier_wait(smem.k_full(stage), ring_phase(j, Cfg::STAGES));
+            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+            const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
+            mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
             wait_turn();
             issue_qk(s, stage);
             if (j > 1) rescale_output(rescale);  // block j-1's factor (block 0 has none)
-            mbarrier_wait(smem.v_full(prev), ring_phase(j - 1, Cfg::STAGES));
+            mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
             issue_pv(prev);
             pass_turn(false);
             wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
@@ -188,9 +192,9 @@ struct Consumer {
             refill(j - 1);
             Softmax::convert(s, pa);
         }
-        const int last = ring_stage(n_blocks - 1, Cfg::STAGES);
+        const int last = ring_stage(ring_base + n_blocks - 1, Cfg::STAGES);
         if (n_blocks > 1) rescale_output(rescale);
-        mbarrier_wait(smem.v_full(last), ring_phase(n_blocks - 1, Cfg::STAGES));
+        mbarrier_wait(smem.v_full(last), ring_phase(ring_base + n_blocks - 1, Cfg::STAGES));
         wait_turn();
         issue_pv(last);
         pass_turn(true);

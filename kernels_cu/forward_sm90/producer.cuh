@@ -15,7 +15,10 @@ struct Producer {
     CF_DEVICE Producer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t)
         : p(params), smem(layout), tile(t), kv_head(t.head / params.kv_group_size) {}
 
-    CF_DEVICE void load_q() const {
+    // Q of the tile; `tile_iter` counts this CTA's tiles (persistent CTAs wait until the
+    // consumers' epilogue of the previous tile has released the Q tile it stages O in).
+    CF_DEVICE void load_q(int tile_iter) const {
+        if constexpr (Cfg::PERSISTENT) mbarrier_wait(smem.q_empty(), ((u32)tile_iter & 1u) ^ 1u);
         mbarrier_arrive_expect_tx(smem.q_full(), Cfg::Q_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
@@ -23,11 +26,12 @@ struct Producer {
                         tile.first_row(), tile.head, tile.batch);
     }
 
-    // Key block `block` into its stage, each of K and V once the consumers have released the
-    // stage's previous K or V.
-    CF_DEVICE void load_block(int block) const {
-        const int stage = ring_stage(block, Cfg::STAGES);
-        const u32 free_phase = ring_phase(block, Cfg::STAGES) ^ 1u;
+    // Key block `block` of the tile into its stage, each of K and V once the consumers have
+    // released the stage's previous K or V. `slot` is the block's position in the CTA's ring
+    // sequence (tiles of a persistent CTA continue the sequence).
+    CF_DEVICE void load_block(int block, int slot) const {
+        const int stage = ring_stage(slot, Cfg::STAGES);
+        const u32 free_phase = ring_phase(slot, Cfg::STAGES) ^ 1u;
         const int key0 = block * Cfg::BC;
         mbarrier_wait(smem.k_empty(stage), free_phase);
         mbarrier_arrive_expect_tx(smem.k_full(stage), Cfg::KV_BYTES);
@@ -44,8 +48,8 @@ struct Producer {
     }
 
     // The whole schedule of a tile (warp-specialised producer thread).
-    CF_DEVICE void run(int n_blocks) const {
-        load_q();
-        for (int block = 0; block < n_blocks; ++block) load_block(block);
+    CF_DEVICE void run(int n_blocks, int ring_base, int tile_iter) const {
+        load_q(tile_iter);
+        for (int block = 0; block < n_blocks; ++block) load_block(block, ring_base + block);
     }
 };

@@ -1,18 +1,57 @@
-// Which (query block, head, batch) tile a CTA computes, and how many key blocks it visits.
-// One CTA per tile (grid = (ceil(seq_len_q / B_r), heads, batch)).
+// Which (query block, head, batch) tiles a CTA computes, and how many key blocks each visits.
+//
+// Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch). Persistent: a
+// grid of about one CTA per SM walks the tile list with stride gridDim.x. Tiles are numbered so
+// that CTAs running at the same time share K/V in L2 (consecutive tiles: the query blocks of one
+// head) and, under causal masking, so that the longest tiles (last query blocks) come first.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
 struct TileScheduler {
+    int index;  // linear tile index (persistent) or -1
     int q_block, head, batch;
+    bool valid;
 
-    // Under causal masking later query blocks see more keys: starting them first keeps the last
-    // wave of CTAs short.
-    CF_DEVICE static TileScheduler current() {
+    CF_DEVICE static int q_blocks(const HopperForwardParams& p) { return (p.seq_len_q + Cfg::BR - 1) / Cfg::BR; }
+    CF_DEVICE static int tiles(const HopperForwardParams& p) { return q_blocks(p) * p.n_heads * p.batch; }
+
+    CF_DEVICE static TileScheduler decode(const HopperForwardParams& p, int index) {
         TileScheduler t;
+        t.index = index;
+        t.valid = index < tiles(p);
+        const int nqb = q_blocks(p);
+        if constexpr (CAUSAL) {
+            const int heads_batches = p.n_heads * p.batch;
+            const int rest = index % heads_batches;
+            t.q_block = nqb - 1 - index / heads_batches;
+            t.head = rest % p.n_heads;
+            t.batch = rest / p.n_heads;
+        } else {
+            const int rest = index / nqb;
+            t.q_block = index % nqb;
+            t.head = rest % p.n_heads;
+            t.batch = rest / p.n_heads;
+        }
+        return t;
+    }
+
+    CF_DEVICE static TileScheduler first(const HopperForwardParams& p) {
+        if constexpr (Cfg::PERSISTENT) return decode(p, blockIdx.x);
+        TileScheduler t;
+        // Under causal masking later query blocks see more keys: starting them first keeps the
+        // last wave of CTAs short.
+        t.index = -1;
+        t.valid = true;
         t.q_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
         t.head = blockIdx.y;
         t.batch = blockIdx.z;
+        return t;
+    }
+
+    CF_DEVICE TileScheduler next(const HopperForwardParams& p) const {
+        if constexpr (Cfg::PERSISTENT) return decode(p, index + gridDim.x);
+        TileScheduler t = *this;
+        t.valid = false;
         return t;
     }
 

@@ -4,11 +4,11 @@ A frozen, ordered dataclass like the mma.sync family's: its fields become the C+
 same name (rendered by cupyflash.families.forward_sm90.render), the NVRTC name expression and
 the short form, which names the family:
 
-    forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap
+    forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent
     forward_sm90(dtype, d_head, B_r, B_c, n_stages): features
 
-`tma` is always present (every config loads through TMA); `ws`, `pingpong` and `overlap` are
-the optional features. Invalid combinations raise ValueError naming the rule.
+`tma` is always present (every config loads through TMA); `ws`, `pingpong`, `overlap` and
+`persistent` are the optional features. Invalid combinations raise ValueError naming the rule.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ class HopperForwardKernelConfig:
     warp_specialized: bool   # a producer warpgroup issues TMA; consumers get its registers (setmaxnreg)
     pingpong: bool           # two consumer warpgroups take turns on the tensor cores (named barriers)
     intra_wg_overlap: bool   # QK^T of block j issued with P V of block j-1; softmax overlaps P V
+    persistent: bool         # ~one CTA per SM loops over tiles; loads run ahead across tile boundaries
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -75,6 +76,8 @@ class HopperForwardKernelConfig:
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
         yield ("pingpong needs two consumer warpgroups (B_r == 128) and warp_specialized",
                not self.pingpong or (self.B_r == 128 and self.warp_specialized))
+        yield "persistent needs warp_specialized (the producer runs ahead across tiles)", \
+            not self.persistent or self.warp_specialized
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {ACCUMULATOR_BUDGET} per consumer thread",
@@ -98,12 +101,12 @@ class HopperForwardKernelConfig:
         """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
         itemsize = 2
         tiles = (self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
-        barriers = 8 * (1 + 4 * self.n_stages)  # q_full; per stage k/v full and empty
+        barriers = 8 * (2 + 4 * self.n_stages)  # q full/empty; per stage k/v full and empty
         return tiles + barriers + 1024
 
     # ------------------------------------------------------------ short form
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
-                                        "overlap": "intra_wg_overlap"}
+                                        "overlap": "intra_wg_overlap", "persistent": "persistent"}
 
     def short_form(self) -> str:
         features = ["tma"] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
@@ -138,7 +141,8 @@ class HopperForwardKernelConfig:
                 raise ValueError(f"cannot parse kernel config {text!r}: feature {feat!r} given twice")
             flags[cls._FLAGS[feat]] = True
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"])
+                   int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
+                   flags["persistent"])
 
     def replace(self, **changes) -> "HopperForwardKernelConfig":
         return dataclasses.replace(self, **changes)

@@ -9,6 +9,7 @@ family on Hopper.
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -34,8 +35,16 @@ class Sm90Plan(NamedTuple):
     cfg: HopperForwardKernelConfig
     base: LaunchPlan  # the validated problem (strides, lengths, scale, device, causal)
 
+    sm_count: int = 0  # SMs of the device (persistent grids); 0 = not known (CPU planning)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.base.seq_len_q // self.cfg.B_r) * self.base.n_heads * self.base.out_shape[0]
+
     @property
     def grid(self) -> tuple[int, int, int]:
+        if self.cfg.persistent:  # one CTA per SM (these kernels fit one per SM), never more than tiles
+            return (max(1, min(self.n_tiles, self.sm_count or self.n_tiles)), 1, 1)
         return (-(-self.base.seq_len_q // self.cfg.B_r), self.base.n_heads, self.base.out_shape[0])
 
 
@@ -69,7 +78,18 @@ def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorVie
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {q.dtype.name}")
     if cfg.d_head != q.shape[3]:
         raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {q.shape[3]}")
-    return Sm90Plan(cfg, base)
+    return Sm90Plan(cfg, base, _sm_count(base.device) if cfg.persistent else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    """SMs of `device`; 0 where it cannot be asked (no GPU: planning on a CPU)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+    except Exception:
+        return 0
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -138,7 +158,7 @@ def pack_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o_ptr
     tk = tma.encode_cached(tma.tensor_map_spec(k.ptr, dtype, k.shape, k.strides, cfg.B_c))
     tv = tma.encode_cached(tma.tensor_map_spec(v.ptr, dtype, v.shape, v.strides, cfg.B_c))
     return pack_params(tq, tk, tv, o_ptr, lse_ptr, *b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads,
-                       b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2, b.kv_group_size, 0)
+                       b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2, b.kv_group_size, b.out_shape[0])
 
 
 def launch_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,

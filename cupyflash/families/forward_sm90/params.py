@@ -33,7 +33,7 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads
-    ("reserved", "int", "i"),
+    ("batch", "int", "i"),          # persistent CTAs decode tile indices with it
 )
 
 _fields_format = "<" + "".join(f for _, _, f in PARAM_FIELDS)
