@@ -60,7 +60,7 @@ class Sm90Impl(Impl):
         from cupyflash.interop import as_view, resolve_stream
 
         super().prepare(problem)
-        cfg = self.cfg or default_config(problem.dtype, problem.shape.d_head)
+        cfg = self.cfg or default_config(problem.dtype, problem.shape.d_head, problem.causal)
         self.launches = []
         for q, k, v in problem.sets:
             out = torch.empty_like(q)

@@ -86,7 +86,7 @@ def test_progression_adds_one_feature_per_step():
     steps = config_sets.progression_configs()
     assert [s.short_form().split(": ")[1] for s in steps] == [
         "tma", "tma+ws", "tma+ws+pingpong", "tma+ws+pingpong+overlap", "tma+ws+pingpong+overlap+persistent"]
-    assert steps[-1] == config_sets.default_config(DType.BF16, 128)
+    assert all(s.B_c == steps[0].B_c for s in steps)
 
 
 def test_tune_set_follows_the_rule_and_covers_every_head_dim():
@@ -95,7 +95,8 @@ def test_tune_set_follows_the_rule_and_covers_every_head_dim():
     assert {(c.dtype, c.d_head) for c in tune} == {(dt, d) for dt in DType for d in (64, 128, 256)}
     for dt in DType:
         for d in (64, 128, 256):
-            assert config_sets.default_config(dt, d) in tune
+            for causal in (False, True):
+                assert config_sets.default_config(dt, d, causal) in tune
     with pytest.raises(ValueError, match="^key: expected one of"):
         config_sets.get_kernel_configs("fastest")
 
@@ -123,7 +124,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
         assert f" {name};" in src
     for f in dataclasses.fields(H):
         assert f" {f.name};" in src
-    cfg = config_sets.default_config(DType.FP16, 64)
+    cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
         "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true>")
@@ -168,9 +169,11 @@ def _view(shape, dtype=DType.BF16, strides=None, ptr=1 << 20):
 def test_plan_uses_the_library_validation_and_family_rules():
     q, k = _view((2, 300, 8, 128)), _view((2, 500, 2, 128))
     plan = plan_sm90(None, q, k, k, causal=True)
-    assert plan.cfg == config_sets.default_config(DType.BF16, 128)
+    assert plan.cfg == config_sets.default_config(DType.BF16, 128, causal=True)
+    assert plan_sm90(None, q, k, k).cfg == config_sets.default_config(DType.BF16, 128, causal=False)
     assert plan.n_tiles == 3 * 8 * 2 and plan.base.kv_group_size == 4 and plan.base.causal
-    assert plan._replace(sm_count=132).grid == (48, 1, 1) and plan._replace(sm_count=20).grid == (20, 1, 1)
+    persistent = plan._replace(cfg=config_sets.progression_configs()[4])
+    assert persistent._replace(sm_count=132).grid == (48, 1, 1) and persistent._replace(sm_count=20).grid == (20, 1, 1)
     plain = plan_sm90(config_sets.progression_configs()[3], q, k, k)
     assert plain.grid == (3, 8, 2)
     with pytest.raises(ValueError, match="^v: seq_len"):

@@ -47,9 +47,13 @@ struct Producer {
                         c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
     }
 
-    // The whole schedule of a tile (warp-specialised producer thread).
+    // The whole schedule of a tile (warp-specialised producer thread). A persistent CTA's later
+    // tiles load their first K/V blocks before Q: Q waits for the previous tile's epilogue
+    // (q_empty), the K/V stages free up during its mainloop, so those loads run ahead.
     CF_DEVICE void run(int n_blocks, int ring_base, int tile_iter) const {
+        const int ahead = (Cfg::PERSISTENT && tile_iter > 0) ? min(n_blocks, Cfg::STAGES) : 0;
+        for (int block = 0; block < ahead; ++block) load_block(block, ring_base + block);
         load_q(tile_iter);
-        for (int block = 0; block < n_blocks; ++block) load_block(block, ring_base + block);
+        for (int block = ahead; block < n_blocks; ++block) load_block(block, ring_base + block);
     }
 };

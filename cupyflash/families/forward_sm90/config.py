@@ -27,7 +27,7 @@ __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "
 FAMILY = "forward_sm90"
 D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
 B_R_VALUES = (64, 128)        # 64 query rows per consumer warpgroup (one wgmma m64 tile)
-B_C_VALUES = (64, 128, 176)   # key-tile columns: the N of S = Q K^T (176: FA3's d128 tile)
+B_C_VALUES = (64, 80, 128, 176)  # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256)
 STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64

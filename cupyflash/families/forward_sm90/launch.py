@@ -73,7 +73,7 @@ def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorVie
     if reason:
         raise ValueError(reason)
     if cfg is None:
-        cfg = default_config(q.dtype, q.shape[3])
+        cfg = default_config(q.dtype, q.shape[3], base.causal)
     if cfg.dtype is not q.dtype:
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {q.dtype.name}")
     if cfg.d_head != q.shape[3]:
