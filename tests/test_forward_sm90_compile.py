@@ -12,7 +12,7 @@ import pytest
 from cupyflash.compiler import compile_module
 from cupyflash.config import DType
 from cupyflash.families.forward_sm90 import config_sets
-from cupyflash.families.forward_sm90.render import name_expression, render_source
+from cupyflash.render import name_expression, render_family_source
 
 pytestmark = pytest.mark.compile
 
@@ -30,7 +30,7 @@ def _modules():
 
 @pytest.fixture(scope="module")
 def compiled():
-    source = render_source()
+    source = render_family_source("forward_sm90")
 
     def build(item):
         cfg, causal = item

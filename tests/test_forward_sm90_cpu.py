@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from cupyflash.config import DType
-from cupyflash.families.forward_sm90 import config_sets, params, render, tma
+from cupyflash import render
+from cupyflash.families import FAMILIES, family_of, get_family, parse_config, pick_family
+from cupyflash.families.forward_sm90 import FORWARD_SM90, config_sets, params, tma
 from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
 from cupyflash.families.forward_sm90.launch import plan_sm90, unsupported_reason
 from cupyflash.interop import TensorView, contiguous_strides
@@ -103,7 +105,7 @@ def test_tune_set_follows_the_rule_and_covers_every_head_dim():
 
 # ----------------------------------------------------------------------------- params
 def test_param_struct_places_descriptors_at_64_byte_offsets():
-    assert params.PARAMS_SIZE % 64 == 0 and params.PARAMS_STRUCT.size == params.PARAMS_SIZE
+    assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
     descs = [bytes([i]) * 128 for i in (1, 2, 3)]
     packed = params.pack_params(*descs, 0x1111, 0x2222, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3)
     assert len(packed) == params.PARAMS_SIZE
@@ -114,20 +116,39 @@ def test_param_struct_places_descriptors_at_64_byte_offsets():
     seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 40)
     assert (seq_q, seq_k, heads, kv_heads) == (7, 9, 4, 2)
     assert struct.unpack_from("<ffii", packed, 384 + 56) == (0.5, pytest.approx(0.72), 2, 3)
-    assert packed[params.PARAMS_STRUCT.size - 8:] == b"\0" * 8  # tail padding to sizeof
+    assert packed[params.PARAMS_SIZE - 8:] == b"\0" * 8  # tail padding to sizeof
 
 
 def test_rendered_source_checks_the_struct_and_names_the_kernel():
-    src = render.render_source()
-    assert f"sizeof(HopperForwardParams) == {params.PARAMS_SIZE}" in src
+    src = render.render_family_source("forward_sm90")
+    assert "sizeof(HopperForwardParams) % 64 == 0" in src
+    assert src.index("struct alignas(64) TmaDescriptor") < src.index("struct HopperForwardParams")
     for name, _, _ in params.PARAM_FIELDS:
         assert f" {name};" in src
     for f in dataclasses.fields(H):
         assert f" {f.name};" in src
+    for header in FORWARD_SM90.headers:
+        assert f"// ---- kernels_cu/{header}" in src
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
         "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true>")
+
+
+def test_registered_as_a_family_of_the_seam():
+    assert FAMILIES["forward_sm90"] is FORWARD_SM90 is get_family("forward_sm90")
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert family_of(cfg) is FORWARD_SM90 and parse_config(cfg.short_form()) == cfg
+    assert FORWARD_SM90.kind == "forward" and FORWARD_SM90.variant(causal=True) == (True,)
+    FORWARD_SM90.check_arch("sm_90a")
+    for arch in ("sm_90", "sm_80"):
+        with pytest.raises(ValueError, match="compiles for sm_90a"):
+            FORWARD_SM90.check_arch(arch)
+    assert FORWARD_SM90.supports(90) and not FORWARD_SM90.supports(80) and not FORWARD_SM90.supports(100)
+    assert FORWARD_SM90.default_archs() == ("sm_90a",)
+    # forward(cfg=None) keeps the mma.sync family until api.forward launches this one
+    assert pick_family("forward", 90).name == "forward_sm80"
+    assert FORWARD_SM90.smem_bytes(cfg) == cfg.smem_bytes() and FORWARD_SM90.block_threads(cfg) == 384
 
 
 def test_generated_wgmma_header_is_up_to_date():

@@ -3,13 +3,6 @@
 // one instruction (or a wait loop around one). Needs ptx.cuh (u32/u64, CF_DEVICE).
 #pragma once
 
-// ---- TMA descriptors ------------------------------------------------------------------------
-// The driver's CUtensorMap: 128 opaque bytes, 64-byte aligned, encoded on the host by
-// cuTensorMapEncodeTiled and passed inside the kernel's __grid_constant__ parameter struct.
-struct alignas(64) TmaDescriptor {
-    u64 opaque[16];
-};
-
 // ---- wgmma ------------------------------------------------------------------------------------
 // Shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading and
 // stride byte offsets (all >> 4, 14 bits each) and layout type 1 (128B swizzle) in bits 62-63.
@@ -83,14 +76,15 @@ CF_DEVICE void mbarrier_wait(u32 bar, u32 phase) {
 CF_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // ---- TMA --------------------------------------------------------------------------------------
-CF_DEVICE void tma_prefetch_descriptor(const TmaDescriptor* desc) {
+// `desc`: the generic address of a CUtensorMap (a member of the __grid_constant__ parameters).
+CF_DEVICE void tma_prefetch_descriptor(const void* desc) {
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(desc)) : "memory");
 }
 
 // Copies the box at coordinates (c0 innermost .. c3) of a 4-D tensor into shared memory at
 // `dst`, completing `bytes` of the current phase of mbarrier `bar`. Out-of-range elements of the
 // box are written as zeros (the tail rows of a sequence).
-CF_DEVICE void tma_load_4d(u32 dst, const TmaDescriptor* desc, u32 bar, int c0, int c1, int c2, int c3) {
+CF_DEVICE void tma_load_4d(u32 dst, const void* desc, u32 bar, int c0, int c1, int c2, int c3) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)

@@ -1,9 +1,10 @@
 // Which (query block, head, batch) tiles a CTA computes, and how many key blocks each visits.
 //
 // Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch). Persistent: a
-// grid of about one CTA per SM walks the tile list with stride gridDim.x. Tiles are numbered so
-// that CTAs running at the same time share K/V in L2 (consecutive tiles: the query blocks of one
-// head) and, under causal masking, so that the longest tiles (last query blocks) come first.
+// grid of about one CTA per SM walks the tile list with stride gridDim.x. Either way consecutive
+// tiles are the query blocks of one (head, batch), so CTAs running at the same time share its K/V
+// in L2; under causal masking each head's query blocks go last to first (longest first).
+// (Numbering causal tiles longest-first across all heads instead lost 10-30% to L2 misses.)
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -20,18 +21,10 @@ struct TileScheduler {
         t.index = index;
         t.valid = index < tiles(p);
         const int nqb = q_blocks(p);
-        if constexpr (CAUSAL) {
-            const int heads_batches = p.n_heads * p.batch;
-            const int rest = index % heads_batches;
-            t.q_block = nqb - 1 - index / heads_batches;
-            t.head = rest % p.n_heads;
-            t.batch = rest / p.n_heads;
-        } else {
-            const int rest = index / nqb;
-            t.q_block = index % nqb;
-            t.head = rest % p.n_heads;
-            t.batch = rest / p.n_heads;
-        }
+        const int rest = index / nqb;
+        t.q_block = CAUSAL ? nqb - 1 - index % nqb : index % nqb;
+        t.head = rest % p.n_heads;
+        t.batch = rest / p.n_heads;
         return t;
     }
 

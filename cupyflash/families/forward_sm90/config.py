@@ -1,7 +1,8 @@
 """The Hopper forward family's configuration (sm_90a): `HopperForwardKernelConfig`.
 
 A frozen, ordered dataclass like the mma.sync family's: its fields become the C++ struct of the
-same name (rendered by cupyflash.families.forward_sm90.render), the NVRTC name expression and
+same name (rendered by cupyflash.render from templates/forward_sm90.cu.j2), the NVRTC name
+expression and
 the short form, which names the family:
 
     forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent
@@ -12,14 +13,11 @@ the short form, which names the family:
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-import numpy as np
-
-from ...config import DType
+from ...config import DType, KernelConfig
 
 __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
            "MAX_SMEM_PER_BLOCK", "FAMILY"]
@@ -37,8 +35,9 @@ ACCUMULATOR_BUDGET = 200
 
 
 @dataclass(frozen=True, order=True)
-class HopperForwardKernelConfig:
-    """Static configuration of one Hopper forward kernel instantiation (field order = C++ order)."""
+class HopperForwardKernelConfig(KernelConfig):
+    """Static configuration of one Hopper forward kernel instantiation (field order = C++ order).
+    KernelConfig.__post_init__ checks field kinds and the rules of `_rules`."""
 
     FAMILY: ClassVar[str] = FAMILY
 
@@ -51,22 +50,6 @@ class HopperForwardKernelConfig:
     pingpong: bool           # two consumer warpgroups take turns on the tensor cores (named barriers)
     intra_wg_overlap: bool   # QK^T of block j issued with P V of block j-1; softmax overlaps P V
     persistent: bool         # ~one CTA per SM loops over tiles; loads run ahead across tile boundaries
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.dtype, DType):
-            if isinstance(self.dtype, str):
-                object.__setattr__(self, "dtype", DType.parse(self.dtype))
-            else:
-                raise ValueError(f"dtype: expected DType, got {self.dtype!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", bool) and not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{f.name}: expected bool, got {value!r}")
-            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-                raise ValueError(f"{f.name}: expected int, got {value!r}")
-        for rule, ok in self._rules():
-            if not ok:
-                raise ValueError(f"invalid HopperForwardKernelConfig {self.short_form()}: rule violated: {rule}")
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -143,11 +126,3 @@ class HopperForwardKernelConfig:
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
                    flags["persistent"])
-
-    def replace(self, **changes) -> "HopperForwardKernelConfig":
-        return dataclasses.replace(self, **changes)
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["dtype"] = self.dtype.name
-        return d

@@ -8,27 +8,20 @@ family on Hopper.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 from typing import Any, NamedTuple
 
-from ... import config_sets
-from ...compiler import KernelResources
-from ...config import DType
 from ...interop import (TensorView, allocate_lse, allocate_output, as_view, output_view, resolve_stream,
                         wrap_output)
 from ...validation import LaunchPlan, check_forward_args, check_lse_out, check_lse_request
+from ..forward_sm80 import config_sets as sm80_config_sets
 from . import tma
 from .config import D_HEADS, HopperForwardKernelConfig
 from .config_sets import default_config
-from .params import PARAMS_STRUCT, pack_params
-from .render import name_expression, render_source
+from .params import pack_params
 
-__all__ = ["Sm90Plan", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel", "ARCH"]
-
-ARCH = "sm_90a"
-_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+__all__ = ["Sm90Plan", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
+           "pack_sm90"]
 
 
 class Sm90Plan(NamedTuple):
@@ -68,7 +61,7 @@ def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorVie
     # The shared validation checks shapes, dtypes, devices, layouts and the scale; its config
     # argument only matters for dtype/d_head, so the mma.sync default stands in for it.
     base = check_forward_args(None, q, k, v, out, softmax_scale, causal,
-                              select=lambda dt, d, *_: config_sets.default_config(dt, d))
+                              select=lambda dt, d, *_: sm80_config_sets.default_config(dt, d))
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(reason)
@@ -93,60 +86,12 @@ def _sm_count(device: int) -> int:
 
 
 # ------------------------------------------------------------------------------ kernels
-class LoadedSm90Kernel:
-    """One compiled, loaded kernel with a preallocated parameter buffer."""
+def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool):
+    """The loaded kernel of (cfg, causal) on `device`, through the library's registry and cache
+    (compiled for sm_90a on first use; the registry raises the shared-memory limit)."""
+    from ...registry import get_registry
 
-    def __init__(self, function: Any, resources: KernelResources | None) -> None:
-        self.function = function  # keeps the module alive
-        self.func_ptr = int(function.ptr)
-        self.resources = resources
-        self._buf = ctypes.create_string_buffer(PARAMS_STRUCT.size)
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
-        self._argv_ptr = ctypes.addressof(self._argv)
-        self._lock = threading.Lock()
-
-    def launch(self, grid: tuple[int, int, int], block: int, smem: int, stream: int, params: bytes) -> None:
-        from cupy_backends.cuda.api.driver import launchKernel
-
-        with self._lock:
-            ctypes.memmove(self._buf, params, PARAMS_STRUCT.size)
-            launchKernel(self.func_ptr, *grid, block, 1, 1, smem, stream, self._argv_ptr, 0)
-
-
-_kernels: dict[tuple[int, HopperForwardKernelConfig, bool], LoadedSm90Kernel] = {}
-_kernels_lock = threading.Lock()
-
-
-def compile_sm90(cfg: HopperForwardKernelConfig, causal: bool = False, cache=None):
-    """Compile (or read from the kernel cache) the module of (cfg, causal) for sm_90a."""
-    from ...cache import default_cache
-
-    cache = cache if cache is not None else default_cache()
-    return cache.lookup_or_compile(render_source(), [name_expression(cfg, causal)], ARCH,
-                                   short_forms=[cfg.short_form() + (" [causal]" if causal else "")])
-
-
-def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool) -> LoadedSm90Kernel:
-    key = (device, cfg, causal)
-    kernel = _kernels.get(key)
-    if kernel is not None:
-        return kernel
-    with _kernels_lock:
-        kernel = _kernels.get(key)
-        if kernel is None:
-            import cupy
-            from cupy_backends.cuda.api import driver
-
-            module = compile_sm90(cfg, causal).module
-            expr = name_expression(cfg, causal)
-            with cupy.cuda.Device(device):
-                cuda_module = cupy.cuda.function.Module()
-                cuda_module.load(module.binary)
-                function = cuda_module.get_function(module.lowered_names[expr])
-                driver.funcSetAttribute(function.ptr, _MAX_DYNAMIC_SMEM_ATTR, cfg.smem_bytes())
-            kernel = LoadedSm90Kernel(function, module.resources.get(expr))
-            _kernels[key] = kernel
-    return kernel
+    return get_registry().get(cfg, device, causal)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -206,27 +151,3 @@ def forward_sm90(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_s
         return result, (lse if lse is not None else wrap_output(lv))
     return result
 
-
-def _compile_one(args: tuple[HopperForwardKernelConfig, bool]) -> tuple[str, bool, str | None]:
-    cfg, causal = args
-    try:
-        compile_sm90(cfg, causal)
-        return str(cfg), causal, None
-    except Exception as exc:  # reported, not raised: the caller decides
-        return str(cfg), causal, f"{type(exc).__name__}: {exc}"
-
-
-def prewarm_sm90(configs, causal_variants=(False, True), jobs: int | None = None) -> list[tuple[str, bool, str | None]]:
-    """Compile (cfg, causal) modules into the default kernel cache in parallel processes (no GPU
-    needed); returns (short form, causal, error or None) per module."""
-    import concurrent.futures
-    import multiprocessing
-    import os
-
-    work = [(cfg, c) for cfg in configs for c in causal_variants]
-    jobs = jobs or min(len(work), os.cpu_count() or 1)
-    if jobs <= 1:
-        return [_compile_one(w) for w in work]
-    ctx = multiprocessing.get_context("spawn")  # no inherited CUDA state
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        return list(pool.map(_compile_one, work))
