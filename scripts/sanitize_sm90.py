@@ -26,9 +26,11 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cupyflash.config import DType  # noqa: E402
+from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig  # noqa: E402
 from cupyflash.families.forward_sm90.config_sets import default_config, progression_configs  # noqa: E402
 
 SHAPES = ((1, 77, 200, 4, 1), (2, 130, 63, 4, 2), (1, 257, 257, 2, 2))  # (B, S_q, S_k, H, H_kv)
+THREE_CONSUMERS = "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap"  # ping-pong ring of 3
 
 
 def reference(q, k, v, causal):
@@ -57,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
     rng = np.random.default_rng(0)
-    configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256)]
+    configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
+                                       HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
     shapes = SHAPES
-    if quick:  # --quick: the first and last progression steps (thread-0 loader; full design), 2 shapes
-        configs, shapes = [configs[0], configs[4]], SHAPES[:2]
+    if quick:  # --quick: first and last progression steps, three consumer warpgroups; 2 shapes
+        configs, shapes = [configs[0], configs[4], configs[-1]], SHAPES[:2]
     failures = 0
     for cfg in configs:
         for shape in shapes:

@@ -23,7 +23,7 @@ def _modules():
     defaults = config_sets.get_kernel_configs("defaults")
     configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog")
                                  + [c for c in config_sets.get_kernel_configs("tune")
-                                    if c.dtype is DType.BF16 and c.pingpong and c.persistent and c.n_stages == 2]))
+                                    if c.dtype is DType.BF16 and c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
     # causal instantiations of the defaults only: the mask adds code, not structure
     return [(c, False) for c in configs] + [(c, True) for c in defaults]
 

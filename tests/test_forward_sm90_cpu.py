@@ -45,12 +45,14 @@ def test_parse_rejects(text, message):
 
 @pytest.mark.parametrize("fields, rule", [
     ((DType.BF16, 96, 128, 128, 2, True, True, True, False), "d_head in"),
-    ((DType.BF16, 128, 192, 128, 2, True, False, True, False), "B_r in"),
+    ((DType.BF16, 128, 256, 128, 2, True, False, True, False), "B_r in"),
+    ((DType.BF16, 64, 192, 128, 2, False, False, False, False), "B_r == 192"),
+    ((DType.BF16, 128, 192, 128, 2, True, True, True, False), "accumulator registers"),
     ((DType.BF16, 128, 128, 32, 2, True, False, True, False), "B_c in"),
     ((DType.BF16, 128, 128, 192, 2, True, False, True, False), "B_c in"),
     ((DType.BF16, 128, 128, 128, 5, True, False, True, False), "n_stages in"),
-    ((DType.BF16, 128, 64, 128, 2, True, True, True, False), "pingpong needs two consumer warpgroups"),
-    ((DType.BF16, 128, 128, 128, 2, False, True, True, False), "pingpong needs two consumer warpgroups"),
+    ((DType.BF16, 128, 64, 128, 2, True, True, True, False), "pingpong needs two or three consumer warpgroups"),
+    ((DType.BF16, 128, 128, 128, 2, False, True, True, False), "pingpong needs two or three consumer warpgroups"),
     ((DType.BF16, 128, 128, 128, 1, True, False, True, False), "intra_wg_overlap needs n_stages >= 2"),
     ((DType.BF16, 128, 128, 128, 2, False, False, False, True), "persistent needs warp_specialized"),
     ((DType.BF16, 256, 128, 128, 2, True, False, False, False), "accumulator registers"),
@@ -209,3 +211,16 @@ def test_plan_uses_the_library_validation_and_family_rules():
         plan_sm90("forward_sm90(BF16, 128, 128, 128, 2): tma", q, k, k)
     broadcast = _view((2, 500, 2, 128), strides=(0, 256, 128, 1))
     assert "batch stride is 0" in unsupported_reason(q, broadcast, k)
+
+
+def test_descriptors_are_cached_by_what_they_encode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda spec: calls.append(spec) or bytes([len(calls)]) * 128)
+    tma.clear_cache()
+    shape, strides = (1, 64, 2, 128), (64 * 2 * 128, 256, 128, 1)
+    a = tma.descriptor(1 << 20, DType.BF16, shape, strides, 128)
+    assert tma.descriptor(1 << 20, DType.BF16, shape, strides, 128) == a and len(calls) == 1
+    assert tma.descriptor(1 << 21, DType.BF16, shape, strides, 128) != a  # another pointer
+    assert tma.descriptor(1 << 20, DType.BF16, shape, strides, 176) != a  # another box
+    assert len(calls) == 3 and calls[2].box == (64, 176, 1, 1)
+    tma.clear_cache()

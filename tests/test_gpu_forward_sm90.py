@@ -33,7 +33,9 @@ if _is_sm90():
     # + the other key-tile widths (80, 176) and a three-stage ring, persistent
     EXTRA = [H.parse(t) for t in ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent",
                                   "forward_sm90(FP16, 64, 128, 176, 3): tma+ws+pingpong+overlap+persistent",
-                                  "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent")]
+                                  "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent",
+                                  "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap",
+                                  "forward_sm90(FP16, 64, 192, 64, 3): tma+ws+overlap+persistent")]
     CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
 else:
     CONFIGS = []

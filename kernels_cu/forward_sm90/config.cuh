@@ -23,9 +23,10 @@ struct StaticHopperForwardConfig {
     static constexpr int CONSUMERS = BR / WG_ROWS;
     static constexpr int PRODUCER_WARPGROUPS = WARP_SPECIALIZED ? 1 : 0;
     static constexpr int N_THREADS = 128 * (CONSUMERS + PRODUCER_WARPGROUPS);
-    // setmaxnreg budgets (multiples of 8): the producer only runs one thread's TMA loop.
+    // setmaxnreg budgets (multiples of 8): the producer only runs one thread's TMA loop; the
+    // consumers share the rest of the 64K registers (128 * 24 + 3 * 128 * 160 <= 65536).
     static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 256;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 240 : 256;
 
     static constexpr int COL_BLOCK = 64;        // 16-bit elements per 128-byte swizzled row
     static constexpr int D_BLOCKS = D / COL_BLOCK;
@@ -45,9 +46,10 @@ struct StaticHopperForwardConfig {
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
 
     static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
-    static_assert(BR % WG_ROWS == 0 && (CONSUMERS == 1 || CONSUMERS == 2), "one or two consumer warpgroups");
+    static_assert(BR % WG_ROWS == 0 && CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+    static_assert(CONSUMERS < 3 || WARP_SPECIALIZED, "three consumer warpgroups need setmaxnreg's registers");
     static_assert(BC % 16 == 0 && BC <= 256, "key tile is a wgmma N (<= 256) and whole k-steps of P V");
-    static_assert(!PINGPONG || (CONSUMERS == 2 && WARP_SPECIALIZED), "ping-pong alternates two consumer warpgroups");
+    static_assert(!PINGPONG || (CONSUMERS >= 2 && WARP_SPECIALIZED), "ping-pong rotates two or three consumer warpgroups");
     static_assert(STAGES >= 1, "at least one K/V stage");
     static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
 };

@@ -4,8 +4,8 @@
 // fp32 registers, P converted in registers to the A operand of O += P V_j (V from shared memory,
 // MN-major, so the transpose bit is set). With OVERLAP the QK^T of block j is issued together
 // with the P V of block j-1, so the softmax of block j runs while P V_{j-1} is on the tensor
-// cores. With PINGPONG the two consumer warpgroups take turns issuing their GEMMs (named
-// barriers), so one warpgroup's softmax overlaps the other's GEMMs.
+// cores. With PINGPONG the consumer warpgroups take turns issuing their GEMMs, in a ring of
+// named barriers (0 -> 1 [-> 2] -> 0), so one warpgroup's softmax overlaps the others' GEMMs.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -14,9 +14,9 @@ struct Consumer {
     using Scores = typename Softmax::Scores;
     static constexpr int QK_STEPS = Cfg::D / 16;
     static constexpr int PV_STEPS = Cfg::BC / 16;
-    // Named barrier ids: 1 + wg for ping-pong turns, 3 + wg for the epilogue (0 = __syncthreads).
+    // Named barrier ids: 1 + wg for ping-pong turns, 4 + wg for the epilogue (0 = __syncthreads).
     static constexpr int TURN_BARRIER = 1;
-    static constexpr int EPILOGUE_BARRIER = 3;
+    static constexpr int EPILOGUE_BARRIER = 4;
 
     const HopperForwardParams& p;
     SmemLayout<Cfg> smem;
@@ -86,15 +86,20 @@ struct Consumer {
         if (lane == 0) mbarrier_arrive(smem.v_empty(stage));
     }
 
+    // A turn barrier counts 256 threads: the 128 of the warpgroup waiting for its turn and the
+    // 128 of its predecessor in the ring handing it over. A warpgroup cannot hand over twice
+    // before the next one has waited: between two hand-overs it must itself wait, which needs
+    // a hand-over that, around the ring, follows the next warpgroup's wait.
     CF_DEVICE void wait_turn() const {
         if constexpr (Cfg::PINGPONG) named_barrier_sync(TURN_BARRIER + wg, 256);
     }
-    // Hands the tensor cores to the other warpgroup. Warpgroup 1 skips its last hand-over:
-    // warpgroup 0 started without one (see run), so both then wait exactly as often as they are
-    // signalled and no barrier is left half-arrived at exit.
+    // Hands the tensor cores to the next warpgroup. The last warpgroup skips its last hand-over:
+    // warpgroup 0 started with one from it (see run), so every warpgroup waits exactly as often
+    // as it is signalled and no barrier is left half-arrived at exit.
     CF_DEVICE void pass_turn(bool last) const {
         if constexpr (Cfg::PINGPONG)
-            if (!(last && wg == 1)) named_barrier_arrive(TURN_BARRIER + (1 - wg), 256);
+            if (!(last && wg == Cfg::CONSUMERS - 1))
+                named_barrier_arrive(TURN_BARRIER + (wg + 1) % Cfg::CONSUMERS, 256);
     }
 
     CF_DEVICE void rescale_output(const float (&rescale)[1][2]) {
@@ -114,7 +119,7 @@ struct Consumer {
         mbarrier_wait(smem.q_full(), (u32)tile_iter & 1u);
         if (n_blocks <= 0) return;
         if constexpr (Cfg::PINGPONG)
-            if (wg == 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
+            if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
         if constexpr (Cfg::OVERLAP) run_overlapped(n_blocks, refill);
         else run_sequential(n_blocks, refill);
     }

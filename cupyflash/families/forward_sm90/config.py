@@ -24,14 +24,15 @@ __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "
 
 FAMILY = "forward_sm90"
 D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
-B_R_VALUES = (64, 128)        # 64 query rows per consumer warpgroup (one wgmma m64 tile)
+B_R_VALUES = (64, 128, 192)   # 64 query rows per consumer warpgroup (one wgmma m64 tile)
 B_C_VALUES = (64, 80, 128, 176)  # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256)
 STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
-# (BC/4): above this the consumer (240 registers with setmaxnreg) spills.
-ACCUMULATOR_BUDGET = 200
+# (BC/4), by consumer warpgroups: above these the consumers (setmaxnreg 256 / 240 / 160
+# registers) spill.
+ACCUMULATOR_BUDGET = {1: 200, 2: 200, 3: 128}
 
 
 @dataclass(frozen=True, order=True)
@@ -57,14 +58,17 @@ class HopperForwardKernelConfig(KernelConfig):
         yield f"B_r in {B_R_VALUES}", self.B_r in B_R_VALUES
         yield f"B_c in {B_C_VALUES}", self.B_c in B_C_VALUES
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
-        yield ("pingpong needs two consumer warpgroups (B_r == 128) and warp_specialized",
-               not self.pingpong or (self.B_r == 128 and self.warp_specialized))
+        yield ("pingpong needs two or three consumer warpgroups (B_r >= 128) and warp_specialized",
+               not self.pingpong or (self.B_r >= 128 and self.warp_specialized))
+        yield "B_r == 192 (three consumer warpgroups) needs warp_specialized (setmaxnreg)", \
+            self.B_r != 192 or self.warp_specialized
         yield "persistent needs warp_specialized (the producer runs ahead across tiles)", \
             not self.persistent or self.warp_specialized
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
-        yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {ACCUMULATOR_BUDGET} per consumer thread",
-               self.accumulator_registers() <= ACCUMULATOR_BUDGET)
+        budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
+        yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {budget} per consumer thread "
+               f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
         yield (f"shared memory (Q tile + n_stages K and V tiles + 1 KiB) <= {MAX_SMEM_PER_BLOCK} bytes",
                self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 

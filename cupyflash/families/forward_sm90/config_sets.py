@@ -1,6 +1,7 @@
 """Named config sets of the Hopper forward family: default, tune, progression."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 from ...config import DType
@@ -28,6 +29,7 @@ _DEFAULTS = {
 }
 
 
+@functools.lru_cache(maxsize=64)  # per-call path of forward_sm90: building a config costs ~10 us
 def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
     """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
     b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
@@ -50,18 +52,18 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
 
 
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
-    """Worth timing: warp-specialised with both consumer warpgroups (every progression step
-    that removed one lost), intra-warpgroup overlap on; B_c, stages, ping-pong and persistence
-    are tuned."""
-    return cfg.warp_specialized and cfg.B_r == 128 and cfg.intra_wg_overlap
+    """Worth timing: warp-specialised with two or three consumer warpgroups, intra-warpgroup
+    overlap on (every progression step that removed one of these lost); B_r, B_c, stages,
+    ping-pong and persistence are tuned."""
+    return cfg.warp_specialized and cfg.B_r >= 128 and cfg.intra_wg_overlap
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
     out = []
-    for dtype, d, b_c, stages, pingpong, persistent in itertools.product(
-            dtypes, d_heads, B_C_VALUES, (2, 3), (False, True), (False, True)):
+    for dtype, d, b_r, b_c, stages, pingpong, persistent in itertools.product(
+            dtypes, d_heads, (128, 192), B_C_VALUES, (2, 3), (False, True), (False, True)):
         try:
-            cfg = HopperForwardKernelConfig(dtype, d, 128, b_c, stages, True, pingpong, True, persistent)
+            cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent)
         except ValueError:
             continue  # over the register or shared-memory budget
         if should_autotune(cfg):

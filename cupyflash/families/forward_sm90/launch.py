@@ -53,15 +53,20 @@ def unsupported_reason(q: TensorView, k: TensorView, v: TensorView) -> str | Non
     return None
 
 
+@functools.lru_cache(maxsize=64)
+def _stand_in_config(dtype, d_head: int, *_):
+    """The mma.sync default for (dtype, d_head): check_forward_args's config argument only
+    matters for its dtype and d_head (cached: building a config costs ~10 us per call)."""
+    return sm80_config_sets.default_config(dtype, d_head)
+
+
 def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorView, v: TensorView,
               out: TensorView | None = None, softmax_scale: Any = None, causal: Any = False) -> Sm90Plan:
     """Validate as `forward` does, then apply this family's rules; ValueError naming the argument."""
     if cfg is not None and not isinstance(cfg, HopperForwardKernelConfig):
         raise TypeError(f"cfg: expected a HopperForwardKernelConfig or None, got {type(cfg).__name__}")
-    # The shared validation checks shapes, dtypes, devices, layouts and the scale; its config
-    # argument only matters for dtype/d_head, so the mma.sync default stands in for it.
-    base = check_forward_args(None, q, k, v, out, softmax_scale, causal,
-                              select=lambda dt, d, *_: sm80_config_sets.default_config(dt, d))
+    # The shared validation checks shapes, dtypes, devices, layouts and the scale.
+    base = check_forward_args(None, q, k, v, out, softmax_scale, causal, select=_stand_in_config)
     reason = unsupported_reason(q, k, v)
     if reason:
         raise ValueError(reason)
@@ -99,9 +104,9 @@ def pack_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o_ptr
     """HopperForwardParams for one call: the three (cached) descriptors, then the scalars."""
     cfg, b = plan.cfg, plan.base
     dtype = cfg.dtype
-    tq = tma.encode_cached(tma.tensor_map_spec(q.ptr, dtype, q.shape, q.strides, cfg.B_r))
-    tk = tma.encode_cached(tma.tensor_map_spec(k.ptr, dtype, k.shape, k.strides, cfg.B_c))
-    tv = tma.encode_cached(tma.tensor_map_spec(v.ptr, dtype, v.shape, v.strides, cfg.B_c))
+    tq = tma.descriptor(q.ptr, dtype, q.shape, q.strides, cfg.B_r)
+    tk = tma.descriptor(k.ptr, dtype, k.shape, k.strides, cfg.B_c)
+    tv = tma.descriptor(v.ptr, dtype, v.shape, v.strides, cfg.B_c)
     return pack_params(tq, tk, tv, o_ptr, lse_ptr, *b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads,
                        b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2, b.kv_group_size, b.out_shape[0])
 

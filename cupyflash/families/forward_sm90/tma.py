@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 from ...config import DType
 
-__all__ = ["TensorMapSpec", "tensor_map_spec", "encode", "encode_cached", "clear_cache", "tma_layout_problem",
-           "COL_BLOCK"]
+__all__ = ["TensorMapSpec", "tensor_map_spec", "encode", "encode_cached", "descriptor", "clear_cache",
+           "tma_layout_problem", "COL_BLOCK"]
 
 COL_BLOCK = 64  # elements per box row: 128 bytes, the 128B swizzle span
 
@@ -108,7 +108,7 @@ def encode(spec: TensorMapSpec) -> bytes:
     return bytes(out)
 
 
-_cache: dict[TensorMapSpec, bytes] = {}
+_cache: dict[tuple, bytes] = {}
 
 
 def encode_cached(spec: TensorMapSpec) -> bytes:
@@ -119,6 +119,19 @@ def encode_cached(spec: TensorMapSpec) -> bytes:
         if len(_cache) >= _MAX_CACHED:
             _cache.clear()
         _cache[spec] = desc
+    return desc
+
+
+def descriptor(ptr: int, dtype: DType, shape: tuple[int, ...], strides: tuple[int, ...], box_rows: int) -> bytes:
+    """The encoded descriptor of an array, cached by exactly what it encodes: the per-call path
+    (one flat-tuple lookup; the spec is only built on a miss)."""
+    key = (ptr, dtype, tuple(shape), tuple(strides), box_rows)
+    desc = _cache.get(key)
+    if desc is None:
+        desc = encode_cached(tensor_map_spec(ptr, dtype, shape, strides, box_rows))
+        if len(_cache) >= _MAX_CACHED:
+            _cache.clear()
+        _cache[key] = desc
     return desc
 
 
