@@ -16,24 +16,25 @@ KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults")
 # accumulators fit the 240 consumer registers with the two-stage ring in shared memory.
 _DEFAULT_B_C = {64: 128, 128: 128, 256: 64}
 
-# The defaults, (d_head, causal) -> (B_c, n_stages, persistent), all with B_r 128, the producer
+# The defaults, (d_head, causal) -> (B_r, B_c, n_stages, persistent), all with the producer
 # warpgroup, ping-pong and intra-warpgroup overlap. Measured on the H100 (scripts/bench_hopper.py,
 # 2026-11-23, batch*seq 16k): d128 B_c 176 beats 128 by 0-5% without masking at S >= 2k (FA3's
 # tile too); causal keeps 128 (176 lost 5-15%: more masked work on the diagonal). d256: B_c 80
-# beats 64 by 3-10%; its causal build spills 8 bytes, so causal keeps 64. d64: 128 beat 176 and
-# three stages. Persistent CTAs were level without masking and lost under it, so none are default.
+# beats 64 by 3-10%; its causal build spills 8 bytes, so causal keeps 64. d64: three consumer
+# warpgroups (B_r 192) beat two by 0-10% (causal: -10% at 1k, +0-12% from 2k). Persistent CTAs
+# were level without masking and lost under it (static tile striding), so none are default.
 _DEFAULTS = {
-    (64, False): (128, 2, False), (64, True): (128, 2, False),
-    (128, False): (176, 2, False), (128, True): (128, 2, False),
-    (256, False): (80, 2, False), (256, True): (64, 2, False),
+    (64, False): (192, 128, 2, False), (64, True): (192, 128, 2, False),
+    (128, False): (128, 176, 2, False), (128, True): (128, 128, 2, False),
+    (256, False): (128, 80, 2, False), (256, True): (128, 64, 2, False),
 }
 
 
 @functools.lru_cache(maxsize=64)  # per-call path of forward_sm90: building a config costs ~10 us
 def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
     """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
-    b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
-    return HopperForwardKernelConfig(dtype, d_head, 128, b_c, stages, True, True, True, persistent)
+    b_r, b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
+    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent)
 
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperForwardKernelConfig]:
