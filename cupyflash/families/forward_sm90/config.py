@@ -1,0 +1,132 @@
+"""The Hopper forward family's configuration (sm_90a): `HopperForwardKernelConfig`.
+
+A frozen, ordered dataclass like the mma.sync family's: its fields become the C++ struct of the
+same name (rendered by cupyflash.render from templates/forward_sm90.cu.j2), the NVRTC name
+expression and
+the short form, which names the family:
+
+    forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent
+    forward_sm90(dtype, d_head, B_r, B_c, n_stages): features
+
+`tma` is always present (every config loads through TMA); `ws`, `pingpong`, `overlap` and
+`persistent` are the optional features. Invalid combinations raise ValueError naming the rule.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
+
+from ...config import DType, KernelConfig
+
+__all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
+           "MAX_SMEM_PER_BLOCK", "FAMILY"]
+
+FAMILY = "forward_sm90"
+D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
+B_R_VALUES = (64, 128, 192)   # 64 query rows per consumer warpgroup (one wgmma m64 tile)
+B_C_VALUES = (64, 80, 128, 176)  # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256)
+STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
+MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
+WG_ROWS = 64
+# fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
+# (BC/4), by consumer warpgroups: above these the consumers (setmaxnreg 256 / 240 / 160
+# registers) spill.
+ACCUMULATOR_BUDGET = {1: 200, 2: 200, 3: 128}
+
+
+@dataclass(frozen=True, order=True)
+class HopperForwardKernelConfig(KernelConfig):
+    """Static configuration of one Hopper forward kernel instantiation (field order = C++ order).
+    KernelConfig.__post_init__ checks field kinds and the rules of `_rules`."""
+
+    FAMILY: ClassVar[str] = FAMILY
+
+    dtype: DType
+    d_head: int
+    B_r: int
+    B_c: int
+    n_stages: int
+    warp_specialized: bool   # a producer warpgroup issues TMA; consumers get its registers (setmaxnreg)
+    pingpong: bool           # two consumer warpgroups take turns on the tensor cores (named barriers)
+    intra_wg_overlap: bool   # QK^T of block j issued with P V of block j-1; softmax overlaps P V
+    persistent: bool         # ~one CTA per SM loops over tiles; loads run ahead across tile boundaries
+
+    # ------------------------------------------------------------------ rules
+    def _rules(self) -> Iterator[tuple[str, bool]]:
+        yield f"d_head in {D_HEADS}", self.d_head in D_HEADS
+        yield f"B_r in {B_R_VALUES}", self.B_r in B_R_VALUES
+        yield f"B_c in {B_C_VALUES}", self.B_c in B_C_VALUES
+        yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
+        yield ("pingpong needs two or three consumer warpgroups (B_r >= 128) and warp_specialized",
+               not self.pingpong or (self.B_r >= 128 and self.warp_specialized))
+        yield "B_r == 192 (three consumer warpgroups) needs warp_specialized (setmaxnreg)", \
+            self.B_r != 192 or self.warp_specialized
+        yield "persistent needs warp_specialized (the producer runs ahead across tiles)", \
+            not self.persistent or self.warp_specialized
+        yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
+               not self.intra_wg_overlap or self.n_stages >= 2)
+        budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
+        yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {budget} per consumer thread "
+               f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
+        yield (f"shared memory (Q tile + n_stages K and V tiles + 1 KiB) <= {MAX_SMEM_PER_BLOCK} bytes",
+               self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
+
+    # ------------------------------------------------------------- resources
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.B_r // WG_ROWS
+
+    @property
+    def n_threads(self) -> int:
+        return 128 * (self.consumer_warpgroups + (1 if self.warp_specialized else 0))
+
+    def accumulator_registers(self) -> int:
+        return self.B_c // 2 + self.d_head // 2 + self.B_c // 4
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
+        itemsize = 2
+        tiles = (self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
+        barriers = 8 * (2 + 4 * self.n_stages)  # q full/empty; per stage k/v full and empty
+        return tiles + barriers + 1024
+
+    # ------------------------------------------------------------ short form
+    _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
+                                        "overlap": "intra_wg_overlap", "persistent": "persistent"}
+
+    def short_form(self) -> str:
+        features = ["tma"] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
+        dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
+        return (f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}): "
+                + "+".join(features))
+
+    def __str__(self) -> str:
+        return self.short_form()
+
+    _SHORT_RE: ClassVar[re.Pattern] = re.compile(
+        r"^forward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
+        r"\s*(?P<st>\d+)\s*\)\s*:\s*(?P<feat>\S+)\s*$")
+
+    @classmethod
+    def parse(cls, text: str) -> "HopperForwardKernelConfig":
+        """Inverse of `short_form()`; ValueError on anything else."""
+        if not isinstance(text, str):
+            raise TypeError(f"short form must be a str, got {type(text).__name__}")
+        m = cls._SHORT_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"cannot parse kernel config {text!r}: expected "
+                             "'forward_sm90(DTYPE, d_head, B_r, B_c, n_stages): tma+feature+...'")
+        feats = m.group("feat").split("+")
+        if feats[0] != "tma":
+            raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma'")
+        flags = dict.fromkeys(cls._FLAGS.values(), False)
+        for feat in feats[1:]:
+            if feat not in cls._FLAGS:
+                raise ValueError(f"cannot parse kernel config {text!r}: unknown feature {feat!r}")
+            if flags[cls._FLAGS[feat]]:
+                raise ValueError(f"cannot parse kernel config {text!r}: feature {feat!r} given twice")
+            flags[cls._FLAGS[feat]] = True
+        return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
+                   int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
+                   flags["persistent"])

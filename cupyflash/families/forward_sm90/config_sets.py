@@ -1,0 +1,86 @@
+"""Named config sets of the Hopper forward family: default, tune, progression."""
+from __future__ import annotations
+
+import functools
+import itertools
+
+from ...config import DType
+from .config import B_C_VALUES, D_HEADS, HopperForwardKernelConfig
+
+__all__ = ["default_config", "should_autotune", "autotune_configs", "progression_configs", "get_kernel_configs",
+           "KERNEL_SET_KEYS"]
+
+KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults")
+
+# Key-tile columns of the progression: the largest B_c in {64, 128} whose S, P and O
+# accumulators fit the 240 consumer registers with the two-stage ring in shared memory.
+_DEFAULT_B_C = {64: 128, 128: 128, 256: 64}
+
+# The defaults, (d_head, causal) -> (B_r, B_c, n_stages, persistent), all with the producer
+# warpgroup, ping-pong and intra-warpgroup overlap. Measured on the H100 (scripts/bench_hopper.py,
+# 2026-11-23, batch*seq 16k): d128 B_c 176 beats 128 by 0-5% without masking at S >= 2k (FA3's
+# tile too); causal keeps 128 (176 lost 5-15%: more masked work on the diagonal). d256: B_c 80
+# beats 64 by 3-10%; its causal build spills 8 bytes, so causal keeps 64. d64: three consumer
+# warpgroups (B_r 192) beat two by 0-10% (causal: -10% at 1k, +0-12% from 2k). Persistent CTAs
+# are level without masking; causal, the snake schedule is level at S <= 2k but loses 25% at 16k
+# (128 query blocks per head against 132 CTAs: the snake's pairing drifts), so none are default.
+_DEFAULTS = {
+    (64, False): (192, 128, 2, False), (64, True): (192, 128, 2, False),
+    (128, False): (128, 176, 2, False), (128, True): (128, 128, 2, False),
+    (256, False): (128, 80, 2, False), (256, True): (128, 64, 2, False),
+}
+
+
+@functools.lru_cache(maxsize=64)  # per-call path of forward_sm90: building a config costs ~10 us
+def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
+    """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
+    b_r, b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
+    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent)
+
+
+def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperForwardKernelConfig]:
+    """The optimisation history, one feature added per step (FA3's ablation order):
+    wgmma + TMA ring loaded by a consumer thread -> + warp specialisation (producer warpgroup,
+    setmaxnreg) -> + ping-pong of the two consumer warpgroups -> + intra-warpgroup overlap ->
+    + persistent CTAs."""
+    b_c = _DEFAULT_B_C[d_head]
+    return [
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, False, False, False, False),
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, False, False, False),
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, True, False, False),
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, True, True, False),
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, True, True, True),
+    ]
+
+
+def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
+    """Worth timing: warp-specialised with two or three consumer warpgroups, intra-warpgroup
+    overlap on (every progression step that removed one of these lost); B_r, B_c, stages,
+    ping-pong and persistence are tuned."""
+    return cfg.warp_specialized and cfg.B_r >= 128 and cfg.intra_wg_overlap
+
+
+def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
+    out = []
+    for dtype, d, b_r, b_c, stages, pingpong, persistent in itertools.product(
+            dtypes, d_heads, (128, 192), B_C_VALUES, (2, 3), (False, True), (False, True)):
+        try:
+            cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent)
+        except ValueError:
+            continue  # over the register or shared-memory budget
+        if should_autotune(cfg):
+            out.append(cfg)
+    return sorted(out)
+
+
+def get_kernel_configs(key: str) -> list[HopperForwardKernelConfig]:
+    """'tune', 'prog' (bf16 d128), 'prog_all' (every dtype and d_head) or 'defaults'."""
+    if key == "tune":
+        return autotune_configs()
+    if key == "prog":
+        return progression_configs()
+    if key == "prog_all":
+        return sorted({c for dt in DType for d in D_HEADS for c in progression_configs(dt, d)})
+    if key == "defaults":
+        return sorted({default_config(dt, d, c) for dt in DType for d in D_HEADS for c in (False, True)})
+    raise ValueError(f"key: expected one of {KERNEL_SET_KEYS}, got {key!r}")

@@ -1,0 +1,51 @@
+"""The Hopper forward kernel's parameter struct, `HopperForwardParams`, passed by value as a
+`const __grid_constant__` argument.
+
+The three TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned) come first, at offsets 0,
+128 and 256, as the driver requires for descriptors read from parameter space. The struct is
+rendered from `HOPPER_FORWARD_PARAMS` (templates/base.cu.j2) and packed from the same list; an
+explicit tail pad makes the packed size sizeof(HopperForwardParams), a multiple of 64, since the
+driver copies that many bytes from the argument buffer.
+"""
+from __future__ import annotations
+
+import struct
+
+from ..base import ParamStruct
+
+__all__ = ["HOPPER_FORWARD_PARAMS", "PARAM_FIELDS", "PARAMS_SIZE", "TMA_DESCRIPTOR_BYTES", "DESCRIPTOR_OFFSETS",
+           "pack_params"]
+
+TMA_DESCRIPTOR_BYTES = 128
+_ALIGN = 64  # alignof(TmaDescriptor)
+
+# (name, C++ type, struct format). The descriptors, then pointers and 64-bit strides, then ints.
+_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("tma_q", "TmaDescriptor", f"{TMA_DESCRIPTOR_BYTES}s"),
+    ("tma_k", "TmaDescriptor", f"{TMA_DESCRIPTOR_BYTES}s"),
+    ("tma_v", "TmaDescriptor", f"{TMA_DESCRIPTOR_BYTES}s"),
+    ("o", "void*", "Q"),
+    ("lse", "float*", "Q"),  # per-(batch, head, row) log-sum-exp; 0 = not written
+    ("o_batch_stride", "long long", "q"),
+    ("o_seq_stride", "long long", "q"),
+    ("o_head_stride", "long long", "q"),
+    ("seq_len_q", "int", "i"),
+    ("seq_len_k", "int", "i"),
+    ("n_heads", "int", "i"),
+    ("n_kv_heads", "int", "i"),
+    ("softmax_scale", "float", "f"),
+    ("softmax_scale_log2", "float", "f"),
+    ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads
+    ("batch", "int", "i"),          # persistent CTAs decode tile indices with it
+)
+_unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
+_pad = -_unpadded % _ALIGN
+PARAM_FIELDS = _FIELDS + ((f"tail_padding[{_pad}]", "char", f"{_pad}x"),) if _pad else _FIELDS
+HOPPER_FORWARD_PARAMS = ParamStruct("HopperForwardParams", PARAM_FIELDS)
+PARAMS_SIZE = HOPPER_FORWARD_PARAMS.size
+DESCRIPTOR_OFFSETS = {"tma_q": 0, "tma_k": 128, "tma_v": 256}
+
+
+def pack_params(*values) -> bytes:
+    """The kernel's parameter bytes from values in field order (the padding takes none)."""
+    return HOPPER_FORWARD_PARAMS.pack(*values)

@@ -1,0 +1,111 @@
+// PTX wrappers for Hopper (sm_90a): wgmma control and shared-memory matrix descriptors, mbarrier
+// pipelines, TMA bulk tensor copies, register reallocation and named barriers. Each function is
+// one instruction (or a wait loop around one). Needs ptx.cuh (u32/u64, CF_DEVICE).
+#pragma once
+
+// ---- wgmma ------------------------------------------------------------------------------------
+// Shared-memory matrix descriptor for a 128-byte-swizzled operand: start address, leading and
+// stride byte offsets (all >> 4, 14 bits each) and layout type 1 (128B swizzle) in bits 62-63.
+// K-major (K contiguous): rows of 64 16-bit elements (128 bytes), 8-row core groups 1024 bytes
+// apart (SBO); LBO unused. MN-major (transposed B): 64 contiguous N elements per 128-byte row,
+// rows along K; SBO = 1024 between 8-row groups along K, LBO = distance between 64-wide N blocks.
+CF_DEVICE u64 smem_descriptor_sw128(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)((leading_bytes >> 4) & 0x3FFF) << 16) |
+           ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// Orders this thread's register and shared-memory accesses before the wgmma ops that follow
+// (needed before the first wgmma and whenever accumulators or A registers were touched).
+CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+CF_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N_PENDING>
+CF_DEVICE void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N_PENDING) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers across an async
+// wgmma window (the registers are in flight between issue and wait).
+template <int ROWS, int COLS>
+CF_DEVICE void fence_registers(float (&r)[ROWS][COLS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) asm volatile("" : "+f"(r[i][j])::"memory");
+}
+template <int ROWS, int COLS>
+CF_DEVICE void fence_registers(u32 (&r)[ROWS][COLS]) {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+        for (int j = 0; j < COLS; ++j) asm volatile("" : "+r"(r[i][j])::"memory");
+}
+
+// ---- mbarrier -------------------------------------------------------------------------------
+CF_DEVICE void mbarrier_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals));
+}
+
+// Makes the barrier initialisations visible to the async proxy (TMA complete_tx) as well.
+CF_DEVICE void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+
+// One arrival that also announces `bytes` of TMA transactions the current phase waits for.
+CF_DEVICE void mbarrier_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+CF_DEVICE void mbarrier_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Blocks until the phase with parity `phase` has completed (a fresh barrier counts the phase
+// before its first as completed, so waiting for parity 1 returns at once).
+CF_DEVICE void mbarrier_wait(u32 bar, u32 phase) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(phase)
+        : "memory");
+}
+
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy
+// (TMA, wgmma) accesses of the same memory.
+CF_DEVICE void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- TMA --------------------------------------------------------------------------------------
+// `desc`: the generic address of a CUtensorMap (a member of the __grid_constant__ parameters).
+CF_DEVICE void tma_prefetch_descriptor(const void* desc) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(desc)) : "memory");
+}
+
+// Copies the box at coordinates (c0 innermost .. c3) of a 4-D tensor into shared memory at
+// `dst`, completing `bytes` of the current phase of mbarrier `bar`. Out-of-range elements of the
+// box are written as zeros (the tail rows of a sequence).
+CF_DEVICE void tma_load_4d(u32 dst, const void* desc, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// ---- warpgroup register reallocation and named barriers -----------------------------------------
+// Only honoured when the kernel is compiled with __launch_bounds__(threads, 1) (ptxas C7508).
+template <int REGS>
+CF_DEVICE void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+CF_DEVICE void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// Named barriers 1..15 (0 is __syncthreads): `threads` counts every participant, syncing or not.
+CF_DEVICE void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+CF_DEVICE void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}

@@ -1,0 +1,75 @@
+// Static configuration of the Hopper forward kernel: constants derived from the config value and
+// the shared-memory layout of one CTA.
+//
+// Tiles are stored as TMA writes them with 128-byte swizzling: a tile of R rows and D columns is
+// D/64 column blocks, each R rows of 128 bytes (64 16-bit elements), so every wgmma operand is a
+// canonical 128B-swizzled layout (see smem_descriptor_sw128).
+#pragma once
+
+template <HopperForwardKernelConfig C>
+struct StaticHopperForwardConfig {
+    static constexpr HopperForwardKernelConfig cfg = C;
+    static constexpr DType dtype = C.dtype;
+    static constexpr int D = C.d_head;
+    static constexpr int BR = C.B_r;
+    static constexpr int BC = C.B_c;
+    static constexpr int STAGES = C.n_stages;
+    static constexpr bool WARP_SPECIALIZED = C.warp_specialized;
+    static constexpr bool PINGPONG = C.pingpong;
+    static constexpr bool OVERLAP = C.intra_wg_overlap;
+    static constexpr bool PERSISTENT = C.persistent;
+
+    static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
+    static constexpr int CONSUMERS = BR / WG_ROWS;
+    static constexpr int PRODUCER_WARPGROUPS = WARP_SPECIALIZED ? 1 : 0;
+    static constexpr int N_THREADS = 128 * (CONSUMERS + PRODUCER_WARPGROUPS);
+    // setmaxnreg budgets (multiples of 8): the producer only runs one thread's TMA loop; the
+    // consumers share the rest of the 64K registers (128 * 24 + 3 * 128 * 160 <= 65536).
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 240 : 256;
+
+    static constexpr int COL_BLOCK = 64;        // 16-bit elements per 128-byte swizzled row
+    static constexpr int D_BLOCKS = D / COL_BLOCK;
+    static constexpr int ROW_BYTES = 128;
+    static constexpr int Q_BYTES = BR * D * 2;
+    static constexpr int KV_BYTES = BC * D * 2;
+
+    // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
+    static constexpr int Q_OFFSET = 0;
+    static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
+    static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
+    static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
+    // q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
+    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    // + 1024: the kernel rounds the dynamic shared memory base up to a 1024-byte boundary (the
+    // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
+    static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
+
+    static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
+    static_assert(BR % WG_ROWS == 0 && CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+    static_assert(CONSUMERS < 3 || WARP_SPECIALIZED, "three consumer warpgroups need setmaxnreg's registers");
+    static_assert(BC % 16 == 0 && BC <= 256, "key tile is a wgmma N (<= 256) and whole k-steps of P V");
+    static_assert(!PINGPONG || (CONSUMERS >= 2 && WARP_SPECIALIZED), "ping-pong rotates two or three consumer warpgroups");
+    static_assert(STAGES >= 1, "at least one K/V stage");
+    static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
+};
+
+// Shared-memory addresses (shared window, 32-bit) of one CTA's tiles and barriers.
+template <class Cfg>
+struct SmemLayout {
+    u32 base;
+
+    CF_DEVICE u32 q() const { return base + Cfg::Q_OFFSET; }
+    CF_DEVICE u32 k(int stage) const { return base + Cfg::K_OFFSET + stage * Cfg::KV_BYTES; }
+    CF_DEVICE u32 v(int stage) const { return base + Cfg::V_OFFSET + stage * Cfg::KV_BYTES; }
+    CF_DEVICE u32 q_full() const { return base + Cfg::BAR_OFFSET; }
+    CF_DEVICE u32 q_empty() const { return base + Cfg::BAR_OFFSET + 8; }  // the Q tile (and O staging) is free
+    CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + Cfg::STAGES + stage); }
+    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 2 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 3 * Cfg::STAGES + stage); }
+};
+
+// Stage and phase parity of key block `block` in the K/V ring.
+CF_DEVICE int ring_stage(int block, int stages) { return block % stages; }
+CF_DEVICE u32 ring_phase(int block, int stages) { return (u32)(block / stages) & 1u; }

@@ -1,0 +1,62 @@
+// Epilogue of one consumer warpgroup: O / row sum, converted to 16-bit, staged through the
+// warpgroup's own 64 rows of the Q tile (128B-swizzled, so the 4-byte writes of the accumulator
+// layout are bank-conflict free), then written to global memory in 16-byte chunks; plus the
+// log-sum-exp of each row when requested.
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+struct Epilogue {
+    // Shared address of the 16-bit element (r, col) of the warpgroup's rows in the Q tile.
+    CF_DEVICE static u32 q_tile_address(u32 q_base, int wg, int r, int col) {
+        const int rr = wg * Cfg::WG_ROWS + r;
+        const int chunk = ((col % Cfg::COL_BLOCK) / 8) ^ (rr % 8);
+        return q_base + (col / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES + rr * Cfg::ROW_BYTES + chunk * 16 + (col % 8) * 2;
+    }
+
+    CF_DEVICE static void store(Consumer<Cfg, CAUSAL>& c) {
+        const HopperForwardParams& p = c.p;
+        float total[1][2];
+        c.softmax.stats.finish(total);
+        const float inv0 = total[0][0] > 0.f ? 1.f / total[0][0] : 0.f;
+        const float inv1 = total[0][1] > 0.f ? 1.f / total[0][1] : 0.f;
+        const int r0 = 16 * c.warp + (c.lane >> 2);  // row inside the warpgroup's 64
+        const u32 q_base = c.smem.q();
+        // Every wgmma of this warpgroup that read its Q rows has completed (waited in the
+        // mainloop), and the Q load itself has landed (q_full waited), so the rows are free.
+#pragma unroll
+        for (int n = 0; n < Cfg::D / 8; ++n) {
+            const int col = 8 * n + 2 * (c.lane & 3);
+            st_shared_4(q_tile_address(q_base, c.wg, r0, col), pack_pair<Cfg::dtype>(c.o[n][0] * inv0, c.o[n][1] * inv0));
+            st_shared_4(q_tile_address(q_base, c.wg, r0 + 8, col),
+                        pack_pair<Cfg::dtype>(c.o[n][2] * inv1, c.o[n][3] * inv1));
+        }
+        if (p.lse != nullptr && (c.lane & 3) == 0) {
+            const long long row_base = ((long long)c.tile.batch * p.n_heads + c.tile.head) * p.seq_len_q;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = c.row() + 8 * h;
+                if (row < p.seq_len_q)
+                    p.lse[row_base + row] = c.softmax.stats.log_sum_exp(0, h, total[0][h], p.softmax_scale);
+            }
+        }
+        named_barrier_sync(Consumer<Cfg, CAUSAL>::EPILOGUE_BARRIER + c.wg, 128);
+        constexpr int CHUNKS = Cfg::D / 8;  // 16-byte chunks per row
+        u16* o_dst = static_cast<u16*>(p.o) + c.tile.batch * p.o_batch_stride + c.tile.head * p.o_head_stride;
+        const int row0 = c.wg_row0();
+#pragma unroll
+        for (int i = c.tid; i < Cfg::WG_ROWS * CHUNKS; i += 128) {
+            const int r = i / CHUNKS, ch = i % CHUNKS;
+            const int row = row0 + r;
+            if (row < p.seq_len_q)
+                st_global_16(o_dst + (long long)row * p.o_seq_stride + 8 * ch,
+                             ld_shared_16(q_tile_address(q_base, c.wg, r, 8 * ch)));
+        }
+        if constexpr (Cfg::PERSISTENT) {
+            // The next tile's Q (a TMA write, async proxy) may overwrite these rows once every
+            // consumer warp is done with them: order this warp's generic-proxy accesses first.
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (c.lane == 0) mbarrier_arrive(c.smem.q_empty());
+        }
+    }
+};

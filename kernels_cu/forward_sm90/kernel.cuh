@@ -1,0 +1,73 @@
+// Hopper (sm_90a) FlashAttention forward kernel: TMA loads into a ring of K/V stages guarded by
+// mbarriers, wgmma GEMMs, online softmax in registers. With WARP_SPECIALIZED the first warpgroup
+// is a producer (one thread issues every TMA copy, the warpgroup gives its registers to the
+// consumers with setmaxnreg); without it, thread 0 of the first consumer warpgroup issues the
+// loads between its own GEMMs. PERSISTENT CTAs loop over tiles (tile_scheduler.cuh): the
+// producer runs ahead into the next tile's K/V while the consumers finish the epilogue.
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+__global__ void __launch_bounds__(Cfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+    using Scheduler = TileScheduler<Cfg, CAUSAL>;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const SmemLayout<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        tma_prefetch_descriptor(&params.tma_q);
+        tma_prefetch_descriptor(&params.tma_k);
+        tma_prefetch_descriptor(&params.tma_v);
+        mbarrier_init(smem.q_full(), 1);
+        mbarrier_init(smem.q_empty(), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+            mbarrier_init(smem.k_full(s), 1);
+            mbarrier_init(smem.v_full(s), 1);
+            mbarrier_init(smem.k_empty(s), 4 * Cfg::CONSUMERS);
+            mbarrier_init(smem.v_empty(s), 4 * Cfg::CONSUMERS);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if constexpr (Cfg::WARP_SPECIALIZED) {
+        if (warpgroup == 0) {
+            setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+            if (threadIdx.x == 0) {
+                int ring = 0, iter = 0;
+                for (auto tile = Scheduler::first(params); tile.valid; tile = tile.next(params), ++iter) {
+                    const int n_blocks = tile.kv_blocks(params);
+                    Producer<Cfg, CAUSAL>(params, smem, tile).run(n_blocks, ring, iter);
+                    ring += n_blocks;
+                }
+            }
+            return;
+        }
+        setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+        int ring = 0, iter = 0;
+        for (auto tile = Scheduler::first(params); tile.valid; tile = tile.next(params), ++iter) {
+            const int n_blocks = tile.kv_blocks(params);
+            Consumer<Cfg, CAUSAL> consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
+            consumer.run(n_blocks, [](int) {});
+            Epilogue<Cfg, CAUSAL>::store(consumer);
+            ring += n_blocks;
+        }
+    } else {
+        const auto tile = Scheduler::first(params);
+        const int n_blocks = tile.kv_blocks(params);
+        const Producer<Cfg, CAUSAL> producer(params, smem, tile);
+        const bool is_loader = threadIdx.x == 0;
+        if (is_loader) {
+            producer.load_q(0);
+            for (int b = 0; b < min(n_blocks, Cfg::STAGES); ++b) producer.load_block(b, b);
+        }
+        __syncwarp();
+        Consumer<Cfg, CAUSAL> consumer(params, smem, tile, warpgroup, threadIdx.x % 128);
+        // After block j's V is released, the loader refills its stage with block j + STAGES (it
+        // waits there until the other warps have released it too).
+        consumer.run(n_blocks, [&](int j) {
+            if (is_loader && j + Cfg::STAGES < n_blocks) producer.load_block(j + Cfg::STAGES, j + Cfg::STAGES);
+            __syncwarp();
+        });
+        Epilogue<Cfg, CAUSAL>::store(consumer);
+    }
+}

@@ -1,0 +1,211 @@
+// Consumer mainloop: one warpgroup computes 64 query rows of the tile against every key block.
+//
+// Per key block j: S = Q K_j^T (wgmma, both operands in shared memory), mask, online softmax in
+// fp32 registers, P converted in registers to the A operand of O += P V_j (V from shared memory,
+// MN-major, so the transpose bit is set). With OVERLAP the QK^T of block j is issued together
+// with the P V of block j-1, so the softmax of block j runs while P V_{j-1} is on the tensor
+// cores. With PINGPONG the consumer warpgroups take turns issuing their GEMMs, in a ring of
+// named barriers (0 -> 1 [-> 2] -> 0), so one warpgroup's softmax overlaps the others' GEMMs.
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+struct Consumer {
+    using Softmax = WarpgroupSoftmax<Cfg, CAUSAL>;
+    using Scores = typename Softmax::Scores;
+    static constexpr int QK_STEPS = Cfg::D / 16;
+    static constexpr int PV_STEPS = Cfg::BC / 16;
+    // Named barrier ids: 1 + wg for ping-pong turns, 4 + wg for the epilogue (0 = __syncthreads).
+    static constexpr int TURN_BARRIER = 1;
+    static constexpr int EPILOGUE_BARRIER = 4;
+
+    const HopperForwardParams& p;
+    SmemLayout<Cfg> smem;
+    TileScheduler<Cfg, CAUSAL> tile;
+    const int wg;    // consumer warpgroup index (0 .. CONSUMERS-1)
+    const int tid;   // thread index inside the warpgroup
+    const int lane;
+    const int warp;  // warp inside the warpgroup: rows 16*warp .. +15 of the warpgroup's 64
+    const int ring_base;  // ring position of the tile's first key block (persistent CTAs continue it)
+    const int tile_iter;  // tiles this CTA has computed before this one (phase of q_full)
+
+    float o[Cfg::D / 8][4];
+    typename Softmax::Probabilities pa;
+    Softmax softmax;
+
+    CF_DEVICE Consumer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t,
+                       int warpgroup, int thread, int ring = 0, int iter = 0)
+        : p(params), smem(layout), tile(t), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5),
+          ring_base(ring), tile_iter(iter) {
+#pragma unroll
+        for (int n = 0; n < Cfg::D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[n][e] = 0.f;
+        softmax.init();
+    }
+
+    CF_DEVICE int wg_row0() const { return tile.first_row() + wg * Cfg::WG_ROWS; }
+    CF_DEVICE int row() const { return wg_row0() + 16 * warp + (lane >> 2); }
+
+    // ---- GEMM issue ----
+    CF_DEVICE u64 q_descriptor(int k) const {
+        const int c = k / 4, kk = k % 4;  // 4 k-steps of 16 elements per 128-byte row
+        return smem_descriptor_sw128(smem.q() + c * Cfg::BR * Cfg::ROW_BYTES + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * kk,
+                                     16, 1024);
+    }
+    CF_DEVICE u64 k_descriptor(int stage, int k) const {
+        const int c = k / 4, kk = k % 4;
+        return smem_descriptor_sw128(smem.k(stage) + c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk, 16, 1024);
+    }
+    // k-step k covers keys 16k..16k+15: 16 rows of every 64-column block; the N blocks of the
+    // head dimension are BC rows apart (LBO).
+    CF_DEVICE u64 v_descriptor(int stage, int k) const {
+        return smem_descriptor_sw128(smem.v(stage) + 16 * k * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024);
+    }
+
+    CF_DEVICE void issue_qk(Scores& s, int stage) const {
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < QK_STEPS; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], q_descriptor(k), k_descriptor(stage, k), k > 0);
+        wgmma_commit();
+    }
+
+    CF_DEVICE void issue_pv(int stage) {
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], v_descriptor(stage, k), 1);
+        wgmma_commit();
+    }
+
+    // ---- synchronisation ----
+    // Every warp releases a stage's K (V) once its own wgmmas reading it have completed.
+    CF_DEVICE void release_k(int stage) const {
+        if (lane == 0) mbarrier_arrive(smem.k_empty(stage));
+    }
+    CF_DEVICE void release_v(int stage) const {
+        if (lane == 0) mbarrier_arrive(smem.v_empty(stage));
+    }
+
+    // A turn barrier counts 256 threads: the 128 of the warpgroup waiting for its turn and the
+    // 128 of its predecessor in the ring handing it over. A warpgroup cannot hand over twice
+    // before the next one has waited: between two hand-overs it must itself wait, which needs
+    // a hand-over that, around the ring, follows the next warpgroup's wait.
+    CF_DEVICE void wait_turn() const {
+        if constexpr (Cfg::PINGPONG) named_barrier_sync(TURN_BARRIER + wg, 256);
+    }
+    // Hands the tensor cores to the next warpgroup. The last warpgroup skips its last hand-over:
+    // warpgroup 0 started with one from it (see run), so every warpgroup waits exactly as often
+    // as it is signalled and no barrier is left half-arrived at exit.
+    CF_DEVICE void pass_turn(bool last) const {
+        if constexpr (Cfg::PINGPONG)
+            if (!(last && wg == Cfg::CONSUMERS - 1))
+                named_barrier_arrive(TURN_BARRIER + (wg + 1) % Cfg::CONSUMERS, 256);
+    }
+
+    CF_DEVICE void rescale_output(const float (&rescale)[1][2]) {
+#pragma unroll
+        for (int n = 0; n < Cfg::D / 8; ++n) {
+            o[n][0] *= rescale[0][0];
+            o[n][1] *= rescale[0][0];
+            o[n][2] *= rescale[0][1];
+            o[n][3] *= rescale[0][1];
+        }
+    }
+
+    // `refill(block)`: called after a block's stage is released (non-warp-specialised kernels
+    // issue the next loads from there).
+    template <class Refill>
+    CF_DEVICE void run(int n_blocks, Refill&& refill) {
+        mbarrier_wait(smem.q_full(), (u32)tile_iter & 1u);
+        if (n_blocks <= 0) return;
+        if constexpr (Cfg::PINGPONG)
+            if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
+        if constexpr (Cfg::OVERLAP) run_overlapped(n_blocks, refill);
+        else run_sequential(n_blocks, refill);
+    }
+
+    template <class Refill>
+    CF_DEVICE void run_sequential(int n_blocks, Refill& refill) {
+        Scores s;
+        for (int j = 0; j < n_blocks; ++j) {
+            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+            const u32 phase = ring_phase(ring_base + j, Cfg::STAGES);
+            mbarrier_wait(smem.k_full(stage), phase);
+            wait_turn();
+            issue_qk(s, stage);
+            pass_turn(false);
+            wgmma_wait<0>();
+            fence_registers(s[0]);
+            release_k(stage);
+            Softmax::mask(s, p, j, wg_row0(), row(), lane);
+            if (j == 0) {
+                float unused[1][2];
+                softmax.stats.template update<true>(s, unused, p.softmax_scale, p.softmax_scale_log2);
+            } else {
+                float rescale[1][2];
+                softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+                rescale_output(rescale);
+            }
+            Softmax::convert(s, pa);
+            mbarrier_wait(smem.v_full(stage), phase);
+            wait_turn();
+            issue_pv(stage);
+            pass_turn(j == n_blocks - 1);
+            wgmma_wait<0>();
+            fence_registers(o);
+            release_v(stage);
+            refill(j);
+        }
+    }
+
+    // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs
+    // while P V is on the tensor cores. O is rescaled by block j-1's factor between the two
+    // issues (P V_{j-2} has completed, and the Q K^T just issued does not touch O).
+    template <class Refill>
+    CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
+        Scores s;
+        float rescale[1][2];
+        const int first = ring_stage(ring_base, Cfg::STAGES);
+        mbarrier_wait(smem.k_full(first), ring_phase(ring_base, Cfg::STAGES));
+        wait_turn();
+        issue_qk(s, first);
+        pass_turn(false);
+        wgmma_wait<0>();
+        fence_registers(s[0]);
+        release_k(first);
+        Softmax::mask(s, p, 0, wg_row0(), row(), lane);
+        softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        Softmax::convert(s, pa);
+        for (int j = 1; j < n_blocks; ++j) {
+            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+            const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
+            mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
+            wait_turn();
+            issue_qk(s, stage);
+            if (j > 1) rescale_output(rescale);  // block j-1's factor (block 0 has none)
+            mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
+            issue_pv(prev);
+            pass_turn(false);
+            wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
+            fence_registers(s[0]);
+            release_k(stage);
+            Softmax::mask(s, p, j, wg_row0(), row(), lane);
+            softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+            wgmma_wait<0>();
+            fence_registers(o);
+            release_v(prev);
+            refill(j - 1);
+            Softmax::convert(s, pa);
+        }
+        const int last = ring_stage(ring_base + n_blocks - 1, Cfg::STAGES);
+        if (n_blocks > 1) rescale_output(rescale);
+        mbarrier_wait(smem.v_full(last), ring_phase(ring_base + n_blocks - 1, Cfg::STAGES));
+        wait_turn();
+        issue_pv(last);
+        pass_turn(true);
+        wgmma_wait<0>();
+        fence_registers(o);
+        release_v(last);
+        refill(n_blocks - 1);
+    }
+};

@@ -1,0 +1,58 @@
+// Score masking and the conversion of probabilities to the register A operand of P V, for one
+// consumer warpgroup. The running statistics are the shared OnlineSoftmax (online_softmax.cuh):
+// a wgmma m64nN accumulator is, per warp, the mma.m16n8k16 C layout over N/8 column tiles, i.e.
+// OnlineSoftmax's [1 m-tile][N/8][4].
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+struct WarpgroupSoftmax {
+    static constexpr int S_TILES = Cfg::BC / 8;
+    static constexpr int PV_STEPS = Cfg::BC / 16;
+    using Scores = float[1][S_TILES][4];
+    using Probabilities = u32[PV_STEPS][4];
+
+    OnlineSoftmax<1, S_TILES, true> stats;
+
+    CF_DEVICE void init() { stats.init(); }
+
+    // Scores that must not count become -inf: keys at or past seq_len_k and, under causal
+    // masking, keys after the row's diagonal. `wg_row0` is the warpgroup's first query row,
+    // `row` this lane's first row (the second is row + 8); both absolute.
+    CF_DEVICE static void mask(Scores& s, const HopperForwardParams& p, int block, int wg_row0, int row, int lane) {
+        const int key0 = block * Cfg::BC;
+        const int keys_valid = p.seq_len_k - key0;
+        bool cut = keys_valid < Cfg::BC;
+        int diagonal = 0;  // last visible key of `row`, relative to key0
+        if constexpr (CAUSAL) {
+            const int shift = p.seq_len_k - p.seq_len_q;
+            diagonal = row + shift - key0;
+            // uniform over the warpgroup: does its first row end inside this block?
+            cut = cut || (wg_row0 + shift - key0 < Cfg::BC - 1);
+        }
+        if (!cut) return;
+#pragma unroll
+        for (int n = 0; n < S_TILES; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = 8 * n + 2 * (lane & 3) + e;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    bool masked = key >= keys_valid;
+                    if constexpr (CAUSAL) masked = masked || key > diagonal + 8 * h;
+                    if (masked) s[0][n][2 * h + e] = CF_NEG_INF;
+                }
+            }
+    }
+
+    // Probabilities -> A fragments of P, one per k-step of 16 keys (two adjacent column tiles of
+    // the C layout are exactly the A layout of one k-step).
+    CF_DEVICE static void convert(const Scores& s, Probabilities& pa) {
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k) {
+            pa[k][0] = pack_pair<Cfg::dtype>(s[0][2 * k][0], s[0][2 * k][1]);
+            pa[k][1] = pack_pair<Cfg::dtype>(s[0][2 * k][2], s[0][2 * k][3]);
+            pa[k][2] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]);
+            pa[k][3] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]);
+        }
+    }
+};

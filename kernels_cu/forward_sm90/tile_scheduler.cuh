@@ -1,0 +1,71 @@
+// Which (query block, head, batch) tiles a CTA computes, and how many key blocks each visits.
+//
+// Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch). Persistent: a
+// grid of G (about one CTA per SM) takes the tile list in rounds of G tiles, CTA c taking tile
+// c of even rounds and G-1-c of odd ones (a snake): under causal masking tile lengths repeat
+// with the query-block period, and a plain stride of G hands some CTAs only the long tiles
+// (e.g. 4 query blocks and G = 132: CTA c always gets length 4 - c % 4); the snake pairs each
+// long tile with a short one. Either way consecutive tiles are the query blocks of one (head,
+// batch), so CTAs running at the same time share its K/V in L2; under causal masking each
+// head's query blocks go last to first (longest first).
+#pragma once
+
+template <class Cfg, bool CAUSAL>
+struct TileScheduler {
+    int index;  // linear tile index (persistent) or -1
+    int round;  // persistent: how many tiles this CTA took before
+    int q_block, head, batch;
+    bool valid;
+
+    CF_DEVICE static int q_blocks(const HopperForwardParams& p) { return (p.seq_len_q + Cfg::BR - 1) / Cfg::BR; }
+    CF_DEVICE static int tiles(const HopperForwardParams& p) { return q_blocks(p) * p.n_heads * p.batch; }
+
+    CF_DEVICE static TileScheduler decode(const HopperForwardParams& p, int round) {
+        const int g = gridDim.x, c = blockIdx.x;
+        const int index = round * g + ((round & 1) ? g - 1 - c : c);
+        TileScheduler t;
+        t.index = index;
+        t.round = round;
+        t.valid = index < tiles(p);
+        const int nqb = q_blocks(p);
+        const int rest = index / nqb;
+        t.q_block = CAUSAL ? nqb - 1 - index % nqb : index % nqb;
+        t.head = rest % p.n_heads;
+        t.batch = rest / p.n_heads;
+        return t;
+    }
+
+    CF_DEVICE static TileScheduler first(const HopperForwardParams& p) {
+        if constexpr (Cfg::PERSISTENT) return decode(p, 0);
+        TileScheduler t;
+        // Under causal masking later query blocks see more keys: starting them first keeps the
+        // last wave of CTAs short.
+        t.index = -1;
+        t.round = 0;
+        t.valid = true;
+        t.q_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+        t.head = blockIdx.y;
+        t.batch = blockIdx.z;
+        return t;
+    }
+
+    CF_DEVICE TileScheduler next(const HopperForwardParams& p) const {
+        // Once a round's index passes the end, every later one does (index >= round * G).
+        if constexpr (Cfg::PERSISTENT) return decode(p, round + 1);
+        TileScheduler t = *this;
+        t.valid = false;
+        return t;
+    }
+
+    CF_DEVICE int first_row() const { return q_block * Cfg::BR; }
+
+    // Key blocks to visit: all, or under (bottom-right) causal masking those up to the last row's
+    // diagonal; none when every row of the tile precedes the first visible key.
+    CF_DEVICE int kv_blocks(const HopperForwardParams& p) const {
+        const int all = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        if constexpr (!CAUSAL) return all;
+        const int last_row = min(p.seq_len_q, first_row() + Cfg::BR) - 1;
+        const int last_key = last_row + p.seq_len_k - p.seq_len_q;
+        return last_key < 0 ? 0 : min(all, last_key / Cfg::BC + 1);
+    }
+};

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""forward_sm90 on small ragged, causal and GQA shapes, sized for compute-sanitizer.
+
+    python scripts/sanitize_sm90.py                       # plainly first: fills the kernel cache
+    compute-sanitizer --tool memcheck  python scripts/sanitize_sm90.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_sm90.py
+    compute-sanitizer --tool synccheck python scripts/sanitize_sm90.py
+    ... python scripts/sanitize_sm90.py --quick           # 2 configs x 2 shapes x 2
+
+Every progression config of bf16 d_head 128 plus the d_head 64 and 256 defaults, on three
+shapes (ragged lengths, S_q < S_k and S_q > S_k, MQA/GQA), causal off and on, LSE on. CuPy's
+memory pool is off so each array is its own allocation and memcheck sees any access past it.
+Loose checks (the pytest matrix is the accuracy test): output finite, relative L2 <= 2e-2 against
+a float64 host reference. Exit 0 when all pass, 1 otherwise.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import cupyflash  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupyflash.config import DType  # noqa: E402
+from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig  # noqa: E402
+from cupyflash.families.forward_sm90.config_sets import default_config, progression_configs  # noqa: E402
+
+SHAPES = ((1, 77, 200, 4, 1), (2, 130, 63, 4, 2), (1, 257, 257, 2, 2))  # (B, S_q, S_k, H, H_kv)
+THREE_CONSUMERS = "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap"  # ping-pong ring of 3
+
+
+def reference(q, k, v, causal):
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    k = np.repeat(k, h // hkv, axis=2)
+    v = np.repeat(v, h // hkv, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    if causal:
+        hidden = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(hidden, -np.inf, s)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0)
+    e = np.exp(s - m)
+    tot = e.sum(-1, keepdims=True)
+    p = e / np.where(tot > 0, tot, 1)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def main(argv: list[str] | None = None) -> int:
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    import cupy as cp
+    import ml_dtypes
+
+    from cupyflash.families.forward_sm90 import forward_sm90
+
+    cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
+    rng = np.random.default_rng(0)
+    configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
+                                       HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
+    shapes = SHAPES
+    if quick:  # --quick: first and last progression steps, three consumer warpgroups; 2 shapes
+        configs, shapes = [configs[0], configs[4], configs[-1]], SHAPES[:2]
+    failures = 0
+    for cfg in configs:
+        for shape in shapes:
+            for causal in (False, True):
+                b, sq, sk, h, hkv = shape
+                host = [rng.standard_normal(s).astype(ml_dtypes.bfloat16)
+                        for s in ((b, sq, h, cfg.d_head), (b, sk, hkv, cfg.d_head), (b, sk, hkv, cfg.d_head))]
+                q, k, v = (cp.asarray(x) for x in host)
+                out = cp.full(q.shape, 0x7FC0, dtype=cp.uint16).view(ml_dtypes.bfloat16)
+                lse = cp.full((b, h, sq), np.nan, dtype=cp.float32)
+                forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+                got = cp.asnumpy(out).astype(np.float64)
+                ref = reference(*(x.astype(np.float64) for x in host), causal)
+                rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+                ok = np.isfinite(got).all() and rel <= 2e-2 and not np.isnan(cp.asnumpy(lse)).any()
+                failures += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {cfg} {shape} causal={causal} rel_l2={rel:.2e}", flush=True)
+    print(f"sanitize_sm90: {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""CPU tests of the Hopper forward family: config rules and short forms, config sets, the
+parameter struct and TMA descriptor layout, validation, rendering. No GPU, no NVRTC."""
+from __future__ import annotations
+
+import dataclasses
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cupyflash.config import DType
+from cupyflash import render
+from cupyflash.families import FAMILIES, family_of, get_family, parse_config, pick_family
+from cupyflash.families.forward_sm90 import FORWARD_SM90, config_sets, params, tma
+from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+from cupyflash.families.forward_sm90.launch import plan_sm90, unsupported_reason
+from cupyflash.interop import TensorView, contiguous_strides
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- configs
+def test_short_form_names_the_family_and_round_trips():
+    cfg = H(DType.BF16, 128, 128, 128, 2, True, True, True, True)
+    assert cfg.short_form() == "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent"
+    for key in config_sets.KERNEL_SET_KEYS:
+        for c in config_sets.get_kernel_configs(key):
+            assert H.parse(c.short_form()) == c
+            assert c.short_form().startswith("forward_sm90(")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("(BF16, 128, 128, 128, 2): tma", "expected 'forward_sm90"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): ws", "start with 'tma'"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+ws", "given twice"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): tma+fast", "unknown feature"),
+    ("forward_sm90(FP32, 128, 128, 128, 2): tma", "unknown dtype"),
+])
+def test_parse_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        H.parse(text)
+
+
+@pytest.mark.parametrize("fields, rule", [
+    ((DType.BF16, 96, 128, 128, 2, True, True, True, False), "d_head in"),
+    ((DType.BF16, 128, 256, 128, 2, True, False, True, False), "B_r in"),
+    ((DType.BF16, 64, 192, 128, 2, False, False, False, False), "B_r == 192"),
+    ((DType.BF16, 128, 192, 128, 2, True, True, True, False), "accumulator registers"),
+    ((DType.BF16, 128, 128, 32, 2, True, False, True, False), "B_c in"),
+    ((DType.BF16, 128, 128, 192, 2, True, False, True, False), "B_c in"),
+    ((DType.BF16, 128, 128, 128, 5, True, False, True, False), "n_stages in"),
+    ((DType.BF16, 128, 64, 128, 2, True, True, True, False), "pingpong needs two or three consumer warpgroups"),
+    ((DType.BF16, 128, 128, 128, 2, False, True, True, False), "pingpong needs two or three consumer warpgroups"),
+    ((DType.BF16, 128, 128, 128, 1, True, False, True, False), "intra_wg_overlap needs n_stages >= 2"),
+    ((DType.BF16, 128, 128, 128, 2, False, False, False, True), "persistent needs warp_specialized"),
+    ((DType.BF16, 256, 128, 128, 2, True, False, False, False), "accumulator registers"),
+    ((DType.BF16, 128, 128, 128, 4, True, False, False, False), "shared memory"),
+])
+def test_rules_name_the_violation(fields, rule):
+    with pytest.raises(ValueError, match=rule):
+        H(*fields)
+
+
+def test_field_kinds_are_checked():
+    with pytest.raises(ValueError, match="warp_specialized: expected bool"):
+        H(DType.BF16, 128, 128, 128, 2, 1, False, False, False)
+    with pytest.raises(ValueError, match="d_head: expected int"):
+        H(DType.BF16, 128.0, 128, 128, 2, True, False, False, False)
+    assert H("bf16", 128, 128, 128, 2, True, False, False, False).dtype is DType.BF16
+
+
+def test_configs_are_ordered_hashable_keys():
+    configs = config_sets.get_kernel_configs("tune")
+    assert configs == sorted(configs) and len(set(configs)) == len(configs)
+    assert {c: 1 for c in configs}[configs[0]] == 1
+
+
+def test_smem_and_threads():
+    cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True, False)
+    assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
+    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 10 + 1024
+    assert H(DType.FP16, 128, 128, 128, 2, False, False, False, False).n_threads == 256
+    assert H(DType.FP16, 128, 64, 128, 2, True, False, True, False).n_threads == 256
+
+
+# ----------------------------------------------------------------------------- sets
+def test_progression_adds_one_feature_per_step():
+    steps = config_sets.progression_configs()
+    assert [s.short_form().split(": ")[1] for s in steps] == [
+        "tma", "tma+ws", "tma+ws+pingpong", "tma+ws+pingpong+overlap", "tma+ws+pingpong+overlap+persistent"]
+    assert all(s.B_c == steps[0].B_c for s in steps)
+
+
+def test_tune_set_follows_the_rule_and_covers_every_head_dim():
+    tune = config_sets.get_kernel_configs("tune")
+    assert all(config_sets.should_autotune(c) for c in tune)
+    assert {(c.dtype, c.d_head) for c in tune} == {(dt, d) for dt in DType for d in (64, 128, 256)}
+    for dt in DType:
+        for d in (64, 128, 256):
+            for causal in (False, True):
+                assert config_sets.default_config(dt, d, causal) in tune
+    with pytest.raises(ValueError, match="^key: expected one of"):
+        config_sets.get_kernel_configs("fastest")
+
+
+# ----------------------------------------------------------------------------- params
+def test_param_struct_places_descriptors_at_64_byte_offsets():
+    assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
+    descs = [bytes([i]) * 128 for i in (1, 2, 3)]
+    packed = params.pack_params(*descs, 0x1111, 0x2222, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3)
+    assert len(packed) == params.PARAMS_SIZE
+    for (name, offset), desc in zip(sorted(params.DESCRIPTOR_OFFSETS.items(), key=lambda kv: kv[1]), descs):
+        assert offset % 64 == 0 and packed[offset:offset + 128] == desc, name
+    o, lse, sb, ss, sh = struct.unpack_from("<QQqqq", packed, 384)
+    assert (o, lse, sb, ss, sh) == (0x1111, 0x2222, 10, 20, 30)
+    seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 40)
+    assert (seq_q, seq_k, heads, kv_heads) == (7, 9, 4, 2)
+    assert struct.unpack_from("<ffii", packed, 384 + 56) == (0.5, pytest.approx(0.72), 2, 3)
+    assert packed[params.PARAMS_SIZE - 8:] == b"\0" * 8  # tail padding to sizeof
+
+
+def test_rendered_source_checks_the_struct_and_names_the_kernel():
+    src = render.render_family_source("forward_sm90")
+    assert "sizeof(HopperForwardParams) % 64 == 0" in src
+    assert src.index("struct alignas(64) TmaDescriptor") < src.index("struct HopperForwardParams")
+    for name, _, _ in params.PARAM_FIELDS:
+        assert f" {name};" in src
+    for f in dataclasses.fields(H):
+        assert f" {f.name};" in src
+    for header in FORWARD_SM90.headers:
+        assert f"// ---- kernels_cu/{header}" in src
+    cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
+    assert render.name_expression(cfg, True) == (
+        "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true>")
+
+
+def test_registered_as_a_family_of_the_seam():
+    assert FAMILIES["forward_sm90"] is FORWARD_SM90 is get_family("forward_sm90")
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert family_of(cfg) is FORWARD_SM90 and parse_config(cfg.short_form()) == cfg
+    assert FORWARD_SM90.kind == "forward" and FORWARD_SM90.variant(causal=True) == (True,)
+    FORWARD_SM90.check_arch("sm_90a")
+    for arch in ("sm_90", "sm_80"):
+        with pytest.raises(ValueError, match="compiles for sm_90a"):
+            FORWARD_SM90.check_arch(arch)
+    assert FORWARD_SM90.supports(90) and not FORWARD_SM90.supports(80) and not FORWARD_SM90.supports(100)
+    assert FORWARD_SM90.default_archs() == ("sm_90a",)
+    # forward(cfg=None) keeps the mma.sync family until api.forward launches this one
+    assert pick_family("forward", 90).name == "forward_sm80"
+    assert FORWARD_SM90.smem_bytes(cfg) == cfg.smem_bytes() and FORWARD_SM90.block_threads(cfg) == 384
+
+
+def test_generated_wgmma_header_is_up_to_date():
+    rc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_wgmma_wrappers.py"), "--check"],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+
+
+# ----------------------------------------------------------------------------- TMA
+def test_tensor_map_spec_is_innermost_first_in_bytes():
+    shape = (2, 1000, 8, 128)
+    strides = (1000 * 8 * 128, 8 * 128, 128, 1)
+    spec = tma.tensor_map_spec(0x10000, DType.BF16, shape, strides, 128)
+    assert spec.dims == (128, 1000, 8, 2)
+    assert spec.byte_strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
+    assert spec.box == (64, 128, 1, 1) and spec.data_type == 9
+    assert tma.tensor_map_spec(0, DType.FP16, shape, strides, 64).data_type == 6
+
+
+def test_tensor_map_spec_head_major_and_unit_extents():
+    # (batch, heads, seq, d) storage viewed as (batch, seq, heads, d)
+    spec = tma.tensor_map_spec(0, DType.FP16, (1, 320, 4, 64), (4 * 320 * 64, 64, 320 * 64, 1), 128)
+    assert spec.byte_strides == (64 * 2, 320 * 64 * 2, 320 * 4 * 64 * 2)  # batch of extent 1: placeholder
+    spec = tma.tensor_map_spec(0, DType.FP16, (1, 5, 1, 64), (0, 64, 3, 1), 64)
+    assert spec.byte_strides == (64 * 2, 64 * 2, 5 * 64 * 2)
+
+
+def test_tma_layout_problem():
+    assert tma.tma_layout_problem("k", (2, 10, 4, 64), (2560, 256, 64, 1)) is None
+    assert "batch stride is 0" in tma.tma_layout_problem("k", (2, 10, 4, 64), (0, 256, 64, 1))
+    assert "2**40" in tma.tma_layout_problem("q", (2, 10, 4, 64), (2**40, 256, 64, 1))
+
+
+# ----------------------------------------------------------------------------- validation
+def _view(shape, dtype=DType.BF16, strides=None, ptr=1 << 20):
+    return TensorView(ptr, shape, strides or contiguous_strides(shape), dtype, dtype.numpy_dtype, 0, "cupy")
+
+
+def test_plan_uses_the_library_validation_and_family_rules():
+    q, k = _view((2, 300, 8, 128)), _view((2, 500, 2, 128))
+    plan = plan_sm90(None, q, k, k, causal=True)
+    assert plan.cfg == config_sets.default_config(DType.BF16, 128, causal=True)
+    assert plan_sm90(None, q, k, k).cfg == config_sets.default_config(DType.BF16, 128, causal=False)
+    assert plan.n_tiles == 3 * 8 * 2 and plan.base.kv_group_size == 4 and plan.base.causal
+    persistent = plan._replace(cfg=config_sets.progression_configs()[4])
+    assert persistent._replace(sm_count=132).grid == (48, 1, 1) and persistent._replace(sm_count=20).grid == (20, 1, 1)
+    plain = plan_sm90(config_sets.progression_configs()[3], q, k, k)
+    assert plain.grid == (3, 8, 2)
+    with pytest.raises(ValueError, match="^v: seq_len"):
+        plan_sm90(None, q, k, _view((2, 400, 2, 128)))
+    with pytest.raises(ValueError, match="^q: d_head 96 is not supported by forward_sm90"):
+        plan_sm90(None, _view((1, 8, 2, 96)), _view((1, 8, 2, 96)), _view((1, 8, 2, 96)))
+    with pytest.raises(ValueError, match="^cfg: config dtype FP16"):
+        plan_sm90(config_sets.default_config(DType.FP16, 128), q, k, k)
+    with pytest.raises(ValueError, match="^cfg: config d_head 64"):
+        plan_sm90(config_sets.default_config(DType.BF16, 64), q, k, k)
+    with pytest.raises(TypeError, match="^cfg: expected a HopperForwardKernelConfig"):
+        plan_sm90("forward_sm90(BF16, 128, 128, 128, 2): tma", q, k, k)
+    broadcast = _view((2, 500, 2, 128), strides=(0, 256, 128, 1))
+    assert "batch stride is 0" in unsupported_reason(q, broadcast, k)
+
+
+def test_descriptors_are_cached_by_what_they_encode(monkeypatch):
+    calls = []
+    monkeypatch.setattr(tma, "encode", lambda spec: calls.append(spec) or bytes([len(calls)]) * 128)
+    tma.clear_cache()
+    shape, strides = (1, 64, 2, 128), (64 * 2 * 128, 256, 128, 1)
+    a = tma.descriptor(1 << 20, DType.BF16, shape, strides, 128)
+    assert tma.descriptor(1 << 20, DType.BF16, shape, strides, 128) == a and len(calls) == 1
+    assert tma.descriptor(1 << 21, DType.BF16, shape, strides, 128) != a  # another pointer
+    assert tma.descriptor(1 << 20, DType.BF16, shape, strides, 176) != a  # another box
+    assert len(calls) == 3 and calls[2].box == (64, 176, 1, 1)
+    tma.clear_cache()

@@ -1,0 +1,120 @@
+"""GPU tests of the Hopper forward family (forward_sm90) against the SPEC §5 rule: every
+progression and default config, lengths around and off the tile sizes (TMA zero fill at ragged
+edges), seq_q != seq_k, causal (bottom-right), GQA/MQA, LSE, out= and free strides.
+Skipped cleanly without a compute capability 9.0 GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.device import has_gpu
+
+
+def _is_sm90() -> bool:
+    if not has_gpu():
+        return False
+    from cupyflash.device import compute_capability
+
+    return compute_capability(0) == 90
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs a compute capability 9.0 GPU")]
+
+if _is_sm90():
+    import cupy as cp
+
+    from gpu_reference import check_attention, poisoned, random_inputs
+    from cupyflash.families.forward_sm90 import forward_sm90
+    from cupyflash.families.forward_sm90.config_sets import default_config, get_kernel_configs
+
+    from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+
+    # + the other key-tile widths (80, 176) and a three-stage ring, persistent
+    EXTRA = [H.parse(t) for t in ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent",
+                                  "forward_sm90(FP16, 64, 128, 176, 3): tma+ws+pingpong+overlap+persistent",
+                                  "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent",
+                                  "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap",
+                                  "forward_sm90(FP16, 64, 192, 64, 3): tma+ws+overlap+persistent")]
+    CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
+else:
+    CONFIGS = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed():
+    """Compile every module the tests use once, in parallel processes, into the kernel cache."""
+    from cupyflash.prewarm import prewarm
+
+    report = prewarm(CONFIGS, ["sm_90a"], progress=None, causal=(False, True))
+    assert report.ok, [r for r in report.results if not r.ok][:2]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def _inputs(rng, dtype, batch, seq_q, seq_k, heads, kv_heads, d):
+    q = random_inputs(cp, dtype, (batch, seq_q, heads, d), rng)
+    k = random_inputs(cp, dtype, (batch, seq_k, kv_heads, d), rng)
+    v = random_inputs(cp, dtype, (batch, seq_k, kv_heads, d), rng)
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_config_matches_reference(cfg, causal, rng):
+    seq = 3 * cfg.B_r  # several key blocks: every ring stage is reused
+    q, k, v = _inputs(rng, cfg.dtype, 2, seq, seq, 3, 3, cfg.d_head)
+    out = poisoned(cp, cfg.dtype, q.shape)
+    assert forward_sm90(cfg, q, k, v, out=out, causal=causal) is out
+    check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, context=str(cfg))
+
+
+# (batch, seq_q, seq_k, heads, kv_heads): tails of every tile size, S_q != S_k both ways, GQA, MQA
+SHAPES = [(1, 1, 1, 2, 2), (1, 1, 300, 4, 1), (2, 77, 200, 4, 2), (2, 130, 63, 4, 2), (1, 257, 257, 2, 2),
+          (1, 128, 384, 2, 1), (1, 1000, 1000, 4, 4), (1, 513, 1537, 8, 2)]
+
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("d_head", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_shapes_with_lse(shape, causal, d_head, dtype, rng):
+    batch, sq, sk, h, hkv = shape
+    q, k, v = _inputs(rng, dtype, batch, sq, sk, h, hkv, d_head)
+    out = poisoned(cp, dtype, q.shape)
+    lse = cp.full((batch, h, sq), np.nan, dtype=cp.float32)
+    res, res_lse = forward_sm90(None, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+    assert res is out and res_lse is lse
+    check_attention(cp, dtype, q, k, v, out, causal=causal, lse=lse, context=f"{shape} d{d_head}")
+
+
+def test_free_strides_and_scale(rng):
+    """Head-major storage viewed as (batch, seq, heads, d), an output with padded rows, a scale."""
+    dtype, d = DType.BF16, 128
+    store = [random_inputs(cp, dtype, (2, 4, 320, d), rng) for _ in range(3)]
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in store)  # (2, 320, 4, 128), seq stride d
+    out_store = poisoned(cp, dtype, (2, 320, 4, d + 64))
+    out = out_store[..., :d]
+    forward_sm90(None, q, k, v, out=out, softmax_scale=0.2)
+    check_attention(cp, dtype, q, k, v, out, scale=0.2)
+    # the padding past d_head stays untouched (still the bf16 NaN poison)
+    assert bool((out_store[..., d:].view(cp.uint16) == 0x7FC0).all())
+
+
+def test_short_form_and_default(rng):
+    cfg = default_config(DType.FP16, 128)
+    q, k, v = _inputs(rng, DType.FP16, 1, 256, 256, 2, 2, 128)
+    out = forward_sm90(cfg.short_form(), q, k, v)
+    check_attention(cp, DType.FP16, q, k, v, out)
+
+
+def test_rejects_what_it_cannot_run(rng):
+    q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 96)
+    with pytest.raises(ValueError, match="^q: d_head 96"):
+        forward_sm90(None, q, k, v)
+    q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 128)
+    with pytest.raises(ValueError, match="^cfg: config dtype"):
+        forward_sm90(default_config(DType.FP16, 128), q, k, v)
