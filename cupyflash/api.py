@@ -13,8 +13,10 @@ from . import launch_plans
 from .families.forward_sm80 import config_sets
 from .config import SUPPORTED_D_HEADS, DType
 from .config import KernelConfig
-from .families import family_of, parse_config
+from .families import family_of, parse_config, pick_family
 from .families.forward_sm80 import FORWARD_SM80
+from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
+from .families.forward_sm90.config import D_HEADS as SM90_D_HEADS
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .tuning import tuned_config as _tuned_config  # module attribute so tests can patch it
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, output_view,
@@ -45,12 +47,14 @@ def _parse_config(text: str) -> FlashForwardKernelConfig | None:
     return _forward_config(config)
 
 
-def _forward_config(cfg: Any) -> FlashForwardKernelConfig:
-    """`cfg` if forward() can launch it; ValueError naming the family otherwise."""
-    if type(cfg) is not FlashForwardKernelConfig:
+def _forward_config(cfg: Any) -> KernelConfig:
+    """`cfg` if forward() can launch it (a forward family's config); ValueError naming the
+    family otherwise."""
+    if type(cfg) is not FlashForwardKernelConfig and type(cfg) is not HopperForwardKernelConfig:
         family = family_of(cfg)
         raise ValueError(f"cfg: {cfg} is a config of the {family.name} kernel family ({family.kind}); "
-                         f"forward() launches configs of the {FORWARD_SM80.name} family")
+                         f"forward() launches configs of the forward families "
+                         f"({FORWARD_SM80.name}, {FORWARD_SM90.name})")
     return cfg
 
 
@@ -77,7 +81,7 @@ def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = No
 
     For None/'auto' returns the library's pick when `dtype` and `d_head` are given, else None.
     """
-    if isinstance(cfg, FlashForwardKernelConfig):
+    if isinstance(cfg, (FlashForwardKernelConfig, HopperForwardKernelConfig)):
         return cfg
     if isinstance(cfg, KernelConfig):
         return _forward_config(cfg)
@@ -90,7 +94,41 @@ def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = No
                         f"got {type(cfg).__name__}")
     if dtype is None or d_head is None:
         return None
+    if _hopper_default(device) and d_head in SM90_D_HEADS:
+        return FORWARD_SM90.default_config(dtype, d_head, causal)
     return _select_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
+
+
+# -------------------------------------------------------------------------------- families
+_device_cc: dict[int, int] = {}
+
+
+def _compute_capability(device: int) -> int:
+    cc = _device_cc.get(device)
+    if cc is None:
+        from .device import compute_capability
+
+        cc = _device_cc[device] = compute_capability(device)
+    return cc
+
+
+def _hopper_default(device: int) -> bool:
+    """Whether cfg=None runs the Hopper family on `device` (when the layout suits TMA): the
+    family that `pick_family('forward', cc)` prefers there."""
+    try:
+        return pick_family("forward", _compute_capability(device)) is FORWARD_SM90
+    except Exception:  # no GPU to ask (planning on a CPU): the mma.sync family
+        return False
+
+
+def _hopper_reason(q: TensorView, k: TensorView, v: TensorView) -> str | None:
+    """Why the Hopper family cannot run this problem (then the mma.sync family does), or None."""
+    cc = _compute_capability(q.device)
+    if cc != 90:
+        return f"device {q.device} has compute capability {cc // 10}.{cc % 10}, not 9.0"
+    from .families.forward_sm90.launch import unsupported_reason
+
+    return unsupported_reason(q, k, v)
 
 
 # -------------------------------------------------------------------------------- devices
@@ -122,7 +160,10 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     """Attention forward: out = softmax(q k^T * softmax_scale + mask) v, per batch and head.
 
     Args:
-        cfg: a FlashForwardKernelConfig, its short form (str), or None / 'auto' (library picks).
+        cfg: a forward family's config (FlashForwardKernelConfig: mma.sync, sm_80+;
+            HopperForwardKernelConfig: wgmma/TMA, sm_90 only), its short form (str), or None /
+            'auto': the library picks the family and config for the device (on Hopper the
+            forward_sm90 family where the layout suits TMA, else forward_sm80).
         q: (batch, seq_len_q, n_heads, d_head); k, v: (batch, seq_len_k, n_kv_heads, d_head) with
             n_heads a multiple of n_kv_heads (grouped-query / multi-query attention: q head h reads
             k/v head h // (n_heads // n_kv_heads), nothing is copied). fp16 or bf16, d_head one of
@@ -161,7 +202,15 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     ov = output_view(out) if out is not None else None
     if qv.device not in _checked_devices:
         _check_device(qv.device)
-    plan = plan_forward(cfg, qv, kv, vv, ov, softmax_scale, causal)
+    config = resolve_config(cfg)
+    if type(config) is HopperForwardKernelConfig:
+        reason = _hopper_reason(qv, kv, vv)
+        if reason:
+            raise ValueError(f"cfg: {config} (family {FORWARD_SM90.name}) cannot run this call: {reason}")
+        return _forward_sm90(config, qv, kv, vv, ov, out, softmax_scale, causal, return_lse, lse, stream, key)
+    if config is None and _hopper_default(qv.device) and _hopper_reason(qv, kv, vv) is None:
+        return _forward_sm90(None, qv, kv, vv, ov, out, softmax_scale, causal, return_lse, lse, stream, key)
+    plan = plan_forward(config, qv, kv, vv, ov, softmax_scale, causal)
     want_lse = check_lse_request(return_lse, lse is not None)
     lv = None
     if lse is not None:
@@ -182,7 +231,55 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     return result
 
 
-def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.FastLaunch:
+def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: TensorView, vv: TensorView,
+                  ov: TensorView | None, out: Any, softmax_scale: Any, causal: Any, return_lse: Any, lse: Any,
+                  stream: Any, key: tuple | None) -> Any:
+    """forward() on the Hopper family: validated as forward validates, launched with TMA
+    descriptors (cached by pointer and layout); remembered as a fast launch that re-packs the
+    descriptors of each call's pointers."""
+    from .families.forward_sm90 import tma
+    from .families.forward_sm90.launch import get_kernel, launch_sm90, pack_sm90, plan_sm90
+    from .families.forward_sm90.params import pack_params as pack_sm90_params
+
+    plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
+    base = plan.base
+    want_lse = check_lse_request(return_lse, lse is not None)
+    lv = None
+    if lse is not None:
+        lv = output_view(lse, "lse")
+        check_lse_out(lv, base)
+    stream_ptr = resolve_stream(stream, qv)
+    if ov is None:
+        ov = allocate_output(qv, base.out_shape)
+    if want_lse and lv is None:
+        lv = allocate_lse(qv, base.lse_shape)
+    if base.launch:
+        launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
+        if key is not None:
+            c, dt = plan.cfg, plan.cfg.dtype
+            shapes = ((qv.shape, qv.strides, c.B_r), (kv.shape, kv.strides, c.B_c), (vv.shape, vv.strides, c.B_c))
+            tail = (*base.o_strides, base.seq_len_q, base.seq_len_k, base.n_heads, base.n_kv_heads,
+                    base.softmax_scale, base.softmax_scale_log2, base.kv_group_size, base.out_shape[0])
+            descriptor = tma.descriptor
+
+            def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int) -> bytes:
+                (qs, qst, qb), (ks, kst, kb), (vs, vst, vb) = shapes
+                return pack_sm90_params(descriptor(q_ptr, dt, qs, qst, qb), descriptor(k_ptr, dt, ks, kst, kb),
+                                        descriptor(v_ptr, dt, vs, vst, vb), o_ptr, 0, *tail)
+
+            kernel = get_kernel(plan.cfg, base.device, base.causal)
+            fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
+                                params=pack_sm90(plan, qv, kv, vv, ov.ptr, 0), repack=repack)
+            launch_plans.remember(key, fast)
+    result = out if out is not None else wrap_output(ov)
+    if want_lse:
+        return result, (lse if lse is not None else wrap_output(lv))
+    return result
+
+
+def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, *, grid: tuple[int, int, int] | None = None,
+                 block: int | None = None, smem: int | None = None, params: bytes | None = None,
+                 repack: Any = None) -> launch_plans.FastLaunch:
     """The replayable form of a validated launch, for later calls with the same signature."""
     if q.framework == TORCH:
         import torch
@@ -194,8 +291,10 @@ def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView) -> launch_plans.F
     else:  # CuPy: lookup() only replays on the plan's device, so the current device is right
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
         current_stream = functools.partial(resolve_stream, None, q)
-    return launch_plans.FastLaunch(kernel.func_ptr, plan.grid, plan.block, plan.smem_bytes, plan.device,
-                                   plan.pack(0, 0, 0, 0), tuple(plan.out_shape), allocate, current_stream)
+    return launch_plans.FastLaunch(kernel.func_ptr, grid or plan.grid, block or plan.block,
+                                   plan.smem_bytes if smem is None else smem, plan.device,
+                                   plan.pack(0, 0, 0, 0) if params is None else params, tuple(plan.out_shape),
+                                   allocate, current_stream, repack)
 
 
 def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,

@@ -18,10 +18,11 @@ import threading
 from typing import Any, Callable
 
 from .families.forward_sm80.config import FlashForwardKernelConfig
-from .families.forward_sm80.params import PARAMS_STRUCT
+from .families.forward_sm90.config import HopperForwardKernelConfig
 
 __all__ = ["FastLaunch", "signature", "lookup", "remember", "clear"]
 
+_CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _POINTERS = struct.Struct("<4Q")  # q, k, v, o: the first four ForwardParams fields
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
 
@@ -34,11 +35,12 @@ class FastLaunch:
     """One validated launch, replayable with new pointers (see `lookup`)."""
 
     __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "is_torch", "buf",
-                 "_argv", "argv_ptr", "lock")
+                 "_argv", "argv_ptr", "lock", "repack", "size")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
-                 current_stream: Callable[[], int]) -> None:
+                 current_stream: Callable[[], int],
+                 repack: Callable[[int, int, int, int], bytes] | None = None) -> None:
         # cuLaunchKernel's arguments up to the stream, as one tuple: fewer attribute reads per call
         self.launch_head = (func_ptr, *grid, block, 1, 1, smem_bytes)
         self.device = device
@@ -46,7 +48,12 @@ class FastLaunch:
         self.allocate = allocate              # () -> a new output array (CuPy; None for torch)
         self.current_stream = current_stream  # () -> the caller's current stream handle
         self.is_torch = False                 # set by remember(): which pointer accessor to use
-        self.buf = ctypes.create_string_buffer(params, PARAMS_STRUCT.size)
+        # repack(q, k, v, o pointers) -> the whole parameter struct, for kernels whose parameters
+        # embed the pointers elsewhere (the Hopper family's TMA descriptors); None: the pointers
+        # are the struct's first four fields (ForwardParams).
+        self.repack = repack
+        self.size = len(params)
+        self.buf = ctypes.create_string_buffer(params, self.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()  # the buffer is shared by every thread replaying this plan
@@ -71,7 +78,7 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
 
     One flat tuple (hashing nested tuples costs more): per array its shape, strides, dtype and
     device, as the framework reports them without building any view."""
-    if not (cfg is None or type(cfg) is str or type(cfg) is FlashForwardKernelConfig):
+    if not (cfg is None or type(cfg) is str or type(cfg) in _CONFIG_TYPES):
         return None
     if not (softmax_scale is None or type(softmax_scale) is float or type(softmax_scale) is int):
         return None
@@ -125,7 +132,10 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     # the per-call cost. cuLaunchKernel copies the parameters before it returns, so the lock
     # only has to cover the pack and the launch.
     with plan.lock:
-        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
+        if plan.repack is None:
+            _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
+        else:
+            ctypes.memmove(plan.buf, plan.repack(q_ptr, k_ptr, v_ptr, o_ptr), plan.size)
         _launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
     return result
 

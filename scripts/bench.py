@@ -166,12 +166,15 @@ def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
                  causal: bool = False) -> tuple[KernelConfig, str]:
     """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
     from cupyflash.api import resolve_config
+    from cupyflash.families import family_of
     from cupyflash.tuning import device_name, explain_choice
 
+    used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
+    if family_of(used).name != DEFAULT_FAMILY:  # the Hopper family on Hopper: its default config
+        return used, f"{family_of(used).name} default"
     cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal)
     if cfg is None:
         cfg, source = get_family(DEFAULT_FAMILY).default_config(dtype, d_head), "heuristic"
-    used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
     if used != cfg:
         raise RuntimeError(f"bench.py: auto config mismatch: resolve_config gives {used}, tuning says {cfg}")
     return cfg, source

@@ -130,7 +130,9 @@ def test_the_seed_family_is_registered_and_is_the_default():
         parse_config("nope (FP16, 64): x")
     with pytest.raises(TypeError, match="cfg"):
         family_of("(FP16, 64, 64, 64, 4): async+load_0_0_0_tiles")
-    assert pick_family("forward", 80) is FORWARD_SM80 and pick_family("forward", 90) is FORWARD_SM80
+    assert pick_family("forward", 80) is FORWARD_SM80 and pick_family("forward", 89) is FORWARD_SM80
+    assert pick_family("forward", 90).name == "forward_sm90"  # the Hopper family, on Hopper only
+    assert pick_family("forward", 100) is FORWARD_SM80        # sm_90a code does not run on sm_100
     with pytest.raises(ValueError, match="no forward kernel family"):
         pick_family("forward", 75)
 

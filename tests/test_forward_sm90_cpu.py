@@ -148,8 +148,8 @@ def test_registered_as_a_family_of_the_seam():
             FORWARD_SM90.check_arch(arch)
     assert FORWARD_SM90.supports(90) and not FORWARD_SM90.supports(80) and not FORWARD_SM90.supports(100)
     assert FORWARD_SM90.default_archs() == ("sm_90a",)
-    # forward(cfg=None) keeps the mma.sync family until api.forward launches this one
-    assert pick_family("forward", 90).name == "forward_sm80"
+    # forward(cfg=None) prefers this family on Hopper, the mma.sync family everywhere else
+    assert pick_family("forward", 90) is FORWARD_SM90 and pick_family("forward", 80).name == "forward_sm80"
     assert FORWARD_SM90.smem_bytes(cfg) == cfg.smem_bytes() and FORWARD_SM90.block_threads(cfg) == 384
 
 
