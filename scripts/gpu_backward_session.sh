@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call for the backward family: smoke run, GPU tests, compute-sanitizer, benchmark.
+#   OUT=/tmp/out bash scripts/gpu_backward_session.sh [BENCH_ARGS...]
+# Logs and JSON go to $OUT; the last lines printed are the summaries.
+set -uo pipefail
+OUT="${OUT:-/tmp/cupyflash-backward}"
+mkdir -p "$OUT"
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
+arch=$(python3 -c "from cupyflash.device import device_arch; print(device_arch(0)[0])")
+D128="backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled|backward_sm80 (BF16, 128, 64, 64, 8): dsplit_2+swizzled"
+D64="backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 64, 64, 64, 4): dsplit_1+swizzled"
+CFGS="$D128|$D64"
+(python3 scripts/prewarm_backward.py --arch "$arch" --set prog --variants all --jobs 16 \
+    --configs "$CFGS|$(echo "$CFGS" | sed 's/BF16/FP16/g')" >"$OUT/prewarm.log" 2>&1; tail -n 1 "$OUT/prewarm.log")
+timeout 120 python3 scripts/sanitize_backward.py >"$OUT/smoke.log" 2>&1
+smoke=$?
+tail -n 3 "$OUT/smoke.log"
+CUPYFLASH_TEST_FIGURES="$OUT/figures.json" timeout 240 python3 -m pytest -q -rs -p no:cacheprovider \
+    tests/test_gpu_backward.py 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|Error|error" | tail -n 30
+if [ "$smoke" -ne 0 ]; then
+    grep FAIL "$OUT/smoke.log" | head -n 20
+    echo "smoke run failed: skipping sanitizer and benchmark"
+    exit 1
+fi
+timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
+    --max-shapes 2 >"$OUT/memcheck.log" 2>&1
+echo "memcheck exit $?: $(grep -E 'ERROR SUMMARY|sanitize_backward:' "$OUT/memcheck.log" | tr '\n' ' ')"
+timeout 150 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
+    --d-heads 128 --max-shapes 2 >"$OUT/racecheck.log" 2>&1
+echo "racecheck exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_backward:' "$OUT/racecheck.log" | tr '\n' ' ')"
+timeout 200 python3 scripts/bench_backward.py --deterministic --reps 8 --cfgs "$CFGS" --json "$OUT/bench_backward.json" \
+    "$@" >"$OUT/bench.log" 2>&1
+echo "bench exit $?"
+tail -n 28 "$OUT/bench.log"
