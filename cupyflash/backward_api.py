@@ -84,21 +84,21 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
 
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> None:
-    from .families.backward_sm80.kernels import get_backward_kernels
+    from .families.backward_sm80.kernels import get_launcher
 
     q = views[0]
-    kernels = get_backward_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     acc, acc_ptr = (None, 0) if plan.deterministic else _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
     params = plan.pack(ptrs)
     if _cupy.cuda.runtime.getDevice() == plan.device:
-        kernels.launch_all(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q_pad,
-                           plan.seq_len_k, plan.seq_len_q, stream_ptr)
+        launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
+                        stream_ptr)
     else:
         with _cupy.cuda.Device(plan.device):
-            kernels.launch_all(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q_pad,
-                               plan.seq_len_k, plan.seq_len_q, stream_ptr)
+            launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
+                            stream_ptr)
     # The workspaces are released here; both allocators order their reuse on the launch stream.
     del lse2, dvec, acc

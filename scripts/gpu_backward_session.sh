@@ -12,8 +12,12 @@ arch=$(python3 -c "from cupyflash.device import device_arch; print(device_arch(0
 D128="backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled|backward_sm80 (BF16, 128, 64, 64, 8): dsplit_2+swizzled"
 D64="backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 64, 64, 64, 4): dsplit_1+swizzled"
 CFGS="$D128|$D64"
-(python3 scripts/prewarm_backward.py --arch "$arch" --set prog --variants all --jobs 16 \
-    --configs "$CFGS|$(echo "$CFGS" | sed 's/BF16/FP16/g')" >"$OUT/prewarm.log" 2>&1; tail -n 1 "$OUT/prewarm.log")
+# every variant of the benchmark's configs (both dtypes), compiled in parallel before anything runs
+args=()
+while IFS= read -r c; do args+=(--config "$c"); done < <(echo "$CFGS|$(echo "$CFGS" | sed 's/BF16/FP16/g')" | tr '|' '\n')
+python3 scripts/prewarm_cache.py --family backward_sm80 --arch "$arch" "${args[@]}" --all-variants --jobs 16 \
+    --quiet >"$OUT/prewarm.log" 2>&1
+echo "prewarm exit $?: $(tail -n 2 "$OUT/prewarm.log" | tr '\n' ' ')"
 timeout 120 python3 scripts/sanitize_backward.py >"$OUT/smoke.log" 2>&1
 smoke=$?
 tail -n 3 "$OUT/smoke.log"

@@ -26,7 +26,7 @@ except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cupyflash.config import DType  # noqa: E402
-from cupyflash.config_sets import default_config as forward_default  # noqa: E402
+from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
 from cupyflash.families.backward_sm80.config import BackwardKernelConfig  # noqa: E402
 from cupyflash.families.backward_sm80.config_sets import default_config  # noqa: E402
 

@@ -13,8 +13,10 @@ from cupyflash.backward_validation import check_backward_args, resolve_backward_
 from cupyflash.config import SUPPORTED_D_HEADS, DType
 from cupyflash.families.backward_sm80 import BackwardKernelConfig, default_config, get_kernel_configs
 from cupyflash.families.backward_sm80.config_sets import all_configs, progression_configs, should_autotune
+from cupyflash.families import family_of, get_family, parse_config
+from cupyflash.families.backward_sm80 import BACKWARD_SM80, roles_for
 from cupyflash.families.backward_sm80.params import PARAM_FIELDS, PARAMS_STRUCT, POINTER_FIELDS, param_names
-from cupyflash.families.backward_sm80.render import HEADERS, name_expressions, render_source, roles_for
+from cupyflash.render import render_family_source
 from cupyflash.interop import TensorView, contiguous_strides
 
 CFG = BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, True)
@@ -107,25 +109,51 @@ def test_smem_and_threads():
 
 
 # ----------------------------------------------------------------------------- render / ABI
+def test_family_is_registered():
+    assert get_family("backward_sm80") is BACKWARD_SM80 and family_of(CFG) is BACKWARD_SM80
+    assert parse_config(CFG.short_form()) == CFG
+    assert BACKWARD_SM80.kind == "backward" and BACKWARD_SM80.variant_flags == ("causal", "deterministic")
+    assert BACKWARD_SM80.config_set("tune") == get_kernel_configs("tune")
+    assert BACKWARD_SM80.default_config(DType.FP16, 64) == default_config(DType.FP16, 64)
+    assert BACKWARD_SM80.tune_candidates(DType.BF16, 128)
+    assert all(c.d_head == 128 for c in BACKWARD_SM80.tune_candidates(DType.BF16, 128))
+
+
+def test_geometry_per_role():
+    f = BACKWARD_SM80
+    assert f.block_threads(CFG, "dkdv") == 256 and f.block_threads(CFG, "dq") == 128
+    assert f.block_threads(CFG, "preprocess") == f.block_threads(CFG, "convert") == 256
+    assert f.smem_bytes(CFG, "dkdv") == CFG.smem_bytes() and f.smem_bytes(CFG, "dq") == CFG.dq_smem_bytes()
+    assert f.smem_bytes(CFG, "convert") == 0
+    with pytest.raises(ValueError, match="role"):
+        f.block_threads(CFG, "nope")
+    # batch 2, 4 q heads over 2 k/v heads, 100 queries (padded to 128), 300 keys
+    assert f.grid(CFG, "dkdv", 2, 4, 2, 100, 300) == (3, 2, 2)
+    assert f.grid(CFG, "dq", 2, 4, 2, 100, 300) == (2, 4, 2)
+    assert f.grid(CFG, "preprocess", 2, 4, 2, 100, 300) == (2, 4, 2)
+    assert f.grid(CFG, "convert", 2, 4, 2, 0, 300)[0] == 0
+
+
 def test_name_expressions_per_variant():
-    plain = name_expressions(CFG)
-    assert list(plain) == list(roles_for(False)) == ["preprocess", "dkdv", "convert"]
-    det = name_expressions(CFG, causal=True, deterministic=True)
-    assert list(det) == ["preprocess", "dkdv", "dq"]
+    plain = BACKWARD_SM80.name_expressions(CFG)
+    assert sorted(plain) == sorted(roles_for(False)) == ["convert", "dkdv", "preprocess"]
+    assert list(plain)[0] == "dkdv" and roles_for(False)[0] == "preprocess"  # main kernel first; launch order
+    det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
+    assert sorted(det) == ["dkdv", "dq", "preprocess"]
     literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true}"
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 
 
 def test_rendered_source_has_the_structs_and_shared_headers():
-    src = render_source()
+    src = render_family_source("backward_sm80")
     assert "struct BackwardKernelConfig {" in src and "struct BackwardParams {" in src
     for f in dataclasses.fields(BackwardKernelConfig):
         assert re.search(rf"\b{f.name};", src)
     for name, _, _ in PARAM_FIELDS:
         assert re.search(rf"\b{name};", src), name
     # the shared primitives are included once, not copied into the family's headers
-    assert HEADERS[0] == "ptx.cuh" and src.count("CF_DEVICE void ldmatrix_x4(") == 1
+    assert BACKWARD_SM80.headers[0] == "common/ptx.cuh" and src.count("CF_DEVICE void ldmatrix_x4(") == 1
 
 
 def test_param_struct_has_no_padding():

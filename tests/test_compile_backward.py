@@ -5,17 +5,17 @@ import pytest
 
 from cupyflash.cache import KernelCache
 from cupyflash.config import DType
+from cupyflash.families.backward_sm80 import BACKWARD_SM80
 from cupyflash.families.backward_sm80.config_sets import default_config
-from cupyflash.families.backward_sm80.kernels import compile_variant
-from cupyflash.families.backward_sm80.render import name_expressions
+from cupyflash.registry import compile_config
 
 pytestmark = pytest.mark.compile
 
 ARCHS = ("sm_80", "sm_90")
 VARIANTS = ((False, False), (True, True))  # plain; causal + deterministic (every kernel role)
 # promised spill-free: d_head 64; the others are 8 warps at 255 registers with at most a few words
-# spilled (measured 0-16 bytes with NVRTC 12.9)
-SPILL_LIMIT = {64: 0, 128: 32, 256: 32}
+# spilled (measured 0-60 bytes of spill stores + loads with NVRTC 12.9)
+SPILL_LIMIT = {64: 0, 128: 64, 256: 64}
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,10 @@ def cache(tmp_path_factory):
 def test_default_config_compiles_within_register_budget(cache, arch, d_head):
     cfg = default_config(DType.BF16 if d_head != 256 else DType.FP16, d_head)
     for causal, det in VARIANTS:
-        module = compile_variant(cfg, arch, causal, det, cache).module
+        variant = BACKWARD_SM80.variant(causal=causal, deterministic=det)
+        module = compile_config(cfg, arch, cache, variant=variant).module
         assert "warning" not in module.log.lower(), module.log
-        for role, expr in name_expressions(cfg, causal, det).items():
+        for role, expr in BACKWARD_SM80.name_expressions(cfg, variant).items():
             res = module.resources.get(expr)
             if res is None:
                 pytest.skip("NVRTC served this module without a ptxas report")
@@ -38,4 +39,4 @@ def test_default_config_compiles_within_register_budget(cache, arch, d_head):
             limit = SPILL_LIMIT[d_head] if role in ("dkdv", "dq") else 0
             assert res.spill_bytes <= limit, (role, causal, det, res)
         # a second lookup is a cache hit: no recompile
-        assert compile_variant(cfg, arch, causal, det, cache).cached
+        assert compile_config(cfg, arch, cache, variant=variant).cached

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupyflash.config import DType
-from cupyflash.config_sets import default_config as forward_default
+from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
 from cupyflash.device import has_gpu
 from cupyflash.families.backward_sm80.config_sets import default_config, get_kernel_configs
 
@@ -32,14 +32,13 @@ FIGURES: list[dict] = []
 
 
 def _compile(args):
-    from cupyflash.families.backward_sm80.kernels import compile_variant
     from cupyflash.registry import compile_config
 
     cfg, arch, causal, det = args
     if det is None:  # a forward config
         compile_config(cfg, arch, causal=causal)
     else:
-        compile_variant(cfg, arch, causal, det)
+        compile_config(cfg, arch, variant=(causal, det))
     return str(cfg)
 
 

@@ -9,14 +9,11 @@ be mistaken for another family's):
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass
 from typing import ClassVar, Iterator
 
-import numpy as np
-
-from ...config import SUPPORTED_D_HEADS, DType
+from ...config import SUPPORTED_D_HEADS, DType, KernelConfig
 
 __all__ = ["BackwardKernelConfig", "B_R_VALUES", "B_C_VALUES", "N_WARPS_VALUES", "D_SPLIT_VALUES",
            "MAX_ACCUMULATOR_REGISTERS", "MAX_SMEM_BYTES", "FAMILY_NAME"]
@@ -40,7 +37,7 @@ _DSPLIT_RE = re.compile(r"^dsplit_(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
-class BackwardKernelConfig:
+class BackwardKernelConfig(KernelConfig):
     """Static configuration of one backward kernel set (preprocess, dK/dV, dQ, convert).
 
     dtype: element type of every tensor (fp32 accumulation and softmax).
@@ -62,21 +59,6 @@ class BackwardKernelConfig:
     n_warps: int
     d_split: int
     swizzled: bool
-
-    def __post_init__(self) -> None:
-        if isinstance(self.dtype, str):
-            object.__setattr__(self, "dtype", DType.parse(self.dtype))
-        if not isinstance(self.dtype, DType):
-            raise ValueError(f"dtype: expected DType, got {self.dtype!r}")
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(value, (bool, np.bool_)):
-                raise ValueError(f"{f.name}: expected bool, got {value!r}")
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-                raise ValueError(f"{f.name}: expected int, got {value!r}")
-        for rule, ok in self._rules():
-            if not ok:
-                raise ValueError(f"invalid BackwardKernelConfig {self.short_form()}: rule violated: {rule}")
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -147,9 +129,6 @@ class BackwardKernelConfig:
         return (f"{FAMILY_NAME} ({self.dtype.name}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps}): "
                 + "+".join(self.features()))
 
-    def __str__(self) -> str:
-        return self.short_form()
-
     @classmethod
     def parse(cls, text: str) -> "BackwardKernelConfig":
         """The config of a short form (exact inverse of short_form); ValueError naming the problem."""
@@ -175,11 +154,3 @@ class BackwardKernelConfig:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("w")), d_split, swizzled)
-
-    def replace(self, **changes) -> "BackwardKernelConfig":
-        return dataclasses.replace(self, **changes)
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["dtype"] = self.dtype.name
-        return d

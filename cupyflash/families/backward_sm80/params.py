@@ -1,11 +1,11 @@
 """The backward family's launch ABI: one `BackwardParams` struct, passed by value to all four
 kernels (preprocess, dK/dV, dQ, convert). The template renders the C++ struct from
-`PARAM_FIELDS` and `pack_params` packs the same list, so the two cannot drift."""
+`BACKWARD_PARAMS` and `pack_params` packs the same list, so the two cannot drift."""
 from __future__ import annotations
 
-import struct
+from ..base import ParamStruct
 
-__all__ = ["PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names", "POINTER_FIELDS"]
+__all__ = ["BACKWARD_PARAMS", "PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names", "POINTER_FIELDS"]
 
 POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "dvec")
 
@@ -42,13 +42,14 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("softmax_scale_log2", "float", "f"),
 )
 
-PARAMS_STRUCT = struct.Struct("<" + "".join(fmt for _, _, fmt in PARAM_FIELDS))
+BACKWARD_PARAMS = ParamStruct("BackwardParams", PARAM_FIELDS)
+PARAMS_STRUCT = BACKWARD_PARAMS.layout
 
 
 def param_names() -> tuple[str, ...]:
-    return tuple(name for name, _, _ in PARAM_FIELDS)
+    return BACKWARD_PARAMS.names()
 
 
 def pack_params(*values) -> bytes:
     """Pack positional values in PARAM_FIELDS order."""
-    return PARAMS_STRUCT.pack(*values)
+    return BACKWARD_PARAMS.pack(*values)
