@@ -9,8 +9,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
 arch=$(python3 -c "from cupyflash.device import device_arch; print(device_arch(0)[0])")
-D128="backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled|backward_sm80 (BF16, 128, 64, 64, 8): dsplit_2+swizzled"
-D64="backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 64, 64, 64, 4): dsplit_1+swizzled"
+D128="backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf|backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf"
+D64="backward_sm80 (BF16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf|backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf|backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled"
 CFGS="$D128|$D64"
 # every variant of the benchmark's configs (both dtypes), compiled in parallel before anything runs
 args=()
@@ -21,20 +21,21 @@ echo "prewarm exit $?: $(tail -n 2 "$OUT/prewarm.log" | tr '\n' ' ')"
 timeout 120 python3 scripts/sanitize_backward.py >"$OUT/smoke.log" 2>&1
 smoke=$?
 tail -n 3 "$OUT/smoke.log"
-CUPYFLASH_TEST_FIGURES="$OUT/figures.json" timeout 240 python3 -m pytest -q -rs -p no:cacheprovider \
+CUPYFLASH_TEST_FIGURES="$OUT/figures.json" timeout 200 python3 -m pytest -q -rs -p no:cacheprovider \
     tests/test_gpu_backward.py 2>&1 | tee "$OUT/pytest.log" | grep -E "passed|failed|Error|error" | tail -n 30
 if [ "$smoke" -ne 0 ]; then
     grep FAIL "$OUT/smoke.log" | head -n 20
     echo "smoke run failed: skipping sanitizer and benchmark"
     exit 1
 fi
-timeout 120 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
-    --max-shapes 2 >"$OUT/memcheck.log" 2>&1
+DBUF="backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf"
+timeout 90 compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
+    --max-shapes 2 --configs "$DBUF" >"$OUT/memcheck.log" 2>&1
 echo "memcheck exit $?: $(grep -E 'ERROR SUMMARY|sanitize_backward:' "$OUT/memcheck.log" | tr '\n' ' ')"
-timeout 150 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
-    --d-heads 128 --max-shapes 2 >"$OUT/racecheck.log" 2>&1
+timeout 90 compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/sanitize_backward.py \
+    --d-heads 128 --max-shapes 1 --configs "$DBUF" >"$OUT/racecheck.log" 2>&1
 echo "racecheck exit $?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_backward:' "$OUT/racecheck.log" | tr '\n' ' ')"
-timeout 200 python3 scripts/bench_backward.py --deterministic --reps 8 --cfgs "$CFGS" --json "$OUT/bench_backward.json" \
-    "$@" >"$OUT/bench.log" 2>&1
+timeout 150 python3 scripts/bench_backward.py --deterministic --warmup 2 --reps 5 --cfgs "$CFGS" \
+    --json "$OUT/bench_backward.json" "$@" >"$OUT/bench.log" 2>&1
 echo "bench exit $?"
 tail -n 28 "$OUT/bench.log"

@@ -19,7 +19,7 @@ from cupyflash.families.backward_sm80.params import PARAM_FIELDS, PARAMS_STRUCT,
 from cupyflash.render import render_family_source
 from cupyflash.interop import TensorView, contiguous_strides
 
-CFG = BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, True)
+CFG = BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, True, False)
 BASE_PTR = 0x7F00_0000_0000
 
 
@@ -37,7 +37,8 @@ def test_short_form_round_trips_for_every_config():
 def test_short_form_text():
     assert CFG.short_form() == "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled"
     assert BackwardKernelConfig.parse("backward_sm80 (FP16, 64, 64, 64, 4): dsplit_2") == \
-        BackwardKernelConfig(DType.FP16, 64, 64, 64, 4, 2, False)
+        BackwardKernelConfig(DType.FP16, 64, 64, 64, 4, 2, False, False)
+    assert BackwardKernelConfig.parse("backward_sm80 (FP16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf").double_buffer
 
 
 @pytest.mark.parametrize("text", [
@@ -68,10 +69,10 @@ def test_invalid_combinations_name_the_rule(changes, rule):
 
 def test_field_kinds_are_checked():
     with pytest.raises(ValueError, match="swizzled"):
-        BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, 1)
+        BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, 1, False)
     with pytest.raises(ValueError, match="d_head"):
-        BackwardKernelConfig(DType.BF16, 128.0, 64, 128, 8, 1, True)
-    assert BackwardKernelConfig("bf16", 128, 64, 128, 8, 1, True) == CFG
+        BackwardKernelConfig(DType.BF16, 128.0, 64, 128, 8, 1, True, False)
+    assert BackwardKernelConfig("bf16", 128, 64, 128, 8, 1, True, False) == CFG
 
 
 def test_configs_are_ordered_and_hashable():
@@ -86,7 +87,7 @@ def test_sets():
     assert {c.d_head for c in tune} == set(SUPPORTED_D_HEADS)
     prog = get_kernel_configs("prog")
     assert prog == progression_configs() and len(prog) == 4
-    assert not prog[0].swizzled and all(c.swizzled for c in prog[1:])
+    assert not prog[0].swizzled and all(c.swizzled for c in prog[1:]) and prog[-1].double_buffer
     assert len(get_kernel_configs("prog_all")) == 8
     assert get_kernel_configs("all") == all_configs()
     with pytest.raises(ValueError, match="KERNELS"):
@@ -105,6 +106,8 @@ def test_smem_and_threads():
     assert CFG.n_threads == 256 and CFG.dq_threads == 128
     # K, V (128 x 128), Q, dO (64 x 128), dS^T (128 x 64) in 16 bits, lse2 + dvec of 64 rows
     assert CFG.smem_bytes() == 2 * 128 * 128 * 2 + 2 * 64 * 128 * 2 + 128 * 64 * 2 + 2 * 64 * 4
+    # double-buffered: a second Q, dO and statistics buffer
+    assert CFG.replace(double_buffer=True).smem_bytes() == CFG.smem_bytes() + 2 * 64 * 128 * 2 + 2 * 64 * 4
     assert CFG.dq_smem_bytes() == 2 * 64 * 128 * 2 + 2 * 128 * 128 * 2
 
 
@@ -140,7 +143,7 @@ def test_name_expressions_per_variant():
     assert list(plain)[0] == "dkdv" and roles_for(False)[0] == "preprocess"  # main kernel first; launch order
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
-    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true}"
+    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false}"
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 

@@ -14,6 +14,7 @@ import pytest
 from cupyflash.config import DType
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
 from cupyflash.device import has_gpu
+from cupyflash.families.backward_sm80.config import BackwardKernelConfig
 from cupyflash.families.backward_sm80.config_sets import default_config, get_kernel_configs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
@@ -50,6 +51,7 @@ def prewarmed_cache():
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = [(c, arch, False, False) for c in TUNE]
     jobs += [(c, arch, causal, det) for c in DEFAULTS for causal in (False, True) for det in (False, True)]
+    jobs += [(c, arch, causal, det) for c in DBUF for causal, det in ((False, False), (True, False), (True, True))]
     jobs += [(forward_default(dt, d), arch, causal, None) for dt in DType for d in D_HEADS for causal in (False, True)]
     with ProcessPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as ex:
         list(ex.map(_compile, jobs))
@@ -124,6 +126,19 @@ def test_deterministic_is_correct_and_bit_identical(dtype, d_head, causal, rng):
         bits = [r[i].view(cp.uint16) for r in runs]
         assert bool((bits[0] == bits[1]).all()) and bool((bits[0] == bits[2]).all()), f"{name} differs between runs"
     assert grads[0].shape == q.shape
+
+
+DBUF = [BackwardKernelConfig.parse(t) for t in (
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",
+    "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf",
+    "backward_sm80 (BF16, 256, 64, 64, 8): dsplit_2+swizzled+dbuf",
+)]
+
+
+@pytest.mark.parametrize("cfg", DBUF, ids=str)
+@pytest.mark.parametrize("causal, deterministic", [(False, False), (True, False), (True, True)])
+def test_double_buffered_variants(cfg, causal, deterministic, rng):
+    run_case(cfg, cfg.dtype, cfg.d_head, 2, 333, 270, 4, 2, causal, rng, deterministic=deterministic)
 
 
 def test_returns_new_arrays_and_default_scale(rng):

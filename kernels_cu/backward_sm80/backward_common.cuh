@@ -50,7 +50,12 @@ struct StaticBackwardKernelConfig {
     using KVTile = SmemTile<BC, D, C.swizzled>;
     using DSTile = SmemTile<BC, BR, C.swizzled>;  // dS^T, [key][query]
     static constexpr int ROW_STATS_BYTES = 2 * BR * 4;  // lse2 and dvec of one query block
-    static constexpr int SMEM_BYTES = 2 * KVTile::BYTES + 2 * QTile::BYTES + DSTile::BYTES + ROW_STATS_BYTES;
+    // double_buffer: two Q/dO/statistics buffers, so the next query block is copied during the
+    // whole of the current one (one buffer: only during the dQ step).
+    static constexpr int Q_BUFFERS = C.double_buffer ? 2 : 1;
+    static constexpr int Q_BUFFER_SHIFT = 2 * QTile::BYTES;  // Q(1) - Q(0) = dO(1) - dO(0)
+    static constexpr int SMEM_BYTES =
+        2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
 
     // The deterministic dQ kernel: one CTA per query block, one warp per 16 query rows.
     static constexpr int DQK_WARPS = BR / 16;

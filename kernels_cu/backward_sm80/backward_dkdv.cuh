@@ -13,7 +13,12 @@
 // and, unless DETERMINISTIC, stores dS^T to shared memory; after a barrier every warp forms a part
 // of dQ = dS K (A: dS through the transposing ldmatrix, B: K transposed) and adds it to the fp32
 // dq_accum workspace with atomics. The next query block's Q, dO and row statistics are copied
-// (cp.async) during that dQ step. dK is scaled by softmax_scale when stored.
+// (cp.async) during that dQ step, or, with double_buffer, into a second buffer during the whole
+// iteration. dK is scaled by softmax_scale when stored.
+//
+// Query blocks are visited starting at a rotation that depends on the key block: the CTAs running
+// at once (consecutive key blocks of one head) then add their dQ parts into different rows instead
+// of all into the same block's rows, which serialised their atomics in L2.
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
@@ -30,7 +35,7 @@ struct BackwardKVCTA {
     KVTile k_tile, v_tile;
     QTile q_tile, do_tile;
     DSTile ds_tile;
-    u32 stats;  // shared address of lse2[B_r], followed by dvec[B_r]
+    u32 stats;  // shared address of lse2[B_r], followed by dvec[B_r] (buffer 0)
     // Per-lane ldmatrix cursors (computed once, displaced by constants in the loops).
     typename KVTile::Cursor k_a, v_a, k_bt;
     typename QTile::Cursor q_b, do_b, q_bt, do_bt;
@@ -46,11 +51,12 @@ struct BackwardKVCTA {
           warp(threadIdx.x >> 5),
           warp_key0(((threadIdx.x >> 5) % Cfg::KEY_GROUPS) * Cfg::WARP_KEYS),
           split((threadIdx.x >> 5) / Cfg::KEY_GROUPS) {
+        // K, V, Q(0), dO(0), [Q(1), dO(1)], dS^T, statistics(0), [statistics(1)]
         k_tile.base = shared_address(smem);
         v_tile.base = k_tile.base + KVTile::BYTES;
         q_tile.base = v_tile.base + KVTile::BYTES;
         do_tile.base = q_tile.base + QTile::BYTES;
-        ds_tile.base = do_tile.base + QTile::BYTES;
+        ds_tile.base = q_tile.base + Cfg::Q_BUFFERS * Cfg::Q_BUFFER_SHIFT;
         stats = ds_tile.base + DSTile::BYTES;
         const int matrix = lane >> 3;
         const int d_chunk0 = split * Cfg::DKV_N_TILES;  // this warp's first dK/dV column chunk
@@ -99,7 +105,18 @@ struct BackwardKVCTA {
         copy_tile_global_to_shared<Cfg::N_THREADS, true>(v_tile, v_src, p.v_seq_stride, p.seq_len_k - k0(), tid);
     }
 
-    CF_DEVICE void load_q_block(int head, int qb) {
+    // The Q/dO tiles and statistics of buffer `buf` (always 0 without double_buffer).
+    CF_DEVICE static QTile shifted(QTile t, int buf) {
+        t.base += buf * Cfg::Q_BUFFER_SHIFT;
+        return t;
+    }
+    CF_DEVICE static typename QTile::Cursor shifted(typename QTile::Cursor c, int buf) {
+        c.addr += buf * Cfg::Q_BUFFER_SHIFT;  // whole 1024-byte multiples: the swizzle phase is kept
+        return c;
+    }
+    CF_DEVICE u32 stats_of(int buf) const { return stats + buf * Cfg::ROW_STATS_BYTES; }
+
+    CF_DEVICE void load_q_block(int head, int qb, int buf) {
         const int batch = blockIdx.z;
         const long long row0 = (long long)qb * Cfg::BR;
         const int rows_valid = p.seq_len_q - qb * Cfg::BR;
@@ -107,13 +124,15 @@ struct BackwardKVCTA {
                            row0 * p.q_seq_stride;
         const u16* do_src = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
                             head * p.do_head_stride + row0 * p.do_seq_stride;
-        copy_tile_global_to_shared<Cfg::N_THREADS, true>(q_tile, q_src, p.q_seq_stride, rows_valid, tid);
-        copy_tile_global_to_shared<Cfg::N_THREADS, true>(do_tile, do_src, p.do_seq_stride, rows_valid, tid);
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(shifted(q_tile, buf), q_src, p.q_seq_stride, rows_valid, tid);
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(shifted(do_tile, buf), do_src, p.do_seq_stride, rows_valid,
+                                                         tid);
         // Row statistics: the workspace rows are padded to whole blocks, always in bounds.
         const long long stat0 = ((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0;
-        if (tid < Cfg::BR / 4) cp_async_16(stats + tid * 16, p.lse2 + stat0 + tid * 4, true);
+        const u32 st = stats_of(buf);
+        if (tid < Cfg::BR / 4) cp_async_16(st + tid * 16, p.lse2 + stat0 + tid * 4, true);
         else if (tid < Cfg::BR / 2)
-            cp_async_16(stats + tid * 16, p.dvec + stat0 + (tid - Cfg::BR / 4) * 4, true);
+            cp_async_16(st + tid * 16, p.dvec + stat0 + (tid - Cfg::BR / 4) * 4, true);
     }
 
     // ---- S^T = K Q^T and dP^T = V dO^T (the same product over d_head, different operands) ----
@@ -166,10 +185,18 @@ struct BackwardKVCTA {
     }
 
     // One query block of one head. On entry its Q, dO and row statistics are in shared memory.
-    CF_DEVICE void process_q_block(int qb, bool has_next, int next_head, int next_qb, float* dq_rows) {
+    CF_DEVICE void process_q_block(int qb, int buf, bool has_next, int next_head, int next_qb, float* dq_rows) {
         const int q0 = qb * Cfg::BR;
+        const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
+        const u32 st = stats_of(buf);
+        if constexpr (Cfg::Q_BUFFERS == 2) {
+            // The other buffer was last read in the previous iteration, before the barrier that
+            // preceded this call: copy the next block into it now, behind this whole iteration.
+            if (has_next) load_q_block(next_head, next_qb, buf ^ 1);
+            cp_async_commit();
+        }
         float s[MK][Cfg::Q_N_TILES][4];
-        key_by_query_product(s, k_tile, k_a, q_tile, q_b);
+        key_by_query_product(s, k_tile, k_a, qt, shifted(q_b, buf));
         const int keys_valid = p.seq_len_k - k0();
         bool need_mask = keys_valid < Cfg::BC;
         if constexpr (CAUSAL)  // warp-uniform: does this warp's last key lie after the block's first diagonal?
@@ -179,7 +206,7 @@ struct BackwardKVCTA {
         // P^T in place.
 #pragma unroll
         for (int n = 0; n < Cfg::Q_N_TILES; ++n) {
-            const float2 l = ld_shared_f32x2(stats + (8 * n + 2 * (lane & 3)) * 4);
+            const float2 l = ld_shared_f32x2(st + (8 * n + 2 * (lane & 3)) * 4);
 #pragma unroll
             for (int m = 0; m < MK; ++m)
 #pragma unroll
@@ -190,11 +217,11 @@ struct BackwardKVCTA {
         }
 
         float dp[MK][Cfg::Q_N_TILES][4];
-        key_by_query_product(dp, v_tile, v_a, do_tile, do_b);
+        key_by_query_product(dp, v_tile, v_a, dot, shifted(do_b, buf));
         // dS^T in place of dP^T.
 #pragma unroll
         for (int n = 0; n < Cfg::Q_N_TILES; ++n) {
-            const float2 d = ld_shared_f32x2(stats + (Cfg::BR + 8 * n + 2 * (lane & 3)) * 4);
+            const float2 d = ld_shared_f32x2(st + (Cfg::BR + 8 * n + 2 * (lane & 3)) * 4);
 #pragma unroll
             for (int m = 0; m < MK; ++m)
 #pragma unroll
@@ -219,13 +246,13 @@ struct BackwardKVCTA {
 #pragma unroll
             for (int n = 0; n < Cfg::DKV_N_TILES; n += 2) {
                 u32 b0[2], b1[2];
-                load_b_fragments_transposed(b0, b1, do_tile, do_bt, 8 * n, ks);
+                load_b_fragments_transposed(b0, b1, dot, shifted(do_bt, buf), 8 * n, ks);
 #pragma unroll
                 for (int m = 0; m < MK; ++m) {
                     mma_m16n8k16<Cfg::dtype>(dv[m][n], pa[m][ks], b0[0], b0[1]);
                     mma_m16n8k16<Cfg::dtype>(dv[m][n + 1], pa[m][ks], b1[0], b1[1]);
                 }
-                load_b_fragments_transposed(b0, b1, q_tile, q_bt, 8 * n, ks);
+                load_b_fragments_transposed(b0, b1, qt, shifted(q_bt, buf), 8 * n, ks);
 #pragma unroll
                 for (int m = 0; m < MK; ++m) {
                     mma_m16n8k16<Cfg::dtype>(dk[m][n], dsa[m][ks], b0[0], b0[1]);
@@ -242,9 +269,13 @@ struct BackwardKVCTA {
                     for (int k = 0; k < Cfg::Q_K_STEPS; ++k) store_a_fragment(ds_tile, ds_store, dsa[m][k], 16 * m, k);
             }
         }
-        __syncthreads();  // dS^T complete; every warp is done reading Q and dO
-        if (has_next) load_q_block(next_head, next_qb);
-        cp_async_commit();
+        if constexpr (Cfg::Q_BUFFERS == 1) {
+            __syncthreads();  // dS^T complete; every warp is done reading Q and dO
+            if (has_next) load_q_block(next_head, next_qb, 0);
+            cp_async_commit();
+        } else if constexpr (!DETERMINISTIC) {
+            __syncthreads();  // dS^T complete
+        }
         if constexpr (!DETERMINISTIC) accumulate_dq(dq_rows);
     }
 
@@ -290,9 +321,11 @@ struct BackwardKVCTA {
         const int qb_begin = CAUSAL ? max(0, k0() - offset()) / Cfg::BR : 0;
         const int n_qb = n_qb_all - qb_begin;
         const int total = n_qb > 0 ? n_qb * p.kv_group_size : 0;
-        int head = blockIdx.y * p.kv_group_size, qb = qb_begin;
+        // Each head's query blocks in the order qb_first, ..., last, qb_begin, ..., qb_first - 1.
+        const int qb_first = n_qb > 0 ? qb_begin + (int)(blockIdx.x % (unsigned)n_qb) : 0;
+        int head = blockIdx.y * p.kv_group_size, qb = qb_first;
         load_kv();
-        if (total > 0) load_q_block(head, qb);
+        if (total > 0) load_q_block(head, qb, 0);
         cp_async_commit();
 
         // dQ step addressing: this lane's row/column in the dq_accum rows of (head, qb).
@@ -309,18 +342,15 @@ struct BackwardKVCTA {
         for (int it = 0; it < total; ++it) {
             cp_async_wait<0>();
             __syncthreads();  // this block's Q, dO, statistics (and on entry K, V) have landed
-            int next_head = head, next_qb = qb + 1;
-            if (next_qb == n_qb_all) {
-                next_qb = qb_begin;
-                ++next_head;
-            }
+            int next_head = head, next_qb = qb + 1 == n_qb_all ? qb_begin : qb + 1;
+            if (next_qb == qb_first) ++next_head;
             float* dq_rows = nullptr;
             if constexpr (!DETERMINISTIC)
                 dq_rows = p.dq_accum +
                           (((long long)blockIdx.z * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) *
                               Cfg::D +
                           lane_elem;
-            process_q_block(qb, it + 1 < total, next_head, next_qb, dq_rows);
+            process_q_block(qb, Cfg::Q_BUFFERS == 2 ? (it & 1) : 0, it + 1 < total, next_head, next_qb, dq_rows);
             head = next_head;
             qb = next_qb;
         }

@@ -4,7 +4,7 @@ Its fields are the one source of truth for the C++ struct of the same name, the 
 expressions, the short form and the cache key. Short form (it names its family, so it can never
 be mistaken for another family's):
 
-    backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled
+    backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf
                   (dtype, d_head, B_r, B_c, n_warps): dsplit_N always, then features
 """
 from __future__ import annotations
@@ -48,6 +48,8 @@ class BackwardKernelConfig(KernelConfig):
     d_split: 1, or 2 to split dK/dV's columns over two warps that share key rows (halves the
         accumulator registers; S^T and dP^T are computed by both). Needed for d_head 256.
     swizzled: XOR-swizzled shared tiles (conflict-free cp.async writes and ldmatrix reads).
+    double_buffer: two Q/dO buffers in the dK/dV kernel: the next query block is copied during the
+        whole current iteration instead of only during its dQ step (+2 * B_r * d_head * 2 bytes).
     """
 
     FAMILY: ClassVar[str] = FAMILY_NAME
@@ -59,6 +61,7 @@ class BackwardKernelConfig(KernelConfig):
     n_warps: int
     d_split: int
     swizzled: bool
+    double_buffer: bool
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -85,7 +88,9 @@ class BackwardKernelConfig(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel: K, V, Q, dO tiles, dS^T, row statistics."""
-        return 2 * self.B_c * self.d_head * 2 + 2 * self.B_r * self.d_head * 2 + self.B_c * self.B_r * 2 + 8 * self.B_r
+        buffers = 2 if self.double_buffer else 1
+        return (2 * self.B_c * self.d_head * 2 + buffers * (2 * self.B_r * self.d_head * 2 + 8 * self.B_r)
+                + self.B_c * self.B_r * 2)
 
     def dq_smem_bytes(self) -> int:
         """Dynamic shared memory of the deterministic dQ kernel: Q, dO, K, V tiles."""
@@ -123,6 +128,8 @@ class BackwardKernelConfig(KernelConfig):
         out = [f"dsplit_{self.d_split}"]
         if self.swizzled:
             out.append("swizzled")
+        if self.double_buffer:
+            out.append("dbuf")
         return out
 
     def short_form(self) -> str:
@@ -137,20 +144,20 @@ class BackwardKernelConfig(KernelConfig):
         m = _SHORT_RE.match(text)
         if not m:
             raise ValueError(f"not a {FAMILY_NAME} short form: {text!r}; expected e.g. "
-                             f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled'")
+                             f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
         features = [f for f in m.group("features").split("+") if f]
         d_split = None
-        swizzled = False
+        flags = {"swizzled": False, "dbuf": False}
         for feat in features:
             dm = _DSPLIT_RE.match(feat)
             if dm and d_split is None:
                 d_split = int(dm.group(1))
-            elif feat == "swizzled" and not swizzled:
-                swizzled = True
+            elif feat in flags and not flags[feat]:
+                flags[feat] = True
             else:
                 raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
-                                 "(known: dsplit_N once, swizzled)")
+                                 "(known: dsplit_N once, swizzled, dbuf)")
         if d_split is None:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("w")), d_split, swizzled)
+                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"])

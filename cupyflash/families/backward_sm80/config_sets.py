@@ -13,12 +13,13 @@ KERNEL_SET_KEYS = ("all", "tune", "prog", "prog_all")
 
 
 def all_configs() -> list[BackwardKernelConfig]:
-    """Every valid config (both dtypes, every d_head, swizzled or not)."""
+    """Every valid config (both dtypes, every d_head, swizzled or not, double-buffered or not)."""
     out = []
-    for dtype, d, br, bc, w, ds, swz in itertools.product(DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES,
-                                                         N_WARPS_VALUES, D_SPLIT_VALUES, (False, True)):
+    for dtype, d, br, bc, w, ds, swz, dbuf in itertools.product(DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES,
+                                                               N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
+                                                               (False, True)):
         try:
-            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz))
+            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf))
         except ValueError:
             continue
     return sorted(out)
@@ -44,7 +45,7 @@ _PROGRESSION = (
     "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1",            # FA2 algorithm, plain shared tiles
     "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled",   # + conflict-free tiles
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled",  # + 128-key blocks, 8 warps
-    "backward_sm80 (BF16, 128, 64, 64, 8): dsplit_2+swizzled",   # + dK/dV columns split over warp pairs
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",  # + Q/dO double buffer
 )
 
 
@@ -73,7 +74,7 @@ def default_config(dtype: DType, d_head: int) -> BackwardKernelConfig:
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported; expected one of {SUPPORTED_D_HEADS}")
     br, bc, w, ds = _DEFAULTS[d_head]
-    return BackwardKernelConfig(dtype, d_head, br, bc, w, ds, True)
+    return BackwardKernelConfig(dtype, d_head, br, bc, w, ds, True, False)
 
 
 def get_kernel_configs(key: str) -> list[BackwardKernelConfig]:
