@@ -15,8 +15,17 @@ __all__ = ["backward"]
 
 
 @functools.lru_cache(maxsize=64)
-def _select(dtype: DType, d_head: int):
+def _default(dtype: DType, d_head: int):
     return default_config(dtype, d_head)
+
+
+def _select(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int, device: int, causal: bool):
+    """cfg=None: the user's or the shipped tuning table of the backward_sm80 family for this GPU
+    (`cupyflash autotune --family backward_sm80` writes one), else the family's default."""
+    from .tuning import tuned_config
+
+    cfg = tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal, "backward_sm80")
+    return cfg if cfg is not None else _default(dtype, d_head)
 
 
 def _workspace(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:

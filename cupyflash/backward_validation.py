@@ -16,7 +16,8 @@ from .validation import (INT32_MAX, LOG2_E, MAX_GRID_YZ, _check_layout, _dtype_n
 
 __all__ = ["BackwardPlan", "check_backward_args", "resolve_backward_config"]
 
-Selector = Callable[[DType, int], BackwardKernelConfig]
+# (dtype, d_head, seq_len_q, seq_len_k, device, causal) -> config, for cfg=None
+Selector = Callable[[DType, int, int, int, int, bool], BackwardKernelConfig]
 
 
 class BackwardPlan(NamedTuple):
@@ -143,7 +144,7 @@ def check_backward_args(cfg: BackwardKernelConfig | None, dout: TensorView, q: T
         raise ValueError(f"lse: data pointer 0x{lse.ptr:x} is not 4-byte aligned")
 
     if cfg is None:
-        cfg = select(dtype, d_head)
+        cfg = select(dtype, d_head, seq_len_q, seq_len_k, device, causal)
     if cfg.dtype is not dtype:
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {dtype.name}")
     if cfg.d_head != d_head:

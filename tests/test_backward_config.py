@@ -184,8 +184,8 @@ def args(b=2, sq=100, sk=70, h=4, hk=2, d=128, dtype=DType.BF16, **over):
 def plan(cfg=None, **kw):
     extra = {k: kw.pop(k) for k in ("dq", "dk", "dv", "softmax_scale", "causal", "deterministic") if k in kw}
     a = args(**kw)
-    return check_backward_args(cfg, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], select=default_config,
-                               **extra)
+    return check_backward_args(cfg, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"],
+                               select=lambda dt, d, sq, sk, dev, causal: default_config(dt, d), **extra)
 
 
 def test_plan_defaults():
@@ -249,6 +249,18 @@ def test_errors_name_the_argument():
         plan(softmax_scale=-1.0)
     with _raises(ValueError, "k"):
         plan(sk=0)
+
+
+def test_selector_sees_the_problem():
+    seen = []
+
+    def select(dtype, d_head, sq, sk, device, causal):
+        seen.append((dtype, d_head, sq, sk, device, causal))
+        return default_config(dtype, d_head)
+
+    a = args()
+    check_backward_args(None, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=True, select=select)
+    assert seen == [(DType.BF16, 128, 100, 70, 0, True)]
 
 
 def test_resolve_config():

@@ -141,6 +141,26 @@ def test_double_buffered_variants(cfg, causal, deterministic, rng):
     run_case(cfg, cfg.dtype, cfg.d_head, 2, 333, 270, 4, 2, causal, rng, deterministic=deterministic)
 
 
+def test_tuning_problem_checks_and_times_candidates():
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80
+
+    problem = BACKWARD_SM80.tuning_problem(DType.BF16, 128, 1024, True, 50 * 2**20)
+    try:
+        assert problem.check(TUNE[-1]) is None
+        ms = []
+        for cfg in (default_config(DType.BF16, 128), DBUF[0]):
+            run = problem.timed_call(cfg)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            run(0)
+            end.record()
+            end.synchronize()
+            ms.append(cp.cuda.get_elapsed_time(start, end))
+        assert all(m > 0 for m in ms)
+    finally:
+        problem.close()
+
+
 def test_returns_new_arrays_and_default_scale(rng):
     dtype, d = DType.BF16, 128
     q, k, v, dout = (random_inputs(cp, dtype, (1, 100, 2, d), rng) for _ in range(4))

@@ -100,5 +100,10 @@ class BackwardSm80Family(KernelFamily):
     def progression_configs(self, dtype: DType, d_head: int) -> list[BackwardKernelConfig]:
         return config_sets.progression_configs(dtype, d_head)
 
+    def tuning_problem(self, dtype: DType, d_head: int, seq: int, causal: bool, l2_bytes: int):
+        from .tuning import BackwardTuningProblem
+
+        return BackwardTuningProblem(dtype, d_head, seq, causal, l2_bytes)
+
 
 BACKWARD_SM80 = BackwardSm80Family()
