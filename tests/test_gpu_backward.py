@@ -146,7 +146,8 @@ def test_tuning_problem_checks_and_times_candidates():
 
     problem = BACKWARD_SM80.tuning_problem(DType.BF16, 128, 1024, True, 50 * 2**20)
     try:
-        assert problem.check(TUNE[-1]) is None
+        assert problem.check(DBUF[0]) is None
+        assert problem.check(BackwardKernelConfig.parse("backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled")) is None
         ms = []
         for cfg in (default_config(DType.BF16, 128), DBUF[0]):
             run = problem.timed_call(cfg)
