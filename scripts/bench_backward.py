@@ -154,8 +154,6 @@ def main(argv=None) -> int:
                           + "".join(f"\n    {k_}: {v_['tflops']:.0f} TFLOP/s rel_l2 "
                                     + ",".join(f"{x:.1e}" for x in v_.get('rel_l2_vs_flash', []))
                                     for k_, v_ in row["configs"].items()), flush=True)
-                    del qt, kt, vt, out, lse, ref
-                del q, k, v, do
                 torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "tokens": TOKENS, "heads": HEADS, "reps": args.reps, "seconds": time.perf_counter() - t_start}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
 
 from . import BACKWARD_SM80, roles_for
 from .config import BackwardKernelConfig
