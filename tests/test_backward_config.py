@@ -19,7 +19,7 @@ from cupyflash.families.backward_sm80.params import PARAM_FIELDS, PARAMS_STRUCT,
 from cupyflash.render import render_family_source
 from cupyflash.interop import TensorView, contiguous_strides
 
-CFG = BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, True, False)
+CFG = BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, True, False, False)
 BASE_PTR = 0x7F00_0000_0000
 
 
@@ -37,8 +37,9 @@ def test_short_form_round_trips_for_every_config():
 def test_short_form_text():
     assert CFG.short_form() == "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled"
     assert BackwardKernelConfig.parse("backward_sm80 (FP16, 64, 64, 64, 4): dsplit_2") == \
-        BackwardKernelConfig(DType.FP16, 64, 64, 64, 4, 2, False, False)
+        BackwardKernelConfig(DType.FP16, 64, 64, 64, 4, 2, False, False, False)
     assert BackwardKernelConfig.parse("backward_sm80 (FP16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf").double_buffer
+    assert BackwardKernelConfig.parse("backward_sm80 (FP16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf+pds").pds_smem
 
 
 @pytest.mark.parametrize("text", [
@@ -61,6 +62,9 @@ def test_parse_rejects_bad_short_forms(text):
     ({"B_c": 32, "n_warps": 8}, "key rows per warp"),
     ({"B_r": 128, "B_c": 64, "n_warps": 4}, "accumulators"),   # 128 dK/dV + 128 S^T/dP^T registers
     ({"d_head": 256, "d_split": 1, "B_c": 64, "n_warps": 4}, "accumulators"),
+    ({"pds_smem": True}, "needs double_buffer"),
+    ({"pds_smem": True, "double_buffer": True, "B_r": 128, "d_head": 64}, "warp grids"),  # 64 x 32 S tiles
+    ({"pds_smem": True, "double_buffer": True, "d_head": 256, "d_split": 1}, "accumulators"),
 ])
 def test_invalid_combinations_name_the_rule(changes, rule):
     with pytest.raises(ValueError, match=rule):
@@ -69,10 +73,10 @@ def test_invalid_combinations_name_the_rule(changes, rule):
 
 def test_field_kinds_are_checked():
     with pytest.raises(ValueError, match="swizzled"):
-        BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, 1, False)
+        BackwardKernelConfig(DType.BF16, 128, 64, 128, 8, 1, 1, False, False)
     with pytest.raises(ValueError, match="d_head"):
-        BackwardKernelConfig(DType.BF16, 128.0, 64, 128, 8, 1, True, False)
-    assert BackwardKernelConfig("bf16", 128, 64, 128, 8, 1, True, False) == CFG
+        BackwardKernelConfig(DType.BF16, 128.0, 64, 128, 8, 1, True, False, False)
+    assert BackwardKernelConfig("bf16", 128, 64, 128, 8, 1, True, False, False) == CFG
 
 
 def test_configs_are_ordered_and_hashable():
@@ -86,9 +90,10 @@ def test_sets():
     assert tune and all(should_autotune(c) and c.swizzled for c in tune)
     assert {c.d_head for c in tune} == set(SUPPORTED_D_HEADS)
     prog = get_kernel_configs("prog")
-    assert prog == progression_configs() and len(prog) == 4
-    assert not prog[0].swizzled and all(c.swizzled for c in prog[1:]) and prog[-1].double_buffer
-    assert len(get_kernel_configs("prog_all")) == 8
+    assert prog == progression_configs() and len(prog) == 5
+    assert not prog[0].swizzled and all(c.swizzled for c in prog[1:]) and prog[-2].double_buffer
+    assert prog[-1].pds_smem and not prog[-2].pds_smem
+    assert len(get_kernel_configs("prog_all")) == 10
     assert get_kernel_configs("all") == all_configs()
     with pytest.raises(ValueError, match="KERNELS"):
         get_kernel_configs("nope")
@@ -106,8 +111,11 @@ def test_smem_and_threads():
     assert CFG.n_threads == 256 and CFG.dq_threads == 128
     # K, V (128 x 128), Q, dO (64 x 128), dS^T (128 x 64) in 16 bits, lse2 + dvec of 64 rows
     assert CFG.smem_bytes() == 2 * 128 * 128 * 2 + 2 * 64 * 128 * 2 + 128 * 64 * 2 + 2 * 64 * 4
-    # double-buffered: a second Q, dO and statistics buffer
+    # double-buffered: a second Q, dO and statistics buffer; pds_smem: a P tile next to dS
     assert CFG.replace(double_buffer=True).smem_bytes() == CFG.smem_bytes() + 2 * 64 * 128 * 2 + 2 * 64 * 4
+    pds = CFG.replace(double_buffer=True, pds_smem=True)
+    assert pds.smem_bytes() == CFG.replace(double_buffer=True).smem_bytes() + 64 * 128 * 2
+    assert pds.accumulator_registers() == 2 * 64 + 64  # 32 keys x 64 columns of dK and dV, 32 x 32 S and dP
     assert CFG.dq_smem_bytes() == 2 * 64 * 128 * 2 + 2 * 128 * 128 * 2
 
 
@@ -143,7 +151,7 @@ def test_name_expressions_per_variant():
     assert list(plain)[0] == "dkdv" and roles_for(False)[0] == "preprocess"  # main kernel first; launch order
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
-    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false}"
+    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false}"
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 

@@ -132,12 +132,15 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",
     "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf",
     "backward_sm80 (BF16, 256, 64, 64, 8): dsplit_2+swizzled+dbuf",
+    "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
+    "backward_sm80 (FP16, 96, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
+    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+dbuf+pds",   # plain (unswizzled) tiles
 )]
 
 
 @pytest.mark.parametrize("cfg", DBUF, ids=str)
 @pytest.mark.parametrize("causal, deterministic", [(False, False), (True, False), (True, True)])
-def test_double_buffered_variants(cfg, causal, deterministic, rng):
+def test_double_buffered_and_pds_variants(cfg, causal, deterministic, rng):
     run_case(cfg, cfg.dtype, cfg.d_head, 2, 333, 270, 4, 2, causal, rng, deterministic=deterministic)
 
 
@@ -147,7 +150,7 @@ def test_tuning_problem_checks_and_times_candidates():
     problem = BACKWARD_SM80.tuning_problem(DType.BF16, 128, 1024, True, 50 * 2**20)
     try:
         assert problem.check(DBUF[0]) is None
-        assert problem.check(BackwardKernelConfig.parse("backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled")) is None
+        assert problem.check(DBUF[3]) is None
         ms = []
         for cfg in (default_config(DType.BF16, 128), DBUF[0]):
             run = problem.timed_call(cfg)

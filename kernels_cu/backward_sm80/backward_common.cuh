@@ -54,8 +54,25 @@ struct StaticBackwardKernelConfig {
     // whole of the current one (one buffer: only during the dQ step).
     static constexpr int Q_BUFFERS = C.double_buffer ? 2 : 1;
     static constexpr int Q_BUFFER_SHIFT = 2 * QTile::BYTES;  // Q(1) - Q(0) = dO(1) - dO(0)
+    // pds_smem: P and dS exchanged through two [B_r][B_c] tiles, 2-D warp layouts per product
+    // (see backward_dkdv_2d.cuh); X_* are its warp grids: phase A (B_r/32) x X_S_WN warps of
+    // 32 x 32, phase B (B_c/32) x X_DKV_WD warps of 32 keys x X_DKV_COLS, phase C (B_r/32) x
+    // X_DQ_WD warps of 32 queries x X_DQ_COLS.
+    static constexpr bool PDS_SMEM = C.pds_smem;
+    using PTile = SmemTile<BR, BC, C.swizzled>;
+    static constexpr int X_S_WN = N_WARPS / (BR / 32);
+    static constexpr int X_DKV_WD = N_WARPS / (BC / 32);
+    static constexpr int X_DKV_COLS = D / X_DKV_WD;
+    static constexpr int X_DQ_WD = N_WARPS / (BR / 32);
+    static constexpr int X_DQ_COLS = D / X_DQ_WD;
     static constexpr int SMEM_BYTES =
-        2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
+        PDS_SMEM ? 2 * KVTile::BYTES + 2 * (2 * QTile::BYTES + ROW_STATS_BYTES) + 2 * PTile::BYTES
+                 : 2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
+    static_assert(!PDS_SMEM || (C.double_buffer && C.d_split == 1), "pds_smem needs double_buffer, d_split 1");
+    static_assert(!PDS_SMEM || (BR % 32 == 0 && BC % 32 == 0 && N_WARPS % (BR / 32) == 0 &&
+                                N_WARPS % (BC / 32) == 0 && BC / X_S_WN == 32),
+                  "pds_smem warp grids: 32 x 32 tiles of S, 32-key and 32-query warp rows");
+    static_assert(!PDS_SMEM || (X_DKV_COLS % 16 == 0 && X_DQ_COLS % 16 == 0), "column slices of whole n-tile pairs");
 
     // The deterministic dQ kernel: one CTA per query block, one warp per 16 query rows.
     static constexpr int DQK_WARPS = BR / 16;
@@ -80,6 +97,12 @@ struct StaticBackwardKernelConfig {
 CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
     float2 v;
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+CF_DEVICE float ld_shared_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
     return v;
 }
 

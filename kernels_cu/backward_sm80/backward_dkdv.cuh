@@ -384,10 +384,3 @@ struct BackwardKVCTA {
     }
 };
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(Cfg::N_THREADS)
-    backward_dkdv_kernel(const __grid_constant__ BackwardParams params) {
-    extern __shared__ __align__(1024) unsigned char smem[];
-    BackwardKVCTA<Cfg, CAUSAL, DETERMINISTIC> cta(params, smem);
-    cta.run();
-}

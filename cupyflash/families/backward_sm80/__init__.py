@@ -41,7 +41,8 @@ class BackwardSm80Family(KernelFamily):
     template = "backward_sm80.cu.j2"
     # the shared primitives (one copy in kernels_cu/common), then the family's own headers
     headers = ("common/ptx.cuh", "common/tile_primitives.cuh", "backward_sm80/backward_common.cuh",
-               "backward_sm80/backward_rows.cuh", "backward_sm80/backward_dkdv.cuh", "backward_sm80/backward_dq.cuh")
+               "backward_sm80/backward_rows.cuh", "backward_sm80/backward_dkdv.cuh", "backward_sm80/backward_dkdv_2d.cuh",
+               "backward_sm80/backward_dq.cuh")
     static_wrapper = "StaticBackwardKernelConfig"
     roles = (  # the main kernel first: it is what registry.get(cfg) and prewarm summaries report
         KernelRole("dkdv", "backward_dkdv_kernel", BACKWARD_PARAMS),

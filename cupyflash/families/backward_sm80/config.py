@@ -50,6 +50,10 @@ class BackwardKernelConfig(KernelConfig):
     swizzled: XOR-swizzled shared tiles (conflict-free cp.async writes and ldmatrix reads).
     double_buffer: two Q/dO buffers in the dK/dV kernel: the next query block is copied during the
         whole current iteration instead of only during its dQ step (+2 * B_r * d_head * 2 bytes).
+    pds_smem: P and dS exchanged through shared memory, with FlashAttention-2's 2-D warp tiling per
+        product (32 x 32 tiles of S/dP, 32 keys per warp for dK/dV, 32 queries per warp for dQ)
+        instead of every warp owning 16 key rows of all products: fewer shared-memory reads per
+        mma, two more [B_r][B_c] tiles. Needs double_buffer and d_split 1.
     """
 
     FAMILY: ClassVar[str] = FAMILY_NAME
@@ -62,6 +66,7 @@ class BackwardKernelConfig(KernelConfig):
     d_split: int
     swizzled: bool
     double_buffer: bool
+    pds_smem: bool
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -78,7 +83,9 @@ class BackwardKernelConfig(KernelConfig):
         return 2 * self.B_r
 
     def accumulator_registers(self) -> int:
-        """fp32 registers per thread for dK, dV, S^T and dP^T in the dK/dV kernel."""
+        """fp32 registers per thread for dK, dV, S^T and dP^T (S, dP) in the dK/dV kernel."""
+        if self.pds_smem:  # 32 keys x d_head / (n_warps / (B_c/32)) of dK and dV, 32 x 32 of S and dP
+            return 2 * self.d_head * (self.B_c // 32) // self.n_warps + 64
         mk = self.key_rows_per_warp // 16
         return mk * self.d_head // self.d_split + mk * self.B_r
 
@@ -89,8 +96,9 @@ class BackwardKernelConfig(KernelConfig):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel: K, V, Q, dO tiles, dS^T, row statistics."""
         buffers = 2 if self.double_buffer else 1
+        exchange = 2 if self.pds_smem else 1  # dS^T, or P and dS
         return (2 * self.B_c * self.d_head * 2 + buffers * (2 * self.B_r * self.d_head * 2 + 8 * self.B_r)
-                + self.B_c * self.B_r * 2)
+                + exchange * self.B_c * self.B_r * 2)
 
     def dq_smem_bytes(self) -> int:
         """Dynamic shared memory of the deterministic dQ kernel: Q, dO, K, V tiles."""
@@ -115,6 +123,15 @@ class BackwardKernelConfig(KernelConfig):
             yield "dQ columns per warp (d_head / (n_warps / (B_r/16))) a multiple of 16", (d * q_mtiles // w) % 16 == 0
         yield ("the Q/dO and K/V tiles' 16-byte chunks spread evenly over the threads of both kernels",
                (br * d // 8) % (32 * w) == 0 and (bc * d // 8) % (32 * w) == 0 and (bc * d // 8) % (2 * br) == 0)
+        if self.pds_smem:
+            yield "pds_smem needs double_buffer and d_split 1", self.double_buffer and ds == 1
+            wq, wk = br // 32, bc // 32
+            grids = w % wq == 0 and w % wk == 0 and bc * wq == 32 * w
+            yield ("pds_smem warp grids: (B_r/32) x (n_warps/(B_r/32)) warps of 32 x 32 S tiles, B_c/32 key rows "
+                   "and B_r/32 query rows of warps, each with a column slice of whole n-tile pairs",
+                   grids and (d * wk // w) % 16 == 0 and (d * wq // w) % 16 == 0)
+            if not grids:
+                return
         if rows >= 16 and rows % 16 == 0:
             yield (f"dK/dV + S^T/dP^T accumulators <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
                    self.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
@@ -130,6 +147,8 @@ class BackwardKernelConfig(KernelConfig):
             out.append("swizzled")
         if self.double_buffer:
             out.append("dbuf")
+        if self.pds_smem:
+            out.append("pds")
         return out
 
     def short_form(self) -> str:
@@ -147,7 +166,7 @@ class BackwardKernelConfig(KernelConfig):
                              f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
         features = [f for f in m.group("features").split("+") if f]
         d_split = None
-        flags = {"swizzled": False, "dbuf": False}
+        flags = {"swizzled": False, "dbuf": False, "pds": False}
         for feat in features:
             dm = _DSPLIT_RE.match(feat)
             if dm and d_split is None:
@@ -156,8 +175,8 @@ class BackwardKernelConfig(KernelConfig):
                 flags[feat] = True
             else:
                 raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
-                                 "(known: dsplit_N once, swizzled, dbuf)")
+                                 "(known: dsplit_N once, swizzled, dbuf, pds)")
         if d_split is None:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"])
+                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"])

@@ -15,11 +15,11 @@ KERNEL_SET_KEYS = ("all", "tune", "prog", "prog_all")
 def all_configs() -> list[BackwardKernelConfig]:
     """Every valid config (both dtypes, every d_head, swizzled or not, double-buffered or not)."""
     out = []
-    for dtype, d, br, bc, w, ds, swz, dbuf in itertools.product(DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES,
-                                                               N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
-                                                               (False, True)):
+    for dtype, d, br, bc, w, ds, swz, dbuf, pds in itertools.product(
+            DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES, N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
+            (False, True), (False, True)):
         try:
-            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf))
+            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds))
         except ValueError:
             continue
     return sorted(out)
@@ -46,6 +46,7 @@ _PROGRESSION = (
     "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled",   # + conflict-free tiles
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled",  # + 128-key blocks, 8 warps
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",  # + Q/dO double buffer
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds",  # + P/dS through smem, 2-D warp tiles
 )
 
 
@@ -61,20 +62,21 @@ def progression_configs(dtype: DType | None = DType.BF16, d_head: int | None = 1
     return out
 
 
+# (B_r, B_c, n_warps, d_split, double_buffer, pds_smem) per d_head
 _DEFAULTS = {
-    64: (64, 128, 8, 1),
-    96: (64, 64, 8, 2),
-    128: (64, 128, 8, 1),
-    256: (64, 64, 8, 2),
+    64: (64, 128, 8, 1, True, True),
+    96: (64, 64, 8, 2, False, False),
+    128: (64, 128, 8, 1, True, True),
+    256: (64, 64, 8, 2, False, False),
 }
 
 
 def default_config(dtype: DType, d_head: int) -> BackwardKernelConfig:
-    """The library's pick for cfg=None (B_r, B_c, n_warps, d_split per d_head, swizzled)."""
+    """The library's pick for cfg=None (swizzled; the rest per d_head, from the H100 runs in NOTES.md)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported; expected one of {SUPPORTED_D_HEADS}")
-    br, bc, w, ds = _DEFAULTS[d_head]
-    return BackwardKernelConfig(dtype, d_head, br, bc, w, ds, True, False)
+    br, bc, w, ds, dbuf, pds = _DEFAULTS[d_head]
+    return BackwardKernelConfig(dtype, d_head, br, bc, w, ds, True, dbuf, pds)
 
 
 def get_kernel_configs(key: str) -> list[BackwardKernelConfig]:
