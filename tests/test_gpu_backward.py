@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -29,32 +28,36 @@ if has_gpu():
 D_HEADS = (64, 96, 128, 256)
 TUNE = sorted(set(c for c in get_kernel_configs("tune") if c.dtype is DType.BF16) | set(get_kernel_configs("prog")))
 DEFAULTS = [default_config(dtype, d) for dtype in DType for d in D_HEADS]
+DBUF = [BackwardKernelConfig.parse(t) for t in (
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",
+    "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf",
+    "backward_sm80 (BF16, 256, 64, 64, 8): dsplit_2+swizzled+dbuf",
+    "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
+    "backward_sm80 (FP16, 96, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
+    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+dbuf+pds",   # plain (unswizzled) tiles
+)]
 FIGURES: list[dict] = []
-
-
-def _compile(args):
-    from cupyflash.registry import compile_config
-
-    cfg, arch, causal, det = args
-    if det is None:  # a forward config
-        compile_config(cfg, arch, causal=causal)
-    else:
-        compile_config(cfg, arch, variant=(causal, det))
-    return str(cfg)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
-    """Compile every variant the tests use in parallel (NVRTC needs no GPU), then run them warm."""
+    """Compile every variant the tests use in parallel (NVRTC needs no GPU; the prewarm's worker
+    processes are spawned, not forked from this CUDA process), then run them warm."""
     from cupyflash.device import device_arch
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80
+    from cupyflash.prewarm import prewarm
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    jobs = [(c, arch, False, False) for c in TUNE]
-    jobs += [(c, arch, causal, det) for c in DEFAULTS for causal in (False, True) for det in (False, True)]
-    jobs += [(c, arch, causal, det) for c in DBUF for causal, det in ((False, False), (True, False), (True, True))]
-    jobs += [(forward_default(dt, d), arch, causal, None) for dt in DType for d in D_HEADS for causal in (False, True)]
-    with ProcessPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as ex:
-        list(ex.map(_compile, jobs))
+    jobs = max(1, min(16, os.cpu_count() or 1))
+    reports = [
+        prewarm(TUNE, [arch], jobs=jobs, progress=None, variants=[(False, False)]),
+        prewarm(DEFAULTS, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
+        prewarm(DBUF, [arch], jobs=jobs, progress=None, variants=[(False, False), (True, False), (True, True)]),
+        prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
+                causal=(False, True)),
+    ]
+    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
+    assert not failed, "\n".join(failed[:3])
     yield
     path = os.environ.get("CUPYFLASH_TEST_FIGURES")
     if path:
@@ -128,14 +131,6 @@ def test_deterministic_is_correct_and_bit_identical(dtype, d_head, causal, rng):
     assert grads[0].shape == q.shape
 
 
-DBUF = [BackwardKernelConfig.parse(t) for t in (
-    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",
-    "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf",
-    "backward_sm80 (BF16, 256, 64, 64, 8): dsplit_2+swizzled+dbuf",
-    "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
-    "backward_sm80 (FP16, 96, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
-    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+dbuf+pds",   # plain (unswizzled) tiles
-)]
 
 
 @pytest.mark.parametrize("cfg", DBUF, ids=str)

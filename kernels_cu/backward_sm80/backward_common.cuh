@@ -59,7 +59,8 @@ struct StaticBackwardKernelConfig {
     // 32 x 32, phase B (B_c/32) x X_DKV_WD warps of 32 keys x X_DKV_COLS, phase C (B_r/32) x
     // X_DQ_WD warps of 32 queries x X_DQ_COLS.
     static constexpr bool PDS_SMEM = C.pds_smem;
-    using PTile = SmemTile<BR, BC, C.swizzled>;
+    // (a [B_r][64] stand-in when unused: SmemTile needs rows of >= 8 chunks, B_c may be 32)
+    using PTile = SmemTile<BR, (PDS_SMEM ? BC : 64), C.swizzled>;
     static constexpr int X_S_WN = N_WARPS / (BR / 32);
     static constexpr int X_DKV_WD = N_WARPS / (BC / 32);
     static constexpr int X_DKV_COLS = D / X_DKV_WD;
