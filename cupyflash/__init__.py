@@ -12,5 +12,5 @@ from .autotune import autotune
 
 __version__ = "0.1.0"
 
-__all__ = ["BackwardKernelConfig", "DType", "FlashForwardKernelConfig", "TuningTable", "autotune", "backward", "forward", "get_kernel_configs",
-           "__version__"]
+__all__ = ["BackwardKernelConfig", "DType", "FlashForwardKernelConfig", "TuningTable", "autotune", "backward",
+           "forward", "get_kernel_configs", "__version__"]

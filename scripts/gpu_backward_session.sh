@@ -9,9 +9,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
 arch=$(python3 -c "from cupyflash.device import device_arch; print(device_arch(0)[0])")
-# benchmarked besides the defaults (pds_smem at d_head 64/128): the previous layouts
-D128="backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf|backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds"
-D64="backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf"
+# benchmarked besides the defaults: the single-buffered layout and the pds_smem (2-D warp tiling) ones
+D128="backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds|backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds"
+D64="backward_sm80 (BF16, 64, 64, 128, 8): dsplit_1+swizzled|backward_sm80 (BF16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf+pds"
 CFGS="$D128|$D64"
 args=()
 while IFS= read -r c; do args+=(--config "$c"); done < <(echo "$CFGS|$(echo "$CFGS" | sed 's/BF16/FP16/g')" | tr '|' '\n')
