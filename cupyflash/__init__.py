@@ -3,6 +3,8 @@ from .config import DType
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.config_sets import get_kernel_configs
 from .api import forward
+from .backward_api import backward
+from .families.backward_sm80 import BackwardKernelConfig
 from .tuning import TuningTable
 # The function shadows its module as a package attribute (`cupyflash.autotune(...)`, as documented);
 # code that needs the module imports from it: `from cupyflash.autotune import format_table`.
@@ -10,5 +12,5 @@ from .autotune import autotune
 
 __version__ = "0.1.0"
 
-__all__ = ["DType", "FlashForwardKernelConfig", "TuningTable", "autotune", "forward", "get_kernel_configs",
-           "__version__"]
+__all__ = ["BackwardKernelConfig", "DType", "FlashForwardKernelConfig", "TuningTable", "autotune", "backward",
+           "forward", "get_kernel_configs", "__version__"]

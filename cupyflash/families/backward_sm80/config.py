@@ -1,0 +1,182 @@
+"""The mma.sync backward family's configuration: `BackwardKernelConfig`.
+
+Its fields are the one source of truth for the C++ struct of the same name, the NVRTC name
+expressions, the short form and the cache key. Short form (it names its family, so it can never
+be mistaken for another family's):
+
+    backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf
+                  (dtype, d_head, B_r, B_c, n_warps): dsplit_N always, then features
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
+
+from ...config import SUPPORTED_D_HEADS, DType, KernelConfig
+
+__all__ = ["BackwardKernelConfig", "B_R_VALUES", "B_C_VALUES", "N_WARPS_VALUES", "D_SPLIT_VALUES",
+           "MAX_ACCUMULATOR_REGISTERS", "MAX_SMEM_BYTES", "FAMILY_NAME"]
+
+FAMILY_NAME = "backward_sm80"
+B_R_VALUES = (64, 128)
+B_C_VALUES = (32, 64, 128)
+N_WARPS_VALUES = (4, 8)
+D_SPLIT_VALUES = (1, 2)
+# fp32 accumulators a thread may hold at once (dK + dV, plus S^T and dP^T of one query block);
+# above this ptxas spills (measured with NVRTC 12.9 on sm_80/sm_90, see the compile tests).
+MAX_ACCUMULATOR_REGISTERS = 192
+MAX_SMEM_BYTES = 227 * 1024  # the largest opt-in dynamic shared memory of sm_80..sm_90 (H100)
+ROW_KERNEL_ROWS = 64  # rows per CTA of the preprocess and convert kernels
+
+_SHORT_RE = re.compile(
+    r"^\s*backward_sm80\s*\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
+    r"\s*(?P<w>\d+)\s*\)\s*:\s*(?P<features>[\w+]*)\s*$"
+)
+_DSPLIT_RE = re.compile(r"^dsplit_(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class BackwardKernelConfig(KernelConfig):
+    """Static configuration of one backward kernel set (preprocess, dK/dV, dQ, convert).
+
+    dtype: element type of every tensor (fp32 accumulation and softmax).
+    d_head: head dimension.
+    B_r: query rows per inner iteration of the dK/dV kernel (and per CTA of the dQ kernel).
+    B_c: key rows per CTA of the dK/dV kernel (and per inner iteration of the dQ kernel).
+    n_warps: warps of the dK/dV kernel.
+    d_split: 1, or 2 to split dK/dV's columns over two warps that share key rows (halves the
+        accumulator registers; S^T and dP^T are computed by both). Needed for d_head 256.
+    swizzled: XOR-swizzled shared tiles (conflict-free cp.async writes and ldmatrix reads).
+    double_buffer: two Q/dO buffers in the dK/dV kernel: the next query block is copied during the
+        whole current iteration instead of only during its dQ step (+2 * B_r * d_head * 2 bytes).
+    pds_smem: P and dS exchanged through shared memory, with FlashAttention-2's 2-D warp tiling per
+        product (32 x 32 tiles of S/dP, 32 keys per warp for dK/dV, 32 queries per warp for dQ)
+        instead of every warp owning 16 key rows of all products: fewer shared-memory reads per
+        mma, two more [B_r][B_c] tiles. Needs double_buffer and d_split 1.
+    """
+
+    FAMILY: ClassVar[str] = FAMILY_NAME
+
+    dtype: DType
+    d_head: int
+    B_r: int
+    B_c: int
+    n_warps: int
+    d_split: int
+    swizzled: bool
+    double_buffer: bool
+    pds_smem: bool
+
+    # ------------------------------------------------------------------ derived figures
+    @property
+    def n_threads(self) -> int:
+        return 32 * self.n_warps
+
+    @property
+    def key_rows_per_warp(self) -> int:
+        return self.B_c * self.d_split // self.n_warps
+
+    @property
+    def dq_threads(self) -> int:
+        """Threads of the deterministic dQ kernel: one warp per 16 query rows."""
+        return 2 * self.B_r
+
+    def accumulator_registers(self) -> int:
+        """fp32 registers per thread for dK, dV, S^T and dP^T (S, dP) in the dK/dV kernel."""
+        if self.pds_smem:  # 32 keys x d_head / (n_warps / (B_c/32)) of dK and dV, 32 x 32 of S and dP
+            return 2 * self.d_head * (self.B_c // 32) // self.n_warps + 64
+        mk = self.key_rows_per_warp // 16
+        return mk * self.d_head // self.d_split + mk * self.B_r
+
+    def dq_accumulator_registers(self) -> int:
+        """fp32 registers per thread for dQ, S and dP in the deterministic dQ kernel."""
+        return self.d_head // 2 + self.B_c
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the dK/dV kernel: K, V, Q, dO tiles, dS^T, row statistics."""
+        buffers = 2 if self.double_buffer else 1
+        exchange = 2 if self.pds_smem else 1  # dS^T, or P and dS
+        return (2 * self.B_c * self.d_head * 2 + buffers * (2 * self.B_r * self.d_head * 2 + 8 * self.B_r)
+                + exchange * self.B_c * self.B_r * 2)
+
+    def dq_smem_bytes(self) -> int:
+        """Dynamic shared memory of the deterministic dQ kernel: Q, dO, K, V tiles."""
+        return 2 * self.B_r * self.d_head * 2 + 2 * self.B_c * self.d_head * 2
+
+    # ------------------------------------------------------------------ rules
+    def _rules(self) -> Iterator[tuple[str, bool]]:
+        d, br, bc, w, ds = self.d_head, self.B_r, self.B_c, self.n_warps, self.d_split
+        yield f"d_head in {SUPPORTED_D_HEADS}", d in SUPPORTED_D_HEADS
+        yield f"B_r in {B_R_VALUES}", br in B_R_VALUES
+        yield f"B_c in {B_C_VALUES}", bc in B_C_VALUES
+        yield f"n_warps in {N_WARPS_VALUES}", w in N_WARPS_VALUES
+        yield f"d_split in {D_SPLIT_VALUES}", ds in D_SPLIT_VALUES
+        if not (d in SUPPORTED_D_HEADS and br in B_R_VALUES and bc in B_C_VALUES and w in N_WARPS_VALUES
+                and ds in D_SPLIT_VALUES):
+            return
+        rows = bc * ds // w
+        yield "B_c * d_split / n_warps key rows per warp is a positive multiple of 16", rows >= 16 and rows % 16 == 0
+        yield "d_head / d_split is a multiple of 16 (pairs of n-tiles per warp)", (d // ds) % 16 == 0
+        q_mtiles = br // 16
+        if w > q_mtiles:
+            yield "dQ columns per warp (d_head / (n_warps / (B_r/16))) a multiple of 16", (d * q_mtiles // w) % 16 == 0
+        yield ("the Q/dO and K/V tiles' 16-byte chunks spread evenly over the threads of both kernels",
+               (br * d // 8) % (32 * w) == 0 and (bc * d // 8) % (32 * w) == 0 and (bc * d // 8) % (2 * br) == 0)
+        if self.pds_smem:
+            yield "pds_smem needs double_buffer and d_split 1", self.double_buffer and ds == 1
+            wq, wk = br // 32, bc // 32
+            grids = w % wq == 0 and w % wk == 0 and bc * wq == 32 * w
+            yield ("pds_smem warp grids: (B_r/32) x (n_warps/(B_r/32)) warps of 32 x 32 S tiles, B_c/32 key rows "
+                   "and B_r/32 query rows of warps, each with a column slice of whole n-tile pairs",
+                   grids and (d * wk // w) % 16 == 0 and (d * wq // w) % 16 == 0)
+            if not grids:
+                return
+        if rows >= 16 and rows % 16 == 0:
+            yield (f"dK/dV + S^T/dP^T accumulators <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
+                   self.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
+        yield (f"dQ-kernel accumulators (d_head/2 + B_c) <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
+               self.dq_accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
+        yield (f"shared memory of each kernel <= {MAX_SMEM_BYTES} bytes",
+               max(self.smem_bytes(), self.dq_smem_bytes()) <= MAX_SMEM_BYTES)
+
+    # ------------------------------------------------------------------ names
+    def features(self) -> list[str]:
+        out = [f"dsplit_{self.d_split}"]
+        if self.swizzled:
+            out.append("swizzled")
+        if self.double_buffer:
+            out.append("dbuf")
+        if self.pds_smem:
+            out.append("pds")
+        return out
+
+    def short_form(self) -> str:
+        return (f"{FAMILY_NAME} ({self.dtype.name}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps}): "
+                + "+".join(self.features()))
+
+    @classmethod
+    def parse(cls, text: str) -> "BackwardKernelConfig":
+        """The config of a short form (exact inverse of short_form); ValueError naming the problem."""
+        if not isinstance(text, str):
+            raise TypeError(f"short form must be a str, got {type(text).__name__}")
+        m = _SHORT_RE.match(text)
+        if not m:
+            raise ValueError(f"not a {FAMILY_NAME} short form: {text!r}; expected e.g. "
+                             f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
+        features = [f for f in m.group("features").split("+") if f]
+        d_split = None
+        flags = {"swizzled": False, "dbuf": False, "pds": False}
+        for feat in features:
+            dm = _DSPLIT_RE.match(feat)
+            if dm and d_split is None:
+                d_split = int(dm.group(1))
+            elif feat in flags and not flags[feat]:
+                flags[feat] = True
+            else:
+                raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
+                                 "(known: dsplit_N once, swizzled, dbuf, pds)")
+        if d_split is None:
+            raise ValueError(f"short form {text!r}: dsplit_N is required")
+        return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
+                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"])

@@ -1,0 +1,95 @@
+"""Named config sets of the backward family and the default pick per (dtype, d_head)."""
+from __future__ import annotations
+
+import itertools
+
+from ...config import SUPPORTED_D_HEADS, DType
+from .config import B_C_VALUES, B_R_VALUES, D_SPLIT_VALUES, N_WARPS_VALUES, BackwardKernelConfig
+
+__all__ = ["KERNEL_SET_KEYS", "all_configs", "should_autotune", "tune_configs", "progression_configs",
+           "default_config", "get_kernel_configs"]
+
+KERNEL_SET_KEYS = ("all", "tune", "prog", "prog_all")
+
+
+def all_configs() -> list[BackwardKernelConfig]:
+    """Every valid config (both dtypes, every d_head, swizzled or not, double-buffered or not)."""
+    out = []
+    for dtype, d, br, bc, w, ds, swz, dbuf, pds in itertools.product(
+            DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES, N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
+            (False, True), (False, True)):
+        try:
+            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def should_autotune(cfg: BackwardKernelConfig) -> bool:
+    """The tuning set's rule: swizzled only (the plain layout exists for the progression), and a
+    d_split of 2 only where the unsplit config would not fit (d_head 256) or where it lets a
+    CTA hold a larger key block with 8 warps: (B_c * 2 / n_warps) keys per warp equal to 16."""
+    if not cfg.swizzled:
+        return False
+    if cfg.d_split == 2:
+        return cfg.d_head == 256 or cfg.key_rows_per_warp == 16
+    return True
+
+
+def tune_configs() -> list[BackwardKernelConfig]:
+    return [c for c in all_configs() if should_autotune(c)]
+
+
+# The optimisation history at bf16, d_head 128 (each step one change; NOTES.md has the figures).
+_PROGRESSION = (
+    "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1",            # FA2 algorithm, plain shared tiles
+    "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled",   # + conflict-free tiles
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled",  # + 128-key blocks, 8 warps
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf",  # + Q/dO double buffer
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds",  # + P/dS through smem, 2-D warp tiles
+)
+
+
+def progression_configs(dtype: DType | None = DType.BF16, d_head: int | None = 128) -> list[BackwardKernelConfig]:
+    out = []
+    for text in _PROGRESSION:
+        cfg = BackwardKernelConfig.parse(text)
+        if d_head is not None and d_head != 128:
+            continue
+        if dtype is not None:
+            cfg = cfg.replace(dtype=dtype)
+        out.append(cfg)
+    return out
+
+
+# (B_r, B_c, n_warps, d_split, double_buffer, pds_smem) per d_head. d_head 64/128: the fastest of
+# the H100 bench (docs/bench_backward_h100.json; NOTES); 96/256: no spills. pds_smem is not a
+# default until it has been measured on a GPU.
+_DEFAULTS = {
+    64: (128, 128, 8, 1, True, False),
+    96: (64, 64, 8, 2, False, False),
+    128: (64, 128, 8, 1, True, False),
+    256: (64, 64, 8, 2, False, False),
+}
+
+
+def default_config(dtype: DType, d_head: int) -> BackwardKernelConfig:
+    """The library's pick for cfg=None (swizzled; the rest per d_head, from the H100 runs in NOTES.md)."""
+    if d_head not in _DEFAULTS:
+        raise ValueError(f"q: d_head {d_head} is not supported; expected one of {SUPPORTED_D_HEADS}")
+    br, bc, w, ds, dbuf, pds = _DEFAULTS[d_head]
+    return BackwardKernelConfig(dtype, d_head, br, bc, w, ds, True, dbuf, pds)
+
+
+def get_kernel_configs(key: str) -> list[BackwardKernelConfig]:
+    """A named set: 'all', 'tune', 'prog' (bf16 d_head 128 history) or 'prog_all' (both dtypes)."""
+    k = key.strip().lower()
+    if k == "all":
+        return all_configs()
+    if k == "tune":
+        return tune_configs()
+    if k == "prog":
+        return progression_configs()
+    if k == "prog_all":
+        return sorted(set(progression_configs(DType.BF16) + progression_configs(DType.FP16)))
+    raise ValueError(f"KERNELS: unknown backward set {key!r}; expected one of {KERNEL_SET_KEYS}")

@@ -1,0 +1,197 @@
+// Shared pieces of the mma.sync backward family (FlashAttention-2's backward): the static
+// configuration, the few PTX wrappers the forward kernel does not need, and fragment helpers for
+// the operand layouts that only the backward pass uses.
+//
+// Workspaces (fp32, per (batch, q-head) row-major, rows padded to seq_len_q_pad, a multiple of
+// B_r, so every block of B_r rows is whole and 16-byte aligned):
+//   lse2[row] = lse * log2(e) of the forward (or +inf for rows that saw no key and padding rows,
+//               so that P = exp2(S * scale * log2(e) - lse2) is exactly 0 there);
+//   dvec[row] = rowsum(dO * O) (0 for padding rows);
+//   dq_accum[row][d] = sum over key blocks of dS K, unscaled (atomics; not in deterministic mode).
+#pragma once
+
+#define CF_POS_INF (__int_as_float(0x7f800000))
+#ifndef CF_NEG_INF
+#define CF_NEG_INF (-__int_as_float(0x7f800000))
+#endif
+#ifndef CF_LOG2E
+#define CF_LOG2E 1.4426950408889634f
+#endif
+
+template <BackwardKernelConfig C>
+struct StaticBackwardKernelConfig {
+    static constexpr BackwardKernelConfig cfg = C;
+    static constexpr DType dtype = C.dtype;
+    static constexpr int D = C.d_head;
+    static constexpr int BR = C.B_r;  // query rows per inner iteration
+    static constexpr int BC = C.B_c;  // key rows per CTA of the dK/dV kernel
+    static constexpr int N_WARPS = C.n_warps;
+    static constexpr int N_THREADS = 32 * N_WARPS;
+    // dK/dV: warps split first over key rows, then (D_SPLIT > 1) over the head dimension. Warps of
+    // one key group compute the same S^T and dP^T (redundantly) and accumulate different columns.
+    static constexpr int D_SPLIT = C.d_split;
+    static constexpr int KEY_GROUPS = N_WARPS / D_SPLIT;
+    static constexpr int WARP_KEYS = BC / KEY_GROUPS;
+    static constexpr int MK = WARP_KEYS / 16;          // key m-tiles per warp
+    static constexpr int D_COLS = D / D_SPLIT;         // dK/dV columns per warp
+    static constexpr int DKV_N_TILES = D_COLS / 8;
+    static constexpr int Q_N_TILES = BR / 8;           // n-tiles of S^T over queries
+    static constexpr int Q_K_STEPS = BR / 16;          // k-steps over queries (dV, dK)
+    static constexpr int D_K_STEPS = D / 16;           // k-steps over d_head (S^T, dP^T)
+    static constexpr int KEY_K_STEPS = BC / 16;        // k-steps over keys (dQ)
+    // dQ partial products of one iteration: (B_r / 16) m-tiles x D columns spread over the warps.
+    static constexpr int Q_M_TILES = BR / 16;
+    static constexpr int DQ_WARPS_PER_MTILE = N_WARPS > Q_M_TILES ? N_WARPS / Q_M_TILES : 1;
+    static constexpr int DQ_MTILES_PER_WARP = N_WARPS > Q_M_TILES ? 1 : Q_M_TILES / N_WARPS;
+    static constexpr int DQ_N_TILES = D / 8 / DQ_WARPS_PER_MTILE;  // columns (n-tiles) per warp
+    static constexpr int DQ_CHUNK = DQ_N_TILES % 4 == 0 ? 4 : 2;   // n-tiles accumulated at once
+
+    using QTile = SmemTile<BR, D, C.swizzled>;
+    using KVTile = SmemTile<BC, D, C.swizzled>;
+    using DSTile = SmemTile<BC, BR, C.swizzled>;  // dS^T, [key][query]
+    static constexpr int ROW_STATS_BYTES = 2 * BR * 4;  // lse2 and dvec of one query block
+    // double_buffer: two Q/dO/statistics buffers, so the next query block is copied during the
+    // whole of the current one (one buffer: only during the dQ step).
+    static constexpr int Q_BUFFERS = C.double_buffer ? 2 : 1;
+    static constexpr int Q_BUFFER_SHIFT = 2 * QTile::BYTES;  // Q(1) - Q(0) = dO(1) - dO(0)
+    // pds_smem: P and dS exchanged through two [B_r][B_c] tiles, 2-D warp layouts per product
+    // (see backward_dkdv_2d.cuh); X_* are its warp grids: phase A (B_r/32) x X_S_WN warps of
+    // 32 x 32, phase B (B_c/32) x X_DKV_WD warps of 32 keys x X_DKV_COLS, phase C (B_r/32) x
+    // X_DQ_WD warps of 32 queries x X_DQ_COLS.
+    static constexpr bool PDS_SMEM = C.pds_smem;
+    // (a [B_r][64] stand-in when unused: SmemTile needs rows of >= 8 chunks, B_c may be 32)
+    using PTile = SmemTile<BR, (PDS_SMEM ? BC : 64), C.swizzled>;
+    static constexpr int X_S_WN = N_WARPS / (BR / 32);
+    static constexpr int X_DKV_WD = N_WARPS / (BC / 32);
+    static constexpr int X_DKV_COLS = D / X_DKV_WD;
+    static constexpr int X_DQ_WD = N_WARPS / (BR / 32);
+    static constexpr int X_DQ_COLS = D / X_DQ_WD;
+    static constexpr int SMEM_BYTES =
+        PDS_SMEM ? 2 * KVTile::BYTES + 2 * (2 * QTile::BYTES + ROW_STATS_BYTES) + 2 * PTile::BYTES
+                 : 2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
+    static_assert(!PDS_SMEM || (C.double_buffer && C.d_split == 1), "pds_smem needs double_buffer, d_split 1");
+    static_assert(!PDS_SMEM || (BR % 32 == 0 && BC % 32 == 0 && N_WARPS % (BR / 32) == 0 &&
+                                N_WARPS % (BC / 32) == 0 && BC / X_S_WN == 32),
+                  "pds_smem warp grids: 32 x 32 tiles of S, 32-key and 32-query warp rows");
+    static_assert(!PDS_SMEM || (X_DKV_COLS % 16 == 0 && X_DQ_COLS % 16 == 0), "column slices of whole n-tile pairs");
+
+    // The deterministic dQ kernel: one CTA per query block, one warp per 16 query rows.
+    static constexpr int DQK_WARPS = BR / 16;
+    static constexpr int DQK_THREADS = 32 * DQK_WARPS;
+    static constexpr int DQK_SMEM_BYTES = 2 * QTile::BYTES + 2 * KVTile::BYTES;
+
+    // Preprocess / convert kernels: 64 rows per CTA, 4 threads per row.
+    static constexpr int ROW_KERNEL_ROWS = 64;
+    static constexpr int ROW_KERNEL_THREADS = 256;
+
+    static_assert(N_WARPS % D_SPLIT == 0 && BC % KEY_GROUPS == 0, "warps split evenly over keys and columns");
+    static_assert(WARP_KEYS % 16 == 0 && MK >= 1, "each warp owns whole 16-key m-tiles");
+    static_assert(DKV_N_TILES % 2 == 0, "dK/dV columns per warp come in pairs of n-tiles");
+    static_assert(DQ_N_TILES % 2 == 0, "dQ columns per warp come in pairs of n-tiles");
+    static_assert((BR * D / 8) % N_THREADS == 0 && (BC * D / 8) % N_THREADS == 0, "tiles spread over threads");
+    static_assert((BR * D / 8) % DQK_THREADS == 0 && (BC * D / 8) % DQK_THREADS == 0, "dQ-kernel tiles spread");
+    static_assert(BR % ROW_KERNEL_ROWS == 0, "padded rows are whole preprocess blocks");
+    static_assert(BR / 2 <= N_THREADS, "one 16-byte row-statistics copy per thread");
+};
+
+// ---- PTX the forward kernel does not use --------------------------------------------------
+CF_DEVICE float2 ld_shared_f32x2(u32 addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(addr));
+    return v;
+}
+
+CF_DEVICE float ld_shared_f32(u32 addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+    return v;
+}
+
+CF_DEVICE float ld_global_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Two fp32 atomic adds to adjacent addresses (8-byte aligned). Hopper has a vector reduction,
+// one instruction for both; older archs issue two.
+CF_DEVICE void atomic_add_f32x2(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b) : "memory");
+#else
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(a) : "memory");
+    asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+
+// One register of two 16-bit values -> two fp32 values (low half first).
+template <DType T>
+CF_DEVICE float2 unpack_pair(u32 v);
+
+template <>
+CF_DEVICE float2 unpack_pair<DType::BF16>(u32 v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+
+template <>
+CF_DEVICE float2 unpack_pair<DType::FP16>(u32 v) {
+    float lo, hi;
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+    return make_float2(lo, hi);
+}
+
+// ---- fragment helpers ---------------------------------------------------------------------
+// A operand (16 x 16, rows m, columns k) from a tile stored transposed, [k][m] (dS^T stored
+// [key][query] feeding dQ = dS K). Transposing ldmatrix on the 8x8 blocks (k 0-7 | 8-15) x
+// (m 0-7 | 8-15) gives lane l (m = l/4, k = 2(l%4), +1) of each block, i.e. the A layout when
+// block i is (k offset 8*(i>>1), m offset 8*(i&1)): the B-operand lane pattern.
+template <class Tile>
+CF_DEVICE typename Tile::Cursor a_transposed_fragment_cursor(const Tile& tile, int lane) {
+    return b_fragment_cursor(tile, lane);
+}
+
+template <class Tile>
+CF_DEVICE void load_a_fragment_transposed(u32 (&a)[4], const Tile& tile, const typename Tile::Cursor& cur,
+                                          int m_tile, int k_step) {
+    ldmatrix_x4_trans(a, tile.at(cur, 16 * k_step, 2 * m_tile));
+}
+
+// fp32 C fragments of two adjacent n-tiles (16 x 16) -> the A fragment of one k-step.
+template <DType T>
+CF_DEVICE void pack_a_fragment(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack_pair<T>(c0[0], c0[1]);
+    a[1] = pack_pair<T>(c0[2], c0[3]);
+    a[2] = pack_pair<T>(c1[0], c1[1]);
+    a[3] = pack_pair<T>(c1[2], c1[3]);
+}
+
+// A packed A fragment (16 x 16 16-bit) -> shared tile rows row_offset.., n-tiles 2k, 2k+1, with
+// an accumulator_cursor (lane holds row lane/4 (+8), columns 2(lane%4), +1 of each n-tile).
+template <class Tile>
+CF_DEVICE void store_a_fragment(const Tile& tile, const typename Tile::Cursor& cur, const u32 (&a)[4],
+                                int row_offset, int k_step) {
+    st_shared_4(tile.at(cur, row_offset, 2 * k_step), a[0]);
+    st_shared_4(tile.at(cur, row_offset + 8, 2 * k_step), a[1]);
+    st_shared_4(tile.at(cur, row_offset, 2 * k_step + 1), a[2]);
+    st_shared_4(tile.at(cur, row_offset + 8, 2 * k_step + 1), a[3]);
+}
+
+// Copy a whole tile from shared to global memory over N_THREADS threads (rows at or past
+// rows_valid are not written). Every thread's writes to the tile must be visible (barrier first).
+template <int N_THREADS, class Tile>
+CF_DEVICE void copy_tile_shared_to_global(const Tile& tile, u16* __restrict__ dst, long long row_stride,
+                                          int rows_valid, int tid) {
+    constexpr int ROWS = Tile::BYTES / Tile::ROW_BYTES;
+    constexpr int TOTAL_CHUNKS = ROWS * Tile::CHUNKS_PER_ROW;
+    static_assert(TOTAL_CHUNKS % N_THREADS == 0, "tile chunks must spread evenly over the threads");
+#pragma unroll
+    for (int i = 0; i < TOTAL_CHUNKS / N_THREADS; ++i) {
+        const int idx = tid + i * N_THREADS;
+        const int row = idx / Tile::CHUNKS_PER_ROW;
+        const int chunk = idx % Tile::CHUNKS_PER_ROW;
+        const uint4 v = ld_shared_16(tile.lane_address(row, chunk));
+        if (row < rows_valid) st_global_16(dst + row * row_stride + chunk * 8, v);
+    }
+}

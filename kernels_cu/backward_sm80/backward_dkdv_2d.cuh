@@ -1,0 +1,364 @@
+// The dK/dV kernel with P and dS exchanged through shared memory (config field pds_smem), the
+// warp tiling of FlashAttention-2's backward: each of the three products gets its own 2-D warp
+// layout with 32 x 32 (or 32 x D/k) warp tiles, instead of every warp owning 16 key rows of all
+// of them. Per query block of B_r rows:
+//   phase A, warps (B_r/32) x (B_c/32) over (queries, keys): S = Q K^T, P = exp2(S*scale*log2 e -
+//            lse2[row]), dP = dO V^T, dS = P * (dP - dvec[row]); P and dS (input precision) are
+//            stored to shared [query][key] tiles;                        -- barrier --
+//   phase B, warps (B_c/32) x (D/cols) over (keys, d): dV += P^T dO, dK += dS^T Q, with P^T and
+//            dS^T read through the transposing ldmatrix (32 keys per warp: each B fragment of
+//            dO / Q feeds two m-tiles, half the shared-memory reads of the 16-row layout);
+//   phase C, warps (B_r/32) x (D/cols) over (queries, d), atomic variant only: dQ += dS K into the
+//            fp32 workspace.
+// Q, dO and the row statistics are double-buffered (required): the next block's copies are issued
+// at the top of the iteration, since Q and dO are read until the end of phase B.
+#pragma once
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+struct BackwardKVCTA2D {
+    using KVTile = typename Cfg::KVTile;
+    using QTile = typename Cfg::QTile;
+    using PTile = typename Cfg::PTile;  // [B_r queries][B_c keys], P or dS
+    static constexpr int S_N = 4;       // phase A: 32 keys per warp = 4 n-tiles
+    static constexpr int DKV_N = Cfg::X_DKV_COLS / 8;
+    static constexpr int DQ_N = Cfg::X_DQ_COLS / 8;
+
+    const BackwardParams& p;
+    const int tid, lane, warp;
+    KVTile k_tile, v_tile;
+    QTile q_tile, do_tile;
+    PTile p_tile, ds_tile;
+    u32 stats;
+    // phase A
+    const int a_q0, a_k0;  // warp tile origin (query row, key) inside the blocks
+    typename QTile::Cursor q_a, do_a;
+    typename KVTile::Cursor k_b, v_b;
+    // phase B
+    const int b_k0, b_d0;
+    typename PTile::Cursor p_at, ds_at;
+    typename QTile::Cursor q_bt, do_bt;
+    // phase C
+    const int c_q0, c_d0;
+    typename PTile::Cursor ds_a;
+    typename KVTile::Cursor k_bt;
+
+    float dk[2][DKV_N][4];
+    float dv[2][DKV_N][4];
+
+    CF_DEVICE BackwardKVCTA2D(const BackwardParams& params, unsigned char* smem)
+        : p(params),
+          tid(threadIdx.x),
+          lane(threadIdx.x & 31),
+          warp(threadIdx.x >> 5),
+          a_q0(((threadIdx.x >> 5) / Cfg::X_S_WN) * 32),
+          a_k0(((threadIdx.x >> 5) % Cfg::X_S_WN) * 32),
+          b_k0(((threadIdx.x >> 5) / Cfg::X_DKV_WD) * 32),
+          b_d0(((threadIdx.x >> 5) % Cfg::X_DKV_WD) * Cfg::X_DKV_COLS),
+          c_q0(((threadIdx.x >> 5) / Cfg::X_DQ_WD) * 32),
+          c_d0(((threadIdx.x >> 5) % Cfg::X_DQ_WD) * Cfg::X_DQ_COLS) {
+        // K, V, Q(0), dO(0), Q(1), dO(1), P, dS, statistics(0), statistics(1)
+        k_tile.base = shared_address(smem);
+        v_tile.base = k_tile.base + KVTile::BYTES;
+        q_tile.base = v_tile.base + KVTile::BYTES;
+        do_tile.base = q_tile.base + QTile::BYTES;
+        p_tile.base = q_tile.base + 2 * Cfg::Q_BUFFER_SHIFT;
+        ds_tile.base = p_tile.base + PTile::BYTES;
+        stats = ds_tile.base + PTile::BYTES;
+        const int matrix = lane >> 3;
+        // phase A: A operands (Q, dO rows a_q0..), B operands (K, V rows a_k0..) with the warp's
+        // offsets folded into the cursors (multiples of 8 rows: the swizzle phase is kept)
+        q_a = a_fragment_cursor(q_tile, a_q0, lane);
+        do_a = a_fragment_cursor(do_tile, a_q0, lane);
+        k_b = k_tile.cursor(a_k0 + (lane & 7) + (matrix >> 1) * 8, matrix & 1);
+        v_b = v_tile.cursor(a_k0 + (lane & 7) + (matrix >> 1) * 8, matrix & 1);
+        // phase B: P^T / dS^T as A operands from [query][key] tiles (keys b_k0..), dO / Q as
+        // transposed B operands (columns b_d0..)
+        p_at = p_tile.cursor((lane & 7) + (matrix >> 1) * 8, (matrix & 1) + b_k0 / 8);
+        ds_at = ds_tile.cursor((lane & 7) + (matrix >> 1) * 8, (matrix & 1) + b_k0 / 8);
+        q_bt = q_tile.cursor((lane & 7) + (matrix & 1) * 8, (matrix >> 1) + b_d0 / 8);
+        do_bt = do_tile.cursor((lane & 7) + (matrix & 1) * 8, (matrix >> 1) + b_d0 / 8);
+        // phase C: dS rows c_q0.. as A, K columns c_d0.. as transposed B
+        ds_a = a_fragment_cursor(ds_tile, c_q0, lane);
+        k_bt = k_tile.cursor((lane & 7) + (matrix & 1) * 8, (matrix >> 1) + c_d0 / 8);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DKV_N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    dk[m][n][e] = 0.f;
+                    dv[m][n][e] = 0.f;
+                }
+    }
+
+    CF_DEVICE static int k0() { return blockIdx.x * Cfg::BC; }
+    CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }
+
+    CF_DEVICE static QTile shifted(QTile t, int buf) {
+        t.base += buf * Cfg::Q_BUFFER_SHIFT;
+        return t;
+    }
+    CF_DEVICE static typename QTile::Cursor shifted(typename QTile::Cursor c, int buf) {
+        c.addr += buf * Cfg::Q_BUFFER_SHIFT;
+        return c;
+    }
+    CF_DEVICE u32 stats_of(int buf) const { return stats + buf * Cfg::ROW_STATS_BYTES; }
+
+    CF_DEVICE void load_kv() {
+        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        const u16* k_src = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                           (long long)k0() * p.k_seq_stride;
+        const u16* v_src = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                           (long long)k0() * p.v_seq_stride;
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(k_tile, k_src, p.k_seq_stride, p.seq_len_k - k0(), tid);
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(v_tile, v_src, p.v_seq_stride, p.seq_len_k - k0(), tid);
+    }
+
+    CF_DEVICE void load_q_block(int head, int qb, int buf) {
+        const int batch = blockIdx.z;
+        const long long row0 = (long long)qb * Cfg::BR;
+        const int rows_valid = p.seq_len_q - qb * Cfg::BR;
+        const u16* q_src = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+                           row0 * p.q_seq_stride;
+        const u16* do_src = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
+                            head * p.do_head_stride + row0 * p.do_seq_stride;
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(shifted(q_tile, buf), q_src, p.q_seq_stride, rows_valid, tid);
+        copy_tile_global_to_shared<Cfg::N_THREADS, true>(shifted(do_tile, buf), do_src, p.do_seq_stride, rows_valid,
+                                                         tid);
+        const long long stat0 = ((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0;
+        const u32 st = stats_of(buf);
+        if (tid < Cfg::BR / 4) cp_async_16(st + tid * 16, p.lse2 + stat0 + tid * 4, true);
+        else if (tid < Cfg::BR / 2)
+            cp_async_16(st + tid * 16, p.dvec + stat0 + (tid - Cfg::BR / 4) * 4, true);
+    }
+
+    // acc (32 rows x 32 keys) = A B^T over d_head: A rows from a query-major tile, B rows from K or V.
+    CF_DEVICE void query_by_key_product(float (&acc)[2][S_N][4], const QTile& a_tile,
+                                        const typename QTile::Cursor& a_cur, const KVTile& b_tile,
+                                        const typename KVTile::Cursor& b_cur) {
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < S_N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::D_K_STEPS; ++ks) {
+            u32 a[2][4];
+            load_a_fragment(a[0], a_tile, a_cur, 0, ks);
+            load_a_fragment(a[1], a_tile, a_cur, 16, ks);
+#pragma unroll
+            for (int n = 0; n < S_N; n += 2) {
+                u32 b0[2], b1[2];
+                load_b_fragments(b0, b1, b_tile, b_cur, 8 * n, ks);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_m16n8k16<Cfg::dtype>(acc[m][n], a[m], b0[0], b0[1]);
+                    mma_m16n8k16<Cfg::dtype>(acc[m][n + 1], a[m], b1[0], b1[1]);
+                }
+            }
+        }
+    }
+
+    // Phase A for one query block: P and dS of this warp's 32 x 32 tile into shared memory.
+    CF_DEVICE void phase_a(int q0, int buf) {
+        const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
+        const u32 st = stats_of(buf);
+        float s[2][S_N][4];
+        query_by_key_product(s, qt, shifted(q_a, buf), k_tile, k_b);
+        const int keys_valid = p.seq_len_k - k0();
+        bool need_mask = a_k0 + 32 > keys_valid;
+        if constexpr (CAUSAL)  // warp-uniform: does the tile's last key lie after its first row's diagonal?
+            need_mask = need_mask || k0() + a_k0 + 31 > q0 + a_q0 + offset();
+        if (need_mask) {
+#pragma unroll
+            for (int m = 0; m < 2; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = a_q0 + 16 * m + 8 * h + (lane >> 2);
+#pragma unroll
+                    for (int n = 0; n < S_N; ++n)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = a_k0 + 8 * n + 2 * (lane & 3) + e;
+                            bool masked = key >= keys_valid;
+                            if constexpr (CAUSAL) masked = masked || k0() + key > q0 + row + offset();
+                            if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
+                        }
+                }
+        }
+        float lse2[2][2], dvec[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = a_q0 + 16 * m + 8 * h + (lane >> 2);
+                lse2[m][h] = ld_shared_f32(st + row * 4);
+                dvec[m][h] = ld_shared_f32(st + (Cfg::BR + row) * 4);
+            }
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < S_N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.softmax_scale_log2, -lse2[m][e >> 1]));
+        float dp[2][S_N][4];
+        query_by_key_product(dp, dot, shifted(do_a, buf), v_tile, v_b);
+        const auto p_cur = p_tile.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
+        const auto ds_cur = ds_tile.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int k = 0; k < S_N / 2; ++k) {
+                float ds0[4], ds1[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ds0[e] = s[m][2 * k][e] * (dp[m][2 * k][e] - dvec[m][e >> 1]);
+                    ds1[e] = s[m][2 * k + 1][e] * (dp[m][2 * k + 1][e] - dvec[m][e >> 1]);
+                }
+                u32 a[4];
+                pack_a_fragment<Cfg::dtype>(a, s[m][2 * k], s[m][2 * k + 1]);
+                store_a_fragment(p_tile, p_cur, a, 16 * m, k);
+                pack_a_fragment<Cfg::dtype>(a, ds0, ds1);
+                store_a_fragment(ds_tile, ds_cur, a, 16 * m, k);
+            }
+    }
+
+    // Phase B: dV += P^T dO and dK += dS^T Q for this warp's 32 keys and column slice.
+    CF_DEVICE void phase_b(int buf) {
+        const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
+        const auto q_cur = shifted(q_bt, buf), do_cur = shifted(do_bt, buf);
+#pragma unroll
+        for (int ks = 0; ks < Cfg::Q_K_STEPS; ++ks) {
+            u32 pa[2][4], da[2][4];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                load_a_fragment_transposed(pa[m], p_tile, p_at, m, ks);
+                load_a_fragment_transposed(da[m], ds_tile, ds_at, m, ks);
+            }
+#pragma unroll
+            for (int n = 0; n < DKV_N; n += 2) {
+                u32 b0[2], b1[2];
+                load_b_fragments_transposed(b0, b1, dot, do_cur, 8 * n, ks);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_m16n8k16<Cfg::dtype>(dv[m][n], pa[m], b0[0], b0[1]);
+                    mma_m16n8k16<Cfg::dtype>(dv[m][n + 1], pa[m], b1[0], b1[1]);
+                }
+                load_b_fragments_transposed(b0, b1, qt, q_cur, 8 * n, ks);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_m16n8k16<Cfg::dtype>(dk[m][n], da[m], b0[0], b0[1]);
+                    mma_m16n8k16<Cfg::dtype>(dk[m][n + 1], da[m], b1[0], b1[1]);
+                }
+            }
+        }
+    }
+
+    // Phase C: dq_accum rows c_q0.. (32), columns c_d0.. += dS K. `dq_rows` points at this lane's
+    // element (row c_q0 + lane/4, column c_d0 + 2*(lane%4)) of the query block.
+    CF_DEVICE void phase_c(float* dq_rows) {
+        float acc[2][DQ_N][4];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DQ_N; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::KEY_K_STEPS; ++ks) {
+            u32 a[2][4];
+            load_a_fragment(a[0], ds_tile, ds_a, 0, ks);
+            load_a_fragment(a[1], ds_tile, ds_a, 16, ks);
+#pragma unroll
+            for (int n = 0; n < DQ_N; n += 2) {
+                u32 b0[2], b1[2];
+                load_b_fragments_transposed(b0, b1, k_tile, k_bt, 8 * n, ks);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    mma_m16n8k16<Cfg::dtype>(acc[m][n], a[m], b0[0], b0[1]);
+                    mma_m16n8k16<Cfg::dtype>(acc[m][n + 1], a[m], b1[0], b1[1]);
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DQ_N; ++n) {
+                float* row_ptr = dq_rows + 16 * m * Cfg::D + 8 * n;
+                atomic_add_f32x2(row_ptr, acc[m][n][0], acc[m][n][1]);
+                atomic_add_f32x2(row_ptr + 8 * Cfg::D, acc[m][n][2], acc[m][n][3]);
+            }
+    }
+
+    CF_DEVICE void run() {
+        const int n_qb_all = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
+        const int qb_begin = CAUSAL ? max(0, k0() - offset()) / Cfg::BR : 0;
+        const int n_qb = n_qb_all - qb_begin;
+        const int total = n_qb > 0 ? n_qb * p.kv_group_size : 0;
+        const int qb_first = n_qb > 0 ? qb_begin + (int)(blockIdx.x % (unsigned)n_qb) : 0;
+        int head = blockIdx.y * p.kv_group_size, qb = qb_first;
+        load_kv();
+        if (total > 0) load_q_block(head, qb, 0);
+        cp_async_commit();
+        const int lane_elem = (c_q0 + (lane >> 2)) * Cfg::D + c_d0 + 2 * (lane & 3);
+        for (int it = 0; it < total; ++it) {
+            const int buf = it & 1;
+            cp_async_wait<0>();
+            __syncthreads();  // block `it` has landed; every warp is done with iteration it-1
+            int next_head = head, next_qb = qb + 1 == n_qb_all ? qb_begin : qb + 1;
+            if (next_qb == qb_first) ++next_head;
+            if (it + 1 < total) load_q_block(next_head, next_qb, buf ^ 1);
+            cp_async_commit();
+            phase_a(qb * Cfg::BR, buf);
+            __syncthreads();  // P and dS complete
+            phase_b(buf);
+            if constexpr (!DETERMINISTIC)
+                phase_c(p.dq_accum +
+                        (((long long)blockIdx.z * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) *
+                            Cfg::D +
+                        lane_elem);
+            head = next_head;
+            qb = next_qb;
+        }
+        store_dk_dv();
+    }
+
+    CF_DEVICE void store_dk_dv() {
+        cp_async_wait<0>();
+        __syncthreads();
+        const auto k_cur = k_tile.cursor(b_k0 + (lane >> 2), b_d0 / 8, (lane & 3) * 4);
+        const auto v_cur = v_tile.cursor(b_k0 + (lane >> 2), b_d0 / 8, (lane & 3) * 4);
+        const float scale = p.softmax_scale;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DKV_N; ++n) {
+                store_accumulator_tile<Cfg::dtype>(k_tile, k_cur, dk[m][n], 16 * m, n, scale, scale);
+                store_accumulator_tile<Cfg::dtype>(v_tile, v_cur, dv[m][n], 16 * m, n, 1.f, 1.f);
+            }
+        __syncthreads();
+        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        u16* dk_dst = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
+                      (long long)k0() * p.dk_seq_stride;
+        u16* dv_dst = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +
+                      (long long)k0() * p.dv_seq_stride;
+        const int rows_valid = p.seq_len_k - k0();
+        copy_tile_shared_to_global<Cfg::N_THREADS>(k_tile, dk_dst, p.dk_seq_stride, rows_valid, tid);
+        copy_tile_shared_to_global<Cfg::N_THREADS>(v_tile, dv_dst, p.dv_seq_stride, rows_valid, tid);
+    }
+};
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::N_THREADS)
+    backward_dkdv_kernel(const __grid_constant__ BackwardParams params) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    if constexpr (Cfg::PDS_SMEM) {
+        BackwardKVCTA2D<Cfg, CAUSAL, DETERMINISTIC> cta(params, smem);
+        cta.run();
+    } else {
+        BackwardKVCTA<Cfg, CAUSAL, DETERMINISTIC> cta(params, smem);
+        cta.run();
+    }
+}

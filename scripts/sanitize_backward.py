@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""backward() on small ragged, causal and GQA shapes, sized for compute-sanitizer.
+
+    python scripts/sanitize_backward.py                       # once plainly: fills the kernel cache
+    compute-sanitizer --tool memcheck  python scripts/sanitize_backward.py
+    compute-sanitizer --tool racecheck python scripts/sanitize_backward.py
+
+Default configs for d_head 64 and 128 (bf16) plus --configs, shapes with tails, S_q != S_k,
+GQA and MQA, causal off and on, atomic and deterministic dQ. CuPy's memory pool is off, so every
+array is its own exact-size cudaMalloc and memcheck sees any overrun. Loose check (the accuracy
+test is tests/test_gpu_backward.py): gradients finite and within 3e-2 relative L2 of a float64
+host reference. Exit 0 when all pass, 1 when any fails, 2 without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import cupyflash  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cupyflash.config import DType  # noqa: E402
+from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
+from cupyflash.families.backward_sm80.config import BackwardKernelConfig  # noqa: E402
+from cupyflash.families.backward_sm80.config_sets import default_config  # noqa: E402
+
+SHAPES = ((1, 77, 200, 4, 1),   # MQA, S_q < S_k
+          (1, 130, 63, 4, 2),   # GQA, S_q > S_k: causal rows 0..66 see no key
+          (1, 129, 129, 2, 2))  # one row past a block
+REL_L2_BOUND = 3e-2
+
+
+def reference(q, k, v, do, causal: bool):
+    """float64 (dq, dk, dv) on the host; GQA sums dk/dv over each group."""
+    batch, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    g = h // hk
+    q, k, v, do = (x.astype(np.float64) for x in (q, k, v, do))
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    hidden = np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq)
+    scale = 1 / np.sqrt(d)
+    for b in range(batch):
+        for hh in range(h):
+            kk, vv = k[b, :, hh // g], v[b, :, hh // g]
+            s = q[b, :, hh] @ kk.T * scale
+            if causal:
+                s = np.where(hidden, -np.inf, s)
+            m = s.max(axis=1, keepdims=True)
+            m = np.where(np.isfinite(m), m, 0)
+            e = np.exp(s - m)
+            t = e.sum(axis=1, keepdims=True)
+            p = e / np.where(t > 0, t, 1)
+            o = p @ vv
+            dp = do[b, :, hh] @ vv.T
+            ds = p * (dp - (do[b, :, hh] * o).sum(axis=1, keepdims=True))
+            dq[b, :, hh] = scale * ds @ kk
+            dk[b, :, hh // g] += scale * ds.T @ q[b, :, hh]
+            dv[b, :, hh // g] += p.T @ do[b, :, hh]
+    return dq, dk, dv
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="", help="extra short forms, '|'-separated")
+    ap.add_argument("--d-heads", default="64,128", help="default configs (bf16) of these head dims")
+    ap.add_argument("--max-shapes", type=int, default=len(SHAPES), help="use only the first N shapes")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from cupyflash.device import has_gpu
+
+    if not has_gpu():
+        print("sanitize_backward: no CUDA GPU found", file=sys.stderr)
+        return 2
+    import cupy as cp
+
+    import cupyflash
+
+    configs = [default_config(DType.BF16, int(d)) for d in args.d_heads.split(",") if d.strip()]
+    configs += [BackwardKernelConfig.parse(s) for s in args.configs.split("|") if s.strip()]
+    cp.cuda.set_allocator(None)
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    runs, failures = 0, []
+    for cfg in configs:
+        npd = cfg.dtype.numpy_dtype
+        for batch, sq, sk, h, hk in SHAPES[:args.max_shapes]:
+            hq, hdo = (rng.standard_normal((batch, sq, h, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
+            hkk, hv = (rng.standard_normal((batch, sk, hk, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
+            q, k, v, do = (cp.asarray(x) for x in (hq, hkk, hv, hdo))
+            for causal in (False, True):
+                ref = reference(hq, hkk, hv, hdo, causal)
+                out, lse = cupyflash.forward(forward_default(cfg.dtype, cfg.d_head), q, k, v, causal=causal,
+                                             return_lse=True)
+                for det in (False, True):
+                    label = f"{cfg} B={batch} S_q={sq} S_k={sk} H={h}/{hk} causal={int(causal)} det={int(det)}"
+                    runs += 1
+                    try:
+                        grads = cupyflash.backward(do, q, k, v, out, lse, causal=causal, deterministic=det, cfg=cfg)
+                        cp.cuda.runtime.deviceSynchronize()
+                        figs = []
+                        ok = True
+                        for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+                            g = cp.asnumpy(g).astype(np.float64)
+                            rel = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+                            ok = ok and bool(np.isfinite(g).all()) and rel <= REL_L2_BOUND
+                            figs.append(f"{name} {rel:.1e}")
+                        figures = " ".join(figs)
+                    except Exception as exc:
+                        ok, figures = False, f"{type(exc).__name__}: {exc}"
+                    print(f"{'ok  ' if ok else 'FAIL'} {label}: {figures}", flush=True)
+                    if not ok:
+                        failures.append(label)
+    print(f"sanitize_backward: {runs} backward calls, {runs - len(failures)} ok, {len(failures)} failed "
+          f"in {time.perf_counter() - t0:.1f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

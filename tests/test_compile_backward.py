@@ -1,0 +1,42 @@
+"""Compile the backward family's default configs (every variant) for sm_80 and sm_90 with NVRTC
+(no GPU) and check ptxas' figures: zero spills where promised (d_head 64 defaults), small
+elsewhere. Kept to a handful of modules: CI time is shared."""
+import pytest
+
+from cupyflash.cache import KernelCache
+from cupyflash.config import DType
+from cupyflash.families.backward_sm80 import BACKWARD_SM80
+from cupyflash.families.backward_sm80.config_sets import default_config
+from cupyflash.registry import compile_config
+
+pytestmark = pytest.mark.compile
+
+ARCHS = ("sm_80", "sm_90")
+VARIANTS = ((False, False), (True, True))  # plain; causal + deterministic (every kernel role)
+# promised spill-free: d_head 64; the others are 8 warps at 255 registers with at most a few words
+# spilled (measured 0-64 bytes of spill stores + loads with NVRTC 12.9)
+SPILL_LIMIT = {64: 0, 128: 64, 256: 96}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return KernelCache(tmp_path_factory.mktemp("backward_cache"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d_head", sorted(SPILL_LIMIT))
+def test_default_config_compiles_within_register_budget(cache, arch, d_head):
+    cfg = default_config(DType.BF16 if d_head != 256 else DType.FP16, d_head)
+    for causal, det in VARIANTS:
+        variant = BACKWARD_SM80.variant(causal=causal, deterministic=det)
+        module = compile_config(cfg, arch, cache, variant=variant).module
+        assert "warning" not in module.log.lower(), module.log
+        for role, expr in BACKWARD_SM80.name_expressions(cfg, variant).items():
+            res = module.resources.get(expr)
+            if res is None:
+                pytest.skip("NVRTC served this module without a ptxas report")
+            assert res.registers <= 255
+            limit = SPILL_LIMIT[d_head] if role in ("dkdv", "dq") else 0
+            assert res.spill_bytes <= limit, (role, causal, det, res)
+        # a second lookup is a cache hit: no recompile
+        assert compile_config(cfg, arch, cache, variant=variant).cached
