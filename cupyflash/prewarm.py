@@ -23,7 +23,8 @@ from .config import KernelConfig
 from .families import DEFAULT_FAMILY, FAMILIES, Variant, family_of, get_family, parse_config
 from .progress import ProgressBar
 
-__all__ = ["PrewarmResult", "PrewarmReport", "prewarm", "parse_archs", "format_summary", "build_parser",
+__all__ = ["PrewarmResult", "PrewarmReport", "prewarm", "prewarm_for_device", "parse_archs", "format_summary",
+           "build_parser",
            "run_from_args", "main"]
 
 
@@ -228,6 +229,17 @@ def prewarm(configs: Sequence[KernelConfig], archs: Sequence[str],
     bar.finish()
     ordered = tuple(results[t] for t in tasks)
     return PrewarmReport(ordered, archs, len(configs), time.perf_counter() - start, jobs, directory)
+
+
+def prewarm_for_device(configs: Iterable[KernelConfig], device: int, progress: TextIO | None = None,
+                       causal: Sequence[bool] = (False,), jobs: int | None = None) -> list[PrewarmReport]:
+    """Compile `configs` (of any families) each for its own family's target on CUDA device
+    `device` (e.g. sm_90 for the mma.sync family and sm_90a for the Hopper family on an H100),
+    into the default cache; one report per target arch."""
+    by_arch: dict[str, list[KernelConfig]] = {}
+    for cfg in dict.fromkeys(configs):
+        by_arch.setdefault(family_of(cfg).arch_for_device(device), []).append(cfg)
+    return [prewarm(cfgs, [arch], progress=progress, causal=causal, jobs=jobs) for arch, cfgs in sorted(by_arch.items())]
 
 
 def format_summary(report: PrewarmReport) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .config import DType
 from .families.forward_sm80.config import FlashForwardKernelConfig
+from .families.forward_sm90.config import HopperForwardKernelConfig
 
 __all__ = ["build_parser", "run_from_args", "main"]
 
@@ -68,6 +69,13 @@ def _plan(args, dtype: DType, cfg: FlashForwardKernelConfig, seq_k: int):
 
     q = fake((args.batch, args.seq, args.heads, args.d_head))
     k = fake((args.batch, seq_k, args.heads, args.d_head))
+    if isinstance(cfg, HopperForwardKernelConfig):  # the Hopper family's launch geometry
+        from types import SimpleNamespace
+
+        from .families.forward_sm90.launch import plan_sm90
+
+        plan = plan_sm90(cfg, q, k, k, None, args.softmax_scale)
+        return SimpleNamespace(grid=plan.grid, block=cfg.n_threads, smem_bytes=cfg.smem_bytes())
     return plan_forward(cfg, q, k, k, None, args.softmax_scale)
 
 

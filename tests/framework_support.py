@@ -45,16 +45,14 @@ def prewarm_problems(problems: Iterable[tuple[DType, int, int, int, bool]]) -> N
     import cupy as cp
 
     from cupyflash.api import resolve_config
-    from cupyflash.device import device_arch
-    from cupyflash.prewarm import prewarm
+    from cupyflash.prewarm import prewarm_for_device
 
     device = cp.cuda.runtime.getDevice()
-    arch, _ = device_arch(device)
     by_causal: dict[bool, set] = {False: set(), True: set()}
     for dtype, d_head, seq_q, seq_k, causal in problems:
         by_causal[causal].add(resolve_config(None, dtype, d_head, seq_q, seq_k, device, causal))
     for causal, configs in by_causal.items():
         if configs:
-            report = prewarm(sorted(configs), [arch], progress=None, causal=(causal,))
-            failed = [r for r in report.results if not r.ok]
-            assert not failed, failed[:3]
+            for report in prewarm_for_device(configs, device, causal=(causal,)):
+                failed = [r for r in report.results if not r.ok]
+                assert not failed, failed[:3]

@@ -78,8 +78,7 @@ EXPLICIT = explicit_configs()
 def prewarmed_cache():
     """Compile every config these tests can launch once, in parallel, before the tests."""
     from cupyflash.api import resolve_config
-    from cupyflash.device import device_arch
-    from cupyflash.prewarm import prewarm
+    from cupyflash.prewarm import prewarm_for_device
 
     device = cp.cuda.runtime.getDevice()
     needed = set(EXPLICIT.values())
@@ -87,10 +86,10 @@ def prewarmed_cache():
         for d in SUPPORTED_D_HEADS:
             for seq_q in SEQS:
                 for seq_k in SEQS + (77, 300):
-                    needed.add(resolve_config(None, dtype, d, seq_q, seq_k, device))
-    arch, _ = device_arch(device)
-    report = prewarm(sorted(needed), [arch], progress=None)
-    assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
+                    for causal in (False, True):
+                        needed.add(resolve_config(None, dtype, d, seq_q, seq_k, device, causal))
+    for report in prewarm_for_device(needed, device, causal=(False, True)):
+        assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
     yield
 
 
