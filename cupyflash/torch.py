@@ -21,9 +21,13 @@ argument rules as `forward` to the tensors' metadata, so shape and dtype errors 
 tracing, and return exactly what the CUDA kernels return: a contiguous output of q's shape and
 dtype, and a contiguous float32 lse of shape (batch, heads, seq_q).
 
-No autograd formula is registered yet (the backward kernels do not exist): the operators run on
-tensors that require grad, but a backward pass through them gets PyTorch's warning for operators
-without an autograd kernel and gives q, k and v no gradient.
+Gradients: a third operator, `cupyflash::attention_backward(dout, q, k, v, out, lse, causal,
+softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (the backward_sm80
+family), and `attention_forward_lse` carries an autograd formula over it
+(`torch.library.register_autograd`, so it composes with torch.compile). `attention()` routes
+calls that need a gradient through the lse variant, which saves what the backward needs; the lse
+output itself is not differentiable (as in FlashAttention). `attention_forward` called directly
+has no autograd formula (it saves no lse).
 """
 from __future__ import annotations
 
@@ -35,13 +39,15 @@ from .config import DType
 from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
 
-__all__ = ["attention", "attention_forward", "attention_forward_lse", "NAMESPACE"]
+__all__ = ["attention", "attention_forward", "attention_forward_lse", "attention_backward", "NAMESPACE"]
 
 NAMESPACE = "cupyflash"
 _ARGS = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None)"
 SCHEMAS = {
     "attention_forward": _ARGS + " -> Tensor",
     "attention_forward_lse": _ARGS + " -> (Tensor out, Tensor lse)",
+    "attention_backward": ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, "
+                           "float? softmax_scale=None, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)"),
 }
 
 # pt2_compliant: tested with opcheck and torch.compile. Exact strides: Inductor must hand the
@@ -102,6 +108,42 @@ def _attention_lse_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return _host_kernel(q, k, v, causal, softmax_scale, True)
 
 
+def _backward(*args: Any, **kwargs: Any) -> Any:
+    """cupyflash.backward, imported on first use."""
+    global _backward
+    from .backward_api import backward
+
+    _backward = backward
+    return backward(*args, **kwargs)
+
+
+def _attention_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                             softmax_scale: float | None = None,
+                             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                     deterministic=deterministic)
+
+
+def _attention_backward_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                             softmax_scale: float | None = None,
+                             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _host_backward_kernel(dout, q, k, v, out, lse, causal, softmax_scale)
+
+
+def _refuse_host_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: Any) -> Any:
+    for x, name in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")):
+        if not x.is_cuda:
+            as_view(x, name)
+    raise TypeError("q: expected CUDA tensors")
+
+
+# As _host_kernel, for the backward operator's CPU kernel (tests put a reference here).
+_host_backward_kernel = _refuse_host_backward
+
+_LIB.impl("attention_backward", _attention_backward_cuda, "CUDA")
+_LIB.impl("attention_backward", _attention_backward_host, "CPU")
 _LIB.impl("attention_forward", _attention_cuda, "CUDA")
 _LIB.impl("attention_forward_lse", _attention_lse_cuda, "CUDA")
 _LIB.impl("attention_forward", _attention_host, "CPU")
@@ -153,9 +195,45 @@ def _attention_lse_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return q.new_empty(plan.out_shape), q.new_empty(plan.lse_shape, dtype=torch.float32)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::attention_backward", lib=_LIB)
+def _attention_backward_fake(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
+                             softmax_scale: float | None = None,
+                             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_metadata(q, k, v, causal, softmax_scale)
+    # contiguous, of the shapes and dtype of q, k, v, as cupyflash.backward allocates them
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------- autograd
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.mark_non_differentiable(lse)  # FlashAttention-style: no gradient flows back through the lse
+
+
+def _attention_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    q, k, v, out, lse = ctx.saved_tensors
+    # autograd may hand a gradient of any layout (an expanded zero, a transposed view): the
+    # kernels take a contiguous last dimension with 16-byte aligned rows.
+    dq, dk, dv = torch.ops.cupyflash.attention_backward.default(dout.contiguous(), q, k, v, out, lse, ctx.causal,
+                                                                ctx.softmax_scale, deterministic_backward)
+    return dq, dk, dv, None, None
+
+
+# True makes every gradient bit-identical run to run (dQ by a separate pass instead of atomics).
+deterministic_backward = False
+
+torch.library.register_autograd(f"{NAMESPACE}::attention_forward_lse", _attention_lse_backward,
+                                setup_context=_setup_context, lib=_LIB)
+
+
 # ------------------------------------------------------------------------- public API
 attention_forward = torch.ops.cupyflash.attention_forward.default
 attention_forward_lse = torch.ops.cupyflash.attention_forward_lse.default
+attention_backward = torch.ops.cupyflash.attention_backward.default
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -166,7 +244,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (batch, seq_k, kv_heads, d_head), fp16/bf16 CUDA tensors, any strides with a contiguous last
     dimension), minus `cfg`, `out`, `lse` and `stream`: the library picks the config, allocates the
     outputs and launches on the current stream. Works eagerly, under
-    `torch.compile(fullgraph=True)` and inside CUDA graph capture. Returns the output, or
+    `torch.compile(fullgraph=True)` and inside CUDA graph capture. Differentiable in q, k and v
+    (cupyflash.backward; set `cupyflash.torch.deterministic_backward = True` for bit-identical
+    gradients run to run); the lse is not. Returns the output, or
     (out, lse) with return_lse=True (lse float32 (batch, heads, seq_q)).
 
     Bad arguments raise `forward`'s TypeError/ValueError; under torch.compile, those found while
@@ -182,4 +262,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         softmax_scale = check_softmax_scale(softmax_scale, 1)
     if return_lse:
         return attention_forward_lse(q, k, v, causal, softmax_scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return attention_forward_lse(q, k, v, causal, softmax_scale)[0]  # saves the lse for backward
     return attention_forward(q, k, v, causal, softmax_scale)
