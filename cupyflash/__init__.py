@@ -1,10 +1,12 @@
-"""cupyflash: runtime-compiled FlashAttention forward kernels for CuPy, PyTorch and JAX."""
+"""cupyflash: runtime-compiled FlashAttention kernels (prefill forward, KV-cache decode) for CuPy, PyTorch and JAX."""
 from .config import DType
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.config_sets import get_kernel_configs
 from .api import forward
 from .backward_api import backward
 from .families.backward_sm80 import BackwardKernelConfig
+from .families.decode.config import DecodeKernelConfig
+from .kvcache import forward_kvcache
 from .tuning import TuningTable
 # The function shadows its module as a package attribute (`cupyflash.autotune(...)`, as documented);
 # code that needs the module imports from it: `from cupyflash.autotune import format_table`.
@@ -12,5 +14,5 @@ from .autotune import autotune
 
 __version__ = "0.1.0"
 
-__all__ = ["BackwardKernelConfig", "DType", "FlashForwardKernelConfig", "TuningTable", "autotune", "backward",
-           "forward", "get_kernel_configs", "__version__"]
+__all__ = ["BackwardKernelConfig", "DType", "DecodeKernelConfig", "FlashForwardKernelConfig", "TuningTable",
+           "autotune", "backward", "forward", "forward_kvcache", "get_kernel_configs", "__version__"]

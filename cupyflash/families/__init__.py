@@ -13,6 +13,7 @@ from typing import Any
 
 from ..config import KernelConfig
 from .base import KernelFamily, KernelRole, ParamStruct, Variant
+from .decode import DECODE
 from .forward_sm80 import FORWARD_SM80
 from .forward_sm90 import FORWARD_SM90
 from .backward_sm80 import BACKWARD_SM80
@@ -83,3 +84,4 @@ def parse_config(text: str) -> KernelConfig:
 register_family(FORWARD_SM80)
 register_family(FORWARD_SM90)
 register_family(BACKWARD_SM80)
+register_family(DECODE)

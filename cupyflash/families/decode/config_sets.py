@@ -1,0 +1,98 @@
+"""The decode family's config sets (tune, prog, all) and its default picks."""
+from __future__ import annotations
+
+import functools
+import itertools
+
+from ...config import DType
+from .config import (B_C_VALUES, DECODE_D_HEADS, N_WARPS_VALUES, ROWS_VALUES, STAGES_VALUES,
+                     TILE_REGISTER_BUDGET, DecodeKernelConfig)
+
+__all__ = ["KERNEL_SET_KEYS", "all_configs", "autotune_configs", "progression_configs", "default_config",
+           "rows_for", "get_kernel_configs", "should_autotune"]
+
+KERNEL_SET_KEYS = ("all", "tune", "prog")
+
+# The heuristic defaults, (B_c, n_warps, stages, evict_first) per d_head (rows is picked per
+# problem by rows_for). Chosen from the H100 sweep in NOTES.md.
+_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {
+    64: (32, 4, 4, False),
+    128: (16, 4, 4, False),
+    256: (16, 4, 2, False),
+}
+
+
+def _valid(**fields) -> DecodeKernelConfig | None:
+    try:
+        return DecodeKernelConfig(**fields)
+    except ValueError:
+        return None
+
+
+@functools.cache
+def all_configs() -> tuple[DecodeKernelConfig, ...]:
+    """Every valid combination of the field values."""
+    out = []
+    for dtype, d, rows, bc, w, st, ev in itertools.product(DType, DECODE_D_HEADS, ROWS_VALUES, B_C_VALUES,
+                                                            N_WARPS_VALUES, STAGES_VALUES, (False, True)):
+        cfg = _valid(dtype=dtype, d_head=d, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+        if cfg is not None:
+            out.append(cfg)
+    return tuple(sorted(out))
+
+
+def should_autotune(cfg: DecodeKernelConfig) -> bool:
+    """The tuning set: 16-row tiles (a GQA group of up to 16 rows, the serving case), 2-8 warps,
+    2-4 stages, and enough bytes in flight per CTA to cover HBM latency: (stages - 1) * n_warps
+    slots of at least 16 KB together, but no more than 2 x 96 KB rings (a bigger ring only
+    lowers the CTAs per SM)."""
+    in_flight = (cfg.stages - 1) * cfg.n_warps * cfg.stage_bytes()
+    return (cfg.rows == 16 and cfg.n_warps >= 2 and cfg.stages >= 2
+            and in_flight >= 16 * 1024 and cfg.smem_bytes() <= 192 * 1024)
+
+
+def autotune_configs(dtypes=tuple(DType), d_heads=DECODE_D_HEADS) -> list[DecodeKernelConfig]:
+    return [c for c in all_configs() if c.dtype in dtypes and c.d_head in d_heads and should_autotune(c)]
+
+
+def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[DecodeKernelConfig]:
+    """The optimisation steps, in order: one warp without prefetch; four warps; a 2-stage ring;
+    a 4-stage ring; the L2 evict-first hint."""
+    steps = [(16, 1, 1, False), (16, 4, 1, False), (16, 4, 2, False), (16, 4, 4, False), (16, 4, 4, True)]
+    return [DecodeKernelConfig(dtype, d_head, 16, bc, w, st, ev) for bc, w, st, ev in steps]
+
+
+def rows_for(d_head: int, packed_rows: int) -> int:
+    """Smallest tile height holding `packed_rows` (group x seq_q) rows, within the register budget."""
+    allowed = [r for r in ROWS_VALUES if r * d_head // 32 <= 128]
+    for r in allowed:
+        if r >= packed_rows:
+            return r
+    return allowed[-1]
+
+
+def default_config(dtype: DType, d_head: int, packed_rows: int = 1) -> DecodeKernelConfig:
+    """The heuristic choice for (dtype, d_head) and a group of `packed_rows` query rows."""
+    if d_head not in _DEFAULTS:
+        raise ValueError(f"q: d_head {d_head} is not supported by forward_kvcache; expected one of {DECODE_D_HEADS}")
+    bc, w, st, ev = _DEFAULTS[d_head]
+    rows = rows_for(d_head, packed_rows)
+    while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
+        bc //= 2
+    cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+    while cfg is None:  # taller tiles enlarge the merge area: shorten the ring until it fits
+        st -= 1
+        cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+    return cfg
+
+
+def get_kernel_configs(key: str | None = None) -> list[DecodeKernelConfig]:
+    """The named set: 'all', 'tune', 'prog' (bf16 and fp16, d_head 128)."""
+    key = (key or "tune").strip()
+    if key == "all":
+        return list(all_configs())
+    if key == "tune":
+        return autotune_configs()
+    if key == "prog":
+        return sorted(set(progression_configs(DType.BF16) + progression_configs(DType.FP16)))
+    raise ValueError(f"KERNELS: unknown decode config set {key!r}; expected one of {KERNEL_SET_KEYS}")

@@ -1,0 +1,314 @@
+"""`cupyflash.forward_kvcache`: decode / append attention against a contiguous or paged KV cache.
+
+One call launches up to three kernels of the decode family on one stream: `append` (k_new/v_new
+into the cache, when given), `attention` (split-KV, GQA-packed) and `combine` (only with more
+than one split). Nothing in a call reads device memory on the host, synchronises, or allocates
+except the output (when `out` is None), the log-sum-exp (return_lse=True) and the split
+workspace (more than one split and no `workspace` given), all through the caller's framework
+allocator, whose sizes depend on the shapes only. So a call can be captured in a CUDA graph
+(after one warm-up call that compiles the kernels) and replayed with new cache_seqlens.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+from .config import DType
+from .families.decode import APPEND_THREADS, COMBINE_THREADS, DecodeKernelConfig
+from .families.decode import config_sets as decode_sets
+from .families.decode.params import DECODE_PARAMS
+from .families.decode.splits import choose_num_splits
+from . import kvcache_plans
+from .interop import TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, output_view, resolve_stream, wrap_output
+from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
+from .validation import LOG2_E, check_compute_capability, check_flag
+
+__all__ = ["forward_kvcache", "resolve_decode_config", "workspace_bytes", "plan_num_splits"]
+
+_checked_devices: set[int] = set()
+_get_registry = None
+_carveout_set: set[int] = set()  # kernels whose shared-memory carveout preference is set
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+
+
+# -------------------------------------------------------------------------------- devices
+@functools.lru_cache(maxsize=None)
+def _device_limits(device: int) -> tuple[int, int, int]:
+    """(SM count, shared memory per SM, opt-in shared memory per block) of `device`."""
+    props = _cupy.cuda.runtime.getDeviceProperties(device)
+    return (int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]),
+            int(props["sharedMemPerBlockOptin"]))
+
+
+def _check_device(device: int) -> None:
+    from .device import compute_capability, require_gpu
+
+    require_gpu()
+    check_compute_capability(compute_capability(device), device)
+    _checked_devices.add(device)
+
+
+# -------------------------------------------------------------------------------- configs
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> DecodeKernelConfig | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return DecodeKernelConfig.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"cfg: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _default_for(dtype: DType, d_head: int, rows_total: int, smem_limit: int) -> DecodeKernelConfig:
+    cfg = decode_sets.default_config(dtype, d_head, rows_total)
+    while cfg.smem_bytes() > smem_limit and cfg.stages > 1:  # smaller GPUs (sm_86: 99 KB per CTA)
+        cfg = cfg.replace(stages=cfg.stages - 1)
+    return cfg
+
+
+def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1024) -> DecodeKernelConfig:
+    """The config to launch: `cfg` itself (object or short form, checked against the inputs), or
+    the library's choice for None / 'auto'."""
+    if isinstance(cfg, str):
+        cfg = _parse(cfg)
+    if cfg is None:
+        return _default_for(plan.dtype, plan.d_head, plan.rows_total, smem_limit)
+    if not isinstance(cfg, DecodeKernelConfig):
+        raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
+    if cfg.dtype is not plan.dtype:
+        raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {plan.dtype.name}")
+    if cfg.d_head != plan.d_head:
+        raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {plan.d_head}")
+    if cfg.smem_bytes() > smem_limit:
+        raise ValueError(f"cfg: {cfg.short_form()} needs {cfg.smem_bytes()} bytes of shared memory per CTA; "
+                         f"this GPU allows {smem_limit}")
+    return cfg
+
+
+def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) -> int:
+    """The library's split count for this problem on a GPU of `num_sms` SMs."""
+    row_tiles = -(-plan.rows_total // cfg.rows)
+    return choose_num_splits(plan.batch, plan.n_kv_heads, row_tiles, plan.max_keys, num_sms, cfg.B_c * cfg.n_warps)
+
+
+def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:
+    """Bytes of split scratch one call needs: fp32 partial rows and their log-sum-exp per split
+    (0 for one split)."""
+    if num_splits <= 1:
+        return 0
+    rows = batch * seq_q * n_heads
+    return num_splits * rows * (d_head + 1) * 4
+
+
+def _prefer_shared_memory(kernels) -> None:
+    """Ask for the largest shared-memory carveout for all three kernels: the attention kernel
+    needs it, and when the small kernels between its launches prefer another L1/shared split,
+    each switch makes the SMs drain and reconfigure."""
+    from cupy_backends.cuda.api import driver
+
+    for kernel in kernels:
+        if kernel.func_ptr not in _carveout_set:
+            driver.funcSetAttribute(kernel.func_ptr, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            _carveout_set.add(kernel.func_ptr)
+
+
+def _index_check_requested(check_indices: Any) -> bool:
+    if check_indices is None:
+        return os.environ.get("CUPYFLASH_CHECK_INDICES", "") not in ("", "0")
+    return check_flag(check_indices, "check_indices")
+
+
+def _host_copy(view: TensorView):
+    import numpy as np
+
+    base = view.base
+    if view.framework == TORCH:
+        return base.detach().cpu().numpy()
+    return np.asarray(_cupy.asnumpy(base))
+
+
+def _allocate_workspace(like: TensorView, nbytes: int) -> tuple[Any, int]:
+    """(owner, pointer) of `nbytes` of scratch in the caller's framework allocator."""
+    n = -(-nbytes // 4)
+    if like.framework == TORCH:
+        import torch
+
+        buf = torch.empty((n,), dtype=torch.float32, device=like.base.device)
+        return buf, buf.data_ptr()
+    with _cupy.cuda.Device(like.device):
+        buf = _cupy.empty((n,), dtype=_cupy.float32)
+    return buf, buf.data.ptr
+
+
+def _workspace_pointer(workspace: Any, nbytes: int) -> int:
+    view = output_view(workspace, "workspace")
+    itemsize = 4 if "32" in str(view.raw_dtype) else 2
+    size = 1
+    for n in view.shape:
+        size *= n
+    if size * itemsize < nbytes:
+        raise ValueError(f"workspace: holds {size * itemsize} bytes but this call needs {nbytes} "
+                         "(cupyflash.kvcache.workspace_bytes)")
+    if view.ptr % 16:
+        raise ValueError(f"workspace: data pointer 0x{view.ptr:x} is not 16-byte aligned")
+    return view.ptr
+
+
+# -------------------------------------------------------------------------------- forward_kvcache
+def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, block_table: Any = None,
+                    k_new: Any = None, v_new: Any = None, causal: bool = True, softmax_scale: float | None = None,
+                    return_lse: bool = False, num_splits: int | None = None, out: Any = None, stream: Any = None,
+                    cfg: Any = None, workspace: Any = None, check_indices: bool | None = None) -> Any:
+    """Attention of new query rows against a KV cache (FlashAttention's `flash_attn_with_kvcache`).
+
+    For sequence b, the keys are cache rows 0 .. cache_seqlens[b] + seq_new - 1: the cached ones
+    and, when k_new/v_new are given, the seq_new rows this call first writes into the cache at
+    positions cache_seqlens[b] .. cache_seqlens[b] + seq_new - 1 (in place; cache_seqlens itself
+    is not advanced: the caller does that).
+
+    Args:
+        q: (batch, seq_q, n_heads, d_head) fp16 or bf16, d_head 64, 128 or 256; seq_q >= 1 new
+            query positions per sequence (1 for decoding, more for speculative decoding or
+            chunked prefill).
+        k_cache, v_cache: the cache, same shape and dtype as each other:
+            contiguous (block_table None): (batch, capacity, n_kv_heads, d_head);
+            paged: (num_pages, page_size, n_kv_heads, d_head), page_size a power of two from 16
+            to 256. n_heads must be a multiple of n_kv_heads (GQA/MQA: q head h reads cache head
+            h // (n_heads // n_kv_heads)). Last dimension contiguous, 16-byte aligned rows.
+        cache_seqlens: (batch,) int32 on the GPU: rows already in each sequence's cache; any mix
+            of lengths, 0 included.
+        block_table: (batch, max_pages) int32 on the GPU, or None for a contiguous cache: row b
+            lists the pages of sequence b in order (key j lives in page block_table[b, j //
+            page_size], row j % page_size).
+        k_new, v_new: optional (batch, seq_new, n_kv_heads, d_head), appended as described above.
+        causal: a bool (default True). Query position i sees key j iff j <= i + seqlen_k - seq_q,
+            seqlen_k = cache_seqlens[b] + seq_new (bottom-right aligned, as in `forward`); rows
+            that see no key get output 0 and lse -inf. Irrelevant for seq_q = 1.
+        softmax_scale: default 1 / sqrt(d_head).
+        return_lse: a bool; True returns (out, lse), lse the fp32 (batch, n_heads, seq_q)
+            natural-log log-sum-exp of each row's scaled scores.
+        num_splits: None (the library picks from the SM count, batch, heads and capacity) or
+            1..128: how many CTAs share one sequence's keys (flash-decoding). Any value gives the
+            same result up to rounding.
+        out: optional array of q's shape and dtype to write into (not a JAX array).
+        stream: default the caller's current stream (PyTorch's for torch tensors, CuPy's
+            otherwise); or a cupy/torch stream or an int handle.
+        cfg: a DecodeKernelConfig, its short form ('decode (BF16, 128, 16, 16, 4): stages_4'),
+            or None / 'auto' for the library's choice.
+        workspace: optional CUDA array of at least `workspace_bytes(...)` bytes, 16-byte aligned,
+            used as split scratch instead of an allocation (for strict no-allocation capture).
+        check_indices: a bool, or None to follow the environment variable
+            CUPYFLASH_CHECK_INDICES=1. Index values are NOT checked per call by default (that
+            would read device memory on the host); with the check on, cache_seqlens and
+            block_table are copied to the host and validated against the cache (ValueError
+            naming the argument) before anything is launched. The check synchronises: never
+            turn it on inside graph capture.
+
+    Returns:
+        out (a new array in q's framework unless `out` was given), or (out, lse).
+    """
+    key = None
+    if (stream is None and workspace is None and check_indices is None and return_lse is False
+            and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
+        key = kvcache_plans.signature(cfg, num_splits, softmax_scale, causal, q, k_cache, v_cache, cache_seqlens,
+                                      block_table, k_new, v_new, out)
+        result = kvcache_plans.lookup(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+        if result is not None:
+            return result
+    qv = as_view(q, "q")
+    if qv.device not in _checked_devices:
+        _check_device(qv.device)
+    kv = as_view(k_cache, "k_cache")
+    vv = as_view(v_cache, "v_cache")
+    sv = as_view(cache_seqlens, "cache_seqlens")
+    bv = as_view(block_table, "block_table") if block_table is not None else None
+    knv = as_view(k_new, "k_new") if k_new is not None else None
+    vnv = as_view(v_new, "v_new") if v_new is not None else None
+    ov = output_view(out) if out is not None else None
+    plan = check_kvcache_args(qv, kv, vv, sv, bv, knv, vnv, ov, causal, softmax_scale, return_lse)
+    splits = check_num_splits(num_splits)
+    num_sms, _, smem_limit = _device_limits(plan.device)
+    config = resolve_decode_config(cfg, plan, smem_limit)
+    if splits is None:
+        splits = plan_num_splits(plan, config, num_sms)
+    if _index_check_requested(check_indices):
+        check_index_values(plan, _host_copy(sv), _host_copy(bv) if bv is not None else None)
+    stream_ptr = resolve_stream(stream, qv)
+
+    if ov is None:
+        ov = allocate_output(qv, plan.out_shape)
+    lv = allocate_lse(qv, plan.lse_shape) if plan.want_lse else None
+    if not plan.empty:
+        launches = _launch(plan, config, splits, qv, kv, vv, sv, bv, knv, vnv, ov, lv, workspace, stream_ptr)
+        if key is not None:
+            kvcache_plans.remember(key, _fast_launch(plan, splits, qv, *launches))
+    result = out if out is not None else wrap_output(ov)
+    return (result, wrap_output(lv)) if plan.want_lse else result
+
+
+def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, params: bytes
+                 ) -> kvcache_plans.KVCacheLaunch:
+    """The replayable form of a validated call, for later calls with the same signature."""
+    ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
+    ws_floats = -(-ws_bytes // 4)
+    device = plan.device
+    if q.framework == TORCH:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        current = (functools.partial(raw, device) if raw is not None
+                   else (lambda: torch.cuda.current_stream(device).cuda_stream))
+        allocate = allocate_ws = None
+    else:
+        allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
+        allocate_ws = functools.partial(_cupy.empty, (ws_floats,), dtype=_cupy.float32)
+        current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
+    return kvcache_plans.KVCacheLaunch(heads, device, params, plan.out_shape, ws_floats,
+                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current)
+
+
+def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorView, k: TensorView, v: TensorView,
+            seqlens: TensorView, table: TensorView | None, k_new: TensorView | None, v_new: TensorView | None,
+            o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> tuple[list, bytes]:
+    """Launch append (with k_new), attention and combine (with splits); return the launches'
+    cuLaunchKernel heads and the packed parameters, for the fast path."""
+    global _get_registry
+    if _get_registry is None:
+        from .registry import get_registry as _get_registry
+    kernels = _get_registry().get_all(cfg, plan.device, variant=(plan.causal, plan.paged))
+    _prefer_shared_memory(kernels.values())
+    row_tiles = -(-plan.rows_total // cfg.rows)
+    if plan.n_kv_heads * row_tiles > 65535:
+        raise ValueError(f"q: {plan.n_kv_heads} KV heads x {row_tiles} row tiles exceed the CUDA grid limit 65535")
+    ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
+    keep = None
+    ws_ptr = 0
+    if ws_bytes:
+        if workspace is not None:
+            ws_ptr = _workspace_pointer(workspace, ws_bytes)
+        else:
+            keep, ws_ptr = _allocate_workspace(q, ws_bytes)
+    ws_lse_ptr = ws_ptr + splits * plan.total_rows * plan.d_head * 4 if ws_bytes else 0
+    params = DECODE_PARAMS.pack(
+        q.ptr, k.ptr, v.ptr, k_new.ptr if k_new is not None else 0, v_new.ptr if v_new is not None else 0, o.ptr,
+        lse.ptr if lse is not None else 0, ws_ptr, ws_lse_ptr, seqlens.ptr, table.ptr if table is not None else 0,
+        *plan.q_strides, *plan.k_strides, *plan.v_strides, *plan.knew_strides, *plan.vnew_strides, *plan.o_strides,
+        plan.block_table_stride, plan.page_shift, plan.batch, plan.seq_q, plan.n_heads, plan.n_kv_heads, plan.group,
+        plan.rows_total, row_tiles, plan.total_rows, plan.seq_new, splits, plan.softmax_scale,
+        plan.softmax_scale * LOG2_E)
+    heads = []
+    if plan.seq_new:
+        chunks = plan.seq_new * plan.n_kv_heads * (plan.d_head // 8)
+        heads.append((kernels["append"], (-(-chunks // APPEND_THREADS), plan.batch, 1), APPEND_THREADS, 0))
+    heads.append((kernels["attention"], (splits, plan.n_kv_heads * row_tiles, plan.batch), cfg.n_threads,
+                  cfg.smem_bytes()))
+    if splits > 1:
+        heads.append((kernels["combine"], (-(-plan.total_rows // 4), 1, 1), COMBINE_THREADS, 0))
+    # cuLaunchKernel uses the calling thread's current context: make it the arrays' device.
+    with _cupy.cuda.Device(plan.device):
+        for kernel, grid, block, smem in heads:
+            kernel.launch(grid, block, smem, stream_ptr, params)
+    del keep  # the framework allocator keeps stream order: freeing after enqueueing is safe
+    return [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads], params

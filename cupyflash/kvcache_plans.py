@@ -1,0 +1,169 @@
+"""Per-signature launch plans: the per-call fast path of `forward_kvcache`.
+
+The first call with a given signature (array type; shapes, strides, dtypes and devices of every
+array argument; cfg, num_splits, softmax_scale, causal) goes through full validation; its launches
+are kept with every parameter but the pointers already packed. Later calls with the same
+signature read the pointers, check their alignment, allocate the output (and the split
+workspace) and launch: no views, no validation, no config lookup, no split heuristic.
+
+Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
+without return_lse, workspace=, stream= or the index check; everything else takes the full path.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from typing import Any, Callable
+
+from .families.decode.config import DecodeKernelConfig
+from .families.decode.params import DECODE_PARAMS
+
+__all__ = ["KVCacheLaunch", "signature", "lookup", "remember", "clear"]
+
+# q, k_cache, v_cache, k_new, v_new, o, lse, ws_o, ws_lse, cache_seqlens, block_table: the first
+# eleven DecodeParams fields
+_POINTERS = struct.Struct("<11Q")
+_MAX_PLANS = 4096
+
+_plans: dict[tuple, "KVCacheLaunch"] = {}
+_launch_kernel: Callable[..., None] | None = None
+_get_device: Callable[[], int] | None = None
+_TORCH, _CUPY = 1, 2
+_kinds: dict[type, int] = {}
+
+
+class KVCacheLaunch:
+    """The validated launches of one signature, replayable with new pointers."""
+
+    __slots__ = ("heads", "device", "out_shape", "ws_floats", "ws_lse_offset", "allocate", "allocate_ws",
+                 "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
+
+    def __init__(self, heads: list[tuple], device: int, params: bytes, out_shape: tuple[int, ...],
+                 ws_floats: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
+                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int]) -> None:
+        self.heads = heads                  # per kernel: cuLaunchKernel's arguments up to the stream
+        self.device = device
+        self.out_shape = out_shape
+        self.ws_floats = ws_floats          # split workspace in fp32 elements (0: one split)
+        self.ws_lse_offset = ws_lse_offset  # bytes from ws_o to ws_lse
+        self.allocate = allocate            # CuPy: () -> output; torch: None (q.new_empty)
+        self.allocate_ws = allocate_ws      # CuPy: () -> workspace; torch: None (q.new_empty)
+        self.current_stream = current_stream
+        self.is_torch = False
+        self.buf = ctypes.create_string_buffer(params, DECODE_PARAMS.size)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self._argv)
+        self.lock = threading.Lock()
+
+
+def _kind(cls: type) -> int:
+    kind = _kinds.get(cls)
+    if kind is None:
+        module = cls.__module__
+        kind = _TORCH if module.startswith("torch") else _CUPY if module.startswith("cupy") else 0
+        _kinds[cls] = kind
+    return kind
+
+
+def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,
+              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any) -> tuple | None:
+    """The plan key, or None when these arguments cannot take the fast path."""
+    if not (cfg is None or type(cfg) is str or type(cfg) is DecodeKernelConfig):
+        return None
+    if not (num_splits is None or type(num_splits) is int):
+        return None
+    if not (softmax_scale is None or type(softmax_scale) is float):
+        return None
+    if causal is not True and causal is not False:
+        return None
+    cls = type(q)
+    kind = _kinds.get(cls) or _kind(cls)
+    arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+    key: list = [cls, cfg, num_splits, softmax_scale, causal]
+    if kind == _TORCH:
+        for x in arrays:
+            if x is None:
+                key.append(None)
+            elif type(x) is not cls:
+                return None
+            else:
+                key += (x.shape, x.stride(), x.dtype, x.get_device())
+        return tuple(key)
+    if kind == _CUPY:
+        for x in arrays:
+            if x is None:
+                key.append(None)
+            elif type(x) is not cls:
+                return None
+            else:
+                key += (x.shape, x.strides, x.dtype, x.data.device_id)
+        return tuple(key)
+    return None
+
+
+def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
+           k_new: Any, v_new: Any, out: Any) -> Any:
+    """Launch through the plan for `key` and return the output, or None (no plan, or a pointer
+    that breaks an alignment rule this time: the full path then raises the proper error)."""
+    plan = _plans.get(key) if key is not None else None
+    if plan is None or _get_device() != plan.device:
+        return None
+    if plan.is_torch:
+        q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
+        t_ptr = block_table.data_ptr() if block_table is not None else 0
+        kn_ptr = k_new.data_ptr() if k_new is not None else 0
+        vn_ptr = v_new.data_ptr() if v_new is not None else 0
+        result = out if out is not None else q.new_empty(plan.out_shape)
+        o_ptr = result.data_ptr()
+        ws = q.new_empty((plan.ws_floats,), dtype=_torch_float32()) if plan.ws_floats else None
+        ws_ptr = ws.data_ptr() if ws is not None else 0
+    else:
+        q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
+        t_ptr = block_table.data.ptr if block_table is not None else 0
+        kn_ptr = k_new.data.ptr if k_new is not None else 0
+        vn_ptr = v_new.data.ptr if v_new is not None else 0
+        result = out if out is not None else plan.allocate()
+        o_ptr = result.data.ptr
+        ws = plan.allocate_ws() if plan.ws_floats else None
+        ws_ptr = ws.data.ptr if ws is not None else 0
+    if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
+        return None
+    stream = plan.current_stream()
+    ws_lse = ws_ptr + plan.ws_lse_offset if ws_ptr else 0
+    with plan.lock:
+        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, 0, ws_ptr, ws_lse, s_ptr, t_ptr)
+        for head in plan.heads:
+            _launch_kernel(*head, stream, plan.argv_ptr, 0)
+    return result
+
+
+_float32 = None
+
+
+def _torch_float32():
+    global _float32
+    if _float32 is None:
+        import torch
+
+        _float32 = torch.float32
+    return _float32
+
+
+def remember(key: tuple | None, plan: KVCacheLaunch) -> None:
+    global _launch_kernel, _get_device
+    if key is None:
+        return
+    if _launch_kernel is None:
+        from cupy.cuda.runtime import getDevice
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        _launch_kernel, _get_device = launchKernel, getDevice
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    plan.is_torch = _kind(key[0]) == _TORCH
+    _plans[key] = plan
+
+
+def clear() -> None:
+    _plans.clear()

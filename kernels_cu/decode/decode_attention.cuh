@@ -1,0 +1,427 @@
+// Split-KV decode attention (flash-decoding) with GQA packing and an optional page table.
+//
+// Grid (num_splits, n_kv_heads * row_tiles, batch). A CTA reads the keys of its split of one KV
+// head once for every query row of the head's group: rows r = t * group + g (query position t,
+// group member g) form the M dimension of mma.m16n8k16, so a GQA group of 4 with one query
+// costs the same K/V traffic as a single head. Warp w takes the split's steps of B_c keys
+// w, w + n_warps, ...; each warp keeps its own cp.async ring of STAGES slots and its own online
+// softmax (so the loop has only warp-level synchronisation), and the warps' states merge at the
+// end through shared memory. One split writes O directly; several write fp32 partial rows plus
+// their log-sum-exp to a workspace that decode_combine_kernel merges.
+#pragma once
+
+template <class Cfg, bool CAUSAL, bool PAGED>
+struct DecodeCTA {
+    using Softmax = OnlineSoftmax<Cfg::M_TILES, Cfg::S_N_TILES, true>;
+    using KVTile = typename Cfg::KVTile;
+    using QTile = typename Cfg::QTile;
+
+    const DecodeParams& p;
+    const int tid, lane, warp;
+    const int batch, kv_head, row_tile, split;
+    int seqlen_k;              // keys of the sequence (cache + appended)
+    int key_begin, key_end;    // this CTA's keys: [key_begin, key_end)
+    int my_steps;              // warp steps this warp processes
+    const u16* k_base;         // K cache at (kv_head, and batch when contiguous)
+    const u16* v_base;
+    u64 policy;
+    QTile q_tile;
+    KVTile k_tile0, v_tile0;   // slot 0 of this warp's ring
+    typename QTile::Cursor q_frag;
+    typename KVTile::Cursor k_frag, v_frag;
+
+    float o_acc[Cfg::M_TILES][Cfg::O_N_TILES][4];
+    int diag[Cfg::M_TILES][2];  // causal: last key visible to each of this lane's rows
+    Softmax softmax;
+
+    CF_DEVICE DecodeCTA(const DecodeParams& params, unsigned char* smem)
+        : p(params),
+          tid(threadIdx.x),
+          lane(threadIdx.x & 31),
+          warp(threadIdx.x >> 5),
+          batch(blockIdx.z),
+          kv_head(blockIdx.y / params.row_tiles),
+          row_tile(blockIdx.y % params.row_tiles),
+          split(blockIdx.x) {
+        seqlen_k = decode_seqlen_k(p, batch);
+        // Keys the tile can see: all of them, or under causal masking (bottom-right aligned) up to
+        // the diagonal of its last query position.
+        int limit = seqlen_k;
+        if constexpr (CAUSAL) {
+            const int last_row = min(p.rows_total, (row_tile + 1) * Cfg::ROWS) - 1;
+            limit = max(0, min(seqlen_k, seqlen_k - p.seq_q + last_row / p.group + 1));
+        }
+        // Even splits of whole warp steps, per sequence (lengths live on the GPU only).
+        const int per_split = ((limit + p.num_splits - 1) / p.num_splits + Cfg::BC - 1) / Cfg::BC * Cfg::BC;
+        key_begin = min(limit, split * per_split);
+        key_end = min(limit, key_begin + per_split);
+        const int steps = (key_end - key_begin + Cfg::BC - 1) / Cfg::BC;
+        my_steps = steps > warp ? (steps - 1 - warp) / Cfg::N_WARPS + 1 : 0;
+
+        const long long k_off = PAGED ? 0 : batch * p.k_batch_stride;
+        const long long v_off = PAGED ? 0 : batch * p.v_batch_stride;
+        k_base = static_cast<const u16*>(p.k_cache) + k_off + kv_head * p.k_head_stride;
+        v_base = static_cast<const u16*>(p.v_cache) + v_off + kv_head * p.v_head_stride;
+        if constexpr (Cfg::EVICT_FIRST) policy = l2_evict_first_policy();
+
+        const u32 base = shared_address(smem);
+        q_tile.base = base;
+        k_tile0.base = base + QTile::BYTES + warp * Cfg::WARP_BYTES;
+        v_tile0.base = k_tile0.base + KVTile::BYTES;
+        q_frag = a_fragment_cursor(q_tile, 0, lane);
+        k_frag = b_fragment_cursor(k_tile0, lane);
+        v_frag = b_transposed_fragment_cursor(v_tile0, lane);
+
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o_acc[m][n][e] = 0.f;
+        softmax.init();
+        if constexpr (CAUSAL) {
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = row_tile * Cfg::ROWS + 16 * m + 8 * h + (lane >> 2);
+                    // rows past the group's end are padding: let them see everything
+                    diag[m][h] = row < p.rows_total ? seqlen_k - p.seq_q + row / p.group : 0x3fffffff;
+                }
+        }
+    }
+
+    // First key of this warp's k-th step.
+    CF_DEVICE int step_key(int k) const { return key_begin + (warp + k * Cfg::N_WARPS) * Cfg::BC; }
+
+    // ---- loads ----
+    CF_DEVICE void load_q() {
+        constexpr int CHUNKS = Cfg::ROWS * Cfg::CHUNKS_PER_ROW;
+        const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
+        for (int idx = tid; idx < CHUNKS; idx += Cfg::N_THREADS) {
+            const int row = idx / Cfg::CHUNKS_PER_ROW, chunk = idx % Cfg::CHUNKS_PER_ROW;
+            const int packed = row_tile * Cfg::ROWS + row;
+            const bool valid = packed < p.rows_total;
+            const int t = packed / p.group;
+            const int head = kv_head * p.group + (packed - t * p.group);
+            const u16* src = q + t * p.q_seq_stride + head * p.q_head_stride + chunk * 8;
+            cp_async_16(q_tile.lane_address(row, chunk), valid ? src : q, valid);
+        }
+    }
+
+    // Page of each 16-key sub-block of the step at `key`: lane j < SUB_BLOCKS loads sub-block j's
+    // entry (0 past the split's end, never read from the table). Loaded a step ahead of its use,
+    // so the table read's latency hides behind the step in between.
+    CF_DEVICE int load_pages(int key) const {
+        int page = 0;
+        if constexpr (PAGED) {
+            const int sub_key = key + 16 * lane;
+            if (lane < Cfg::SUB_BLOCKS && sub_key < key_end)
+                page = p.block_table[batch * p.block_table_stride + (sub_key >> p.page_shift)];
+        }
+        return page;
+    }
+
+    CF_DEVICE void load_step(int key, int slot, int pages) {
+        const u32 slot_offset = slot * Cfg::STAGE_BYTES;
+        const int row0 = lane / Cfg::CHUNKS_PER_ROW, chunk = lane % Cfg::CHUNKS_PER_ROW;
+        const int page_mask = (1 << p.page_shift) - 1;
+#pragma unroll
+        for (int i = 0; i < Cfg::COPY_PASSES; ++i) {
+            const int row = row0 + i * Cfg::ROWS_PER_PASS;
+            const int k = key + row;
+            const bool valid = k < key_end;
+            long long k_off, v_off;
+            if constexpr (PAGED) {
+                // the pass's rows lie in one 16-key sub-block, hence one page
+                const int page = __shfl_sync(0xffffffffu, pages, (i * Cfg::ROWS_PER_PASS) / 16);
+                const int in_page = k & page_mask;
+                k_off = page * p.k_batch_stride + in_page * p.k_seq_stride;
+                v_off = page * p.v_batch_stride + in_page * p.v_seq_stride;
+            } else {
+                k_off = k * p.k_seq_stride;
+                v_off = k * p.v_seq_stride;
+            }
+            const u16* k_src = valid ? k_base + k_off + chunk * 8 : k_base;
+            const u16* v_src = valid ? v_base + v_off + chunk * 8 : v_base;
+            const u32 k_dst = k_tile0.lane_address(row, chunk) + slot_offset;
+            const u32 v_dst = v_tile0.lane_address(row, chunk) + slot_offset;
+            if constexpr (Cfg::EVICT_FIRST) {
+                cp_async_16_hinted(k_dst, k_src, valid, policy);
+                cp_async_16_hinted(v_dst, v_src, valid, policy);
+            } else {
+                cp_async_16(k_dst, k_src, valid);
+                cp_async_16(v_dst, v_src, valid);
+            }
+        }
+    }
+
+    // ---- one warp step: S = Q K^T, mask, online softmax, O += P V ----
+    CF_DEVICE void compute_step(int key, int slot) {
+        const u32 slot_offset = slot * Cfg::STAGE_BYTES;
+        typename KVTile::Cursor kc = k_frag, vc = v_frag;
+        kc.addr += slot_offset;
+        vc.addr += slot_offset;
+
+        float s[Cfg::M_TILES][Cfg::S_N_TILES][4];
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::S_N_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][n][e] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < Cfg::QK_K_STEPS; ++ks) {
+            u32 a[Cfg::M_TILES][4];
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m) load_a_fragment(a[m], q_tile, q_frag, 16 * m, ks);
+            u32 b[Cfg::S_N_TILES][2];
+#pragma unroll
+            for (int n = 0; n < Cfg::S_N_TILES; n += 2) load_b_fragments(b[n], b[n + 1], k_tile0, kc, 8 * n, ks);
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int n = 0; n < Cfg::S_N_TILES; ++n) mma_m16n8k16<Cfg::dtype>(s[m][n], a[m], b[n][0], b[n][1]);
+        }
+
+        // Masks: keys past the split's end (only its last step has them) and, under causal
+        // masking, keys after a row's diagonal (only steps reaching past the tile's first one).
+        const int keys_valid = key_end - key;
+        bool cut = keys_valid < Cfg::BC;
+        if constexpr (CAUSAL) {
+            const int first_diag = seqlen_k - p.seq_q + (row_tile * Cfg::ROWS) / p.group;
+            cut = cut || key + Cfg::BC - 1 > first_diag;
+        }
+        if (cut) {
+#pragma unroll
+            for (int n = 0; n < Cfg::S_N_TILES; ++n)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 8 * n + 2 * (lane & 3) + e;
+#pragma unroll
+                    for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            bool masked = col >= keys_valid;
+                            if constexpr (CAUSAL) masked = masked || key + col > diag[m][h];
+                            if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
+                        }
+                }
+        }
+
+        float rescale[Cfg::M_TILES][2];
+        softmax.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+#pragma unroll
+        for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; ++n) {
+                o_acc[m][n][0] *= rescale[m][0];
+                o_acc[m][n][1] *= rescale[m][0];
+                o_acc[m][n][2] *= rescale[m][1];
+                o_acc[m][n][3] *= rescale[m][1];
+            }
+
+#pragma unroll
+        for (int ks = 0; ks < Cfg::PV_K_STEPS; ++ks) {
+            u32 pa[Cfg::M_TILES][4];
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m) {
+                pa[m][0] = pack_pair<Cfg::dtype>(s[m][2 * ks][0], s[m][2 * ks][1]);
+                pa[m][1] = pack_pair<Cfg::dtype>(s[m][2 * ks][2], s[m][2 * ks][3]);
+                pa[m][2] = pack_pair<Cfg::dtype>(s[m][2 * ks + 1][0], s[m][2 * ks + 1][1]);
+                pa[m][3] = pack_pair<Cfg::dtype>(s[m][2 * ks + 1][2], s[m][2 * ks + 1][3]);
+            }
+#pragma unroll
+            for (int n = 0; n < Cfg::O_N_TILES; n += 2) {
+                u32 b0[2], b1[2];
+                load_b_fragments_transposed(b0, b1, v_tile0, vc, 8 * n, ks);
+#pragma unroll
+                for (int m = 0; m < Cfg::M_TILES; ++m) {
+                    mma_m16n8k16<Cfg::dtype>(o_acc[m][n], pa[m], b0[0], b0[1]);
+                    mma_m16n8k16<Cfg::dtype>(o_acc[m][n + 1], pa[m], b1[0], b1[1]);
+                }
+            }
+        }
+    }
+
+    // ---- the warp's pipelined walk over its steps ----
+    CF_DEVICE void run() {
+        load_q();
+        cp_async_commit();
+        // Paged: the page indices of the steps issued next, step j's in pages[j % PAGE_PREFETCH],
+        // read PAGE_PREFETCH issues ahead. The main loop is unrolled PAGE_PREFETCH times so each
+        // index is a compile-time register: a register still waiting for its load must not be
+        // touched (not even moved) until it is used, or the warp stalls right there (a shifting
+        // queue measured 1.9x the contiguous time).
+        int pages[PAGE_PREFETCH];
+        if constexpr (PAGED) {
+#pragma unroll
+            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(step_key(i));
+        }
+#pragma unroll
+        for (int s = 0; s < Cfg::STAGES - 1; ++s) {
+            if (s < my_steps) load_step(step_key(s), s, pages[s % PAGE_PREFETCH]);
+            cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
+            if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH));
+        }
+        cp_async_wait<Cfg::STAGES - 1>();  // this thread's Q copies have landed
+        __syncthreads();                    // ... and every thread's
+
+        int issue_slot = Cfg::STAGES - 1, compute_slot = 0;
+        if constexpr (PAGED) {
+            for (int k = 0; k < my_steps; k += PAGE_PREFETCH) {
+#pragma unroll
+                for (int u = 0; u < PAGE_PREFETCH; ++u) {
+                    if (k + u < my_steps)
+                        loop_step(k + u, issue_slot, compute_slot, pages[(u + Cfg::STAGES - 1) % PAGE_PREFETCH]);
+                }
+            }
+        } else {
+            for (int k = 0; k < my_steps; ++k) loop_step(k, issue_slot, compute_slot, pages[0]);
+        }
+        cp_async_wait<0>();
+        merge_and_store();
+    }
+
+    static constexpr int PAGE_PREFETCH = 3;
+
+    // Iteration k of the warp's loop: issue step k + STAGES - 1 (its pages in `page_reg`, which
+    // is then refilled for step k + STAGES - 1 + PAGE_PREFETCH), wait for step k, compute it.
+    CF_DEVICE void loop_step(int k, int& issue_slot, int& compute_slot, int& page_reg) {
+        const int issue = k + Cfg::STAGES - 1;
+        if (issue < my_steps) load_step(step_key(issue), issue_slot, page_reg);
+        cp_async_commit();
+        if constexpr (PAGED) page_reg = load_pages(step_key(issue + PAGE_PREFETCH));
+        cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)
+        __syncwarp();                       // ... and the whole warp's
+        compute_step(step_key(k), compute_slot);
+        __syncwarp();  // every lane has read the slot before the next iteration refills it
+        issue_slot = issue_slot + 1 == Cfg::STAGES ? 0 : issue_slot + 1;
+        compute_slot = compute_slot + 1 == Cfg::STAGES ? 0 : compute_slot + 1;
+    }
+
+    // ---- merge the warps' softmax states, then write O (or the split's partial) and LSE ----
+    // Each warp rescales its output rows to the CTA's row maxima and stores them in its own fp32
+    // slice (no shared-memory atomics: fp32 atomic adds on shared memory are compare-and-swap
+    // loops); the output pass sums the slices of the warps that saw keys.
+    CF_DEVICE void merge_and_store() {
+        constexpr int ROWS = Cfg::ROWS;
+        float row_sum[Cfg::M_TILES][2];
+        softmax.finish(row_sum);
+        __syncthreads();  // every warp is done with its K/V ring, which the merge area reuses
+        float* merge = reinterpret_cast<float*>(smem_generic() + QTile::BYTES);
+        float* warp_max_rows = merge;                          // [N_WARPS][ROWS]
+        float* warp_sum_rows = merge + Cfg::N_WARPS * ROWS;     // [N_WARPS][ROWS]
+        float* final_max = merge + 2 * Cfg::N_WARPS * ROWS;     // [ROWS]
+        float* final_sum = final_max + ROWS;                    // [ROWS]
+        float* slices = final_sum + ROWS;                       // [N_WARPS][ROWS][O_STRIDE]
+        if ((lane & 3) == 0) {
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 16 * m + 8 * h + (lane >> 2);
+                    warp_max_rows[warp * ROWS + row] = softmax.row_max[m][h];
+                    warp_sum_rows[warp * ROWS + row] = row_sum[m][h];
+                }
+        }
+        __syncthreads();
+
+        for (int r = tid; r < ROWS; r += Cfg::N_THREADS) {
+            float mx = CF_NEG_INF;
+#pragma unroll
+            for (int w = 0; w < Cfg::N_WARPS; ++w) mx = fmaxf(mx, warp_max_rows[w * ROWS + r]);
+            float total = 0.f;
+            if (mx != CF_NEG_INF) {
+#pragma unroll
+                for (int w = 0; w < Cfg::N_WARPS; ++w)
+                    total += warp_sum_rows[w * ROWS + r] *
+                             fast_exp2((warp_max_rows[w * ROWS + r] - mx) * p.softmax_scale_log2);
+            }
+            final_max[r] = mx;
+            final_sum[r] = total;
+        }
+        // Warps w < active took steps (they are handed out round-robin from warp 0).
+        const int active = min(Cfg::N_WARPS, (key_end - key_begin + Cfg::BC - 1) / Cfg::BC);
+        if (warp < active) {
+            float* slice = slices + warp * ROWS * Cfg::O_STRIDE;
+#pragma unroll
+            for (int m = 0; m < Cfg::M_TILES; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 16 * m + 8 * h + (lane >> 2);
+                    float mx = CF_NEG_INF;
+#pragma unroll
+                    for (int w = 0; w < Cfg::N_WARPS; ++w) mx = fmaxf(mx, warp_max_rows[w * ROWS + row]);
+                    const float mine = softmax.row_max[m][h];
+                    const float scale = mine == CF_NEG_INF ? 0.f : fast_exp2((mine - mx) * p.softmax_scale_log2);
+                    float* dst = slice + row * Cfg::O_STRIDE + 2 * (lane & 3);
+#pragma unroll
+                    for (int n = 0; n < Cfg::O_N_TILES; ++n)
+                        *reinterpret_cast<float2*>(dst + 8 * n) =
+                            make_float2(o_acc[m][n][2 * h] * scale, o_acc[m][n][2 * h + 1] * scale);
+                }
+        }
+        __syncthreads();
+
+        // 8 output elements per thread and pass: rows of the tile that are real (packed row <
+        // rows_total), to O (one split) or to the split's fp32 partial rows.
+        constexpr int CPR = Cfg::CHUNKS_PER_ROW;
+        for (int idx = tid; idx < ROWS * CPR; idx += Cfg::N_THREADS) {
+            const int row = idx / CPR, chunk = idx % CPR;
+            const int packed = row_tile * ROWS + row;
+            if (packed >= p.rows_total) continue;
+            const int t = packed / p.group;
+            const int head = kv_head * p.group + (packed - t * p.group);
+            const float total = final_sum[row];
+            const float inv = total > 0.f ? 1.f / total : 0.f;
+            float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+            for (int w = 0; w < active; ++w) {
+                const float* src = slices + (w * ROWS + row) * Cfg::O_STRIDE + chunk * 8;
+                const float4 a = *reinterpret_cast<const float4*>(src);
+                const float4 b = *reinterpret_cast<const float4*>(src + 4);
+                x0.x += a.x; x0.y += a.y; x0.z += a.z; x0.w += a.w;
+                x1.x += b.x; x1.y += b.y; x1.z += b.z; x1.w += b.w;
+            }
+            // (batch, t, head) row index of the partial-output workspace and the combine kernel
+            const long long out_row = ((long long)batch * p.seq_q + t) * p.n_heads + head;
+            if (p.num_splits == 1) {
+                uint4 v;
+                v.x = pack_pair<Cfg::dtype>(x0.x * inv, x0.y * inv);
+                v.y = pack_pair<Cfg::dtype>(x0.z * inv, x0.w * inv);
+                v.z = pack_pair<Cfg::dtype>(x1.x * inv, x1.y * inv);
+                v.w = pack_pair<Cfg::dtype>(x1.z * inv, x1.w * inv);
+                u16* o = static_cast<u16*>(p.o) + batch * p.o_batch_stride + t * p.o_seq_stride +
+                         head * p.o_head_stride + chunk * 8;
+                st_global_16(o, v);
+            } else {
+                float* dst = p.ws_o + ((long long)split * p.total_rows + out_row) * Cfg::D + chunk * 8;
+                *reinterpret_cast<float4*>(dst) = make_float4(x0.x * inv, x0.y * inv, x0.z * inv, x0.w * inv);
+                *reinterpret_cast<float4*>(dst + 4) = make_float4(x1.x * inv, x1.y * inv, x1.z * inv, x1.w * inv);
+            }
+            if (chunk == 0) {
+                const float lse = total > 0.f ? final_max[row] * p.softmax_scale + __logf(total) : CF_NEG_INF;
+                if (p.num_splits == 1) {
+                    if (p.lse != nullptr) p.lse[((long long)batch * p.n_heads + head) * p.seq_q + t] = lse;
+                } else {
+                    p.ws_lse[(long long)split * p.total_rows + out_row] = lse;
+                }
+            }
+        }
+    }
+
+    CF_DEVICE static unsigned char* smem_generic();
+};
+
+extern __shared__ __align__(1024) unsigned char cf_decode_smem[];
+
+template <class Cfg, bool CAUSAL, bool PAGED>
+CF_DEVICE unsigned char* DecodeCTA<Cfg, CAUSAL, PAGED>::smem_generic() {
+    return cf_decode_smem;
+}
+
+template <class Cfg, bool CAUSAL, bool PAGED>
+__global__ void __launch_bounds__(Cfg::N_THREADS, 1) decode_attention_kernel(const __grid_constant__ DecodeParams params) {
+    DecodeCTA<Cfg, CAUSAL, PAGED> cta(params, cf_decode_smem);
+    cta.run();
+}

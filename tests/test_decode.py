@@ -1,0 +1,243 @@
+"""CPU tests of the decode family: config rules, short forms, config sets, the split-count rule,
+forward_kvcache's argument checks and the opt-in index check (no GPU needed)."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.families.decode.config import DecodeKernelConfig
+from cupyflash.families.decode import config_sets
+from cupyflash.families.decode.splits import MAX_SPLITS, choose_num_splits
+from cupyflash.interop import CUPY, TensorView, contiguous_strides
+from cupyflash.kvcache_checks import check_index_values, check_kvcache_args, check_num_splits
+
+BF16 = DType.BF16
+
+
+def cfg(**changes) -> DecodeKernelConfig:
+    base = dict(dtype=BF16, d_head=128, rows=16, B_c=16, n_warps=4, stages=3, evict_first=False)
+    base.update(changes)
+    return DecodeKernelConfig(**base)
+
+
+# ----------------------------------------------------------------------------- config
+def test_short_form_examples_and_round_trip_of_every_config():
+    assert cfg().short_form() == "decode (BF16, 128, 16, 16, 4): stages_3"
+    assert cfg(evict_first=True, dtype=DType.FP16).short_form() == "decode (FP16, 128, 16, 16, 4): stages_3+evict_first"
+    every = config_sets.all_configs()
+    assert len(every) > 100
+    for c in every:
+        assert DecodeKernelConfig.parse(c.short_form()) == c
+    assert DecodeKernelConfig.parse("  decode ( bf16 ,128,16,16,4 ) : stages_3+evict_first ") == cfg(evict_first=True)
+
+
+@pytest.mark.parametrize("text", [
+    "(BF16, 128, 16, 16, 4): stages_3",             # no family prefix: the forward family's form
+    "decode (BF16, 128, 16, 16, 4)",                 # no stages
+    "decode (BF16, 128, 16, 16, 4): stages_3+fast",  # unknown feature
+    "decode (BF16, 128, 16, 16, 4): stages_3+evict_first+evict_first",
+    "decode (BF16, 96, 16, 16, 4): stages_3",        # rule: d_head
+    "decode (INT8, 128, 16, 16, 4): stages_3",
+])
+def test_parse_rejects(text):
+    with pytest.raises(ValueError):
+        DecodeKernelConfig.parse(text)
+
+
+@pytest.mark.parametrize("changes, rule", [
+    ({"d_head": 96}, "d_head"),
+    ({"rows": 8}, "rows in"),
+    ({"B_c": 128}, "B_c in"),
+    ({"n_warps": 3}, "n_warps in"),
+    ({"stages": 5}, "stages in"),
+    ({"rows": 32, "d_head": 256}, "output registers"),
+    ({"rows": 64, "d_head": 64, "B_c": 32}, "score registers"),
+    ({"d_head": 256, "B_c": 64, "n_warps": 8, "stages": 4}, "shared memory"),
+    ({"stages": 2.0}, "stages: expected int"),
+    ({"evict_first": 1}, "evict_first: expected bool"),
+])
+def test_rules_raise_naming_the_rule(changes, rule):
+    with pytest.raises(ValueError, match=rule):
+        cfg(**changes)
+
+
+def test_config_is_ordered_hashable_and_frozen():
+    a, b = cfg(stages=2), cfg(stages=3)
+    assert a < b and len({a, b, cfg(stages=2)}) == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.stages = 4  # type: ignore[misc]
+    assert [f.name for f in dataclasses.fields(DecodeKernelConfig)] == [
+        "dtype", "d_head", "rows", "B_c", "n_warps", "stages", "evict_first"]
+
+
+def test_shared_memory_formula():
+    c = cfg()  # Q 16x128x2 = 4 KB; 4 warps x 3 stages x (K+V 16x128x2) = 96 KB
+    assert c.smem_bytes() == 4096 + 4 * 3 * 8192
+    # one warp, one stage: the merge area (row statistics + 16 fp32 rows of 136) is the larger
+    small = cfg(n_warps=1, stages=1)
+    assert small.smem_bytes() == 4096 + (2 * 16 + 2 * 16) * 4 + 16 * 136 * 4
+    assert cfg(stages=4).ctas_per_sm(228 * 1024) == 1 and cfg(stages=2, n_warps=2).ctas_per_sm(228 * 1024) == 6
+
+
+def test_config_sets():
+    tune = config_sets.get_kernel_configs("tune")
+    assert tune == sorted(tune) and len(tune) == len(set(tune))
+    assert set(tune) <= set(config_sets.all_configs())
+    assert all(config_sets.should_autotune(c) for c in tune)
+    for dt in DType:
+        for d in (64, 128, 256):
+            assert any(c.dtype is dt and c.d_head == d for c in tune)
+    prog = config_sets.progression_configs()
+    assert len(prog) == len(set(prog)) == 5
+    # every step changes exactly one knob
+    for before, after in zip(prog, prog[1:]):
+        diff = [f.name for f in dataclasses.fields(before) if getattr(before, f.name) != getattr(after, f.name)]
+        assert len(diff) == 1, (before, after)
+    with pytest.raises(ValueError, match="KERNELS"):
+        config_sets.get_kernel_configs("nope")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_default_configs_fit_the_packed_rows(d):
+    for rows in (1, 4, 8, 16, 17, 32, 64, 128, 512):
+        c = config_sets.default_config(BF16, d, rows)
+        assert c.rows * d // 32 <= 128
+        assert c.rows >= min(rows, 4096 // d) or c.rows == max(r for r in (16, 32, 64) if r * d <= 4096)
+    with pytest.raises(ValueError, match="^q: d_head"):
+        config_sets.default_config(BF16, 96)
+
+
+# ----------------------------------------------------------------------------- splits
+def test_num_splits_aims_at_half_the_sms():
+    # batch 1, 8 KV heads: 8 splits x 8 heads = 64 CTAs on 132 SMs
+    assert choose_num_splits(1, 8, 1, 131072, 132, 64) == 8
+    assert choose_num_splits(1, 1, 1, 131072, 132, 64) == 66  # MQA: one KV head
+    # a grid that fills half the GPU already: one split
+    assert choose_num_splits(64, 8, 1, 8192, 132, 64) == 1
+    assert choose_num_splits(8, 8, 1, 32768, 132, 64) == 1
+    # short sequences cannot be split below two steps per warp
+    assert choose_num_splits(1, 8, 1, 100, 132, 64) == 1
+    assert choose_num_splits(1, 8, 1, 300, 132, 64) == 2
+    assert choose_num_splits(1, 1, 1, 10**7, 1000, 64) == MAX_SPLITS
+    for batch in (1, 2, 3, 8, 16, 32, 64):
+        for keys in (0, 1, 1000, 8192, 131072):
+            assert 1 <= choose_num_splits(batch, 8, 1, keys, 132, 64) <= MAX_SPLITS
+
+
+def test_check_num_splits():
+    assert check_num_splits(None) is None and check_num_splits(np.int64(7)) == 7
+    for bad, err in ((0, ValueError), (129, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(err, match="^num_splits"):
+            check_num_splits(bad)
+
+
+# ----------------------------------------------------------------------------- argument checks
+_PTR = [1 << 20]
+
+
+def view(shape, dtype=BF16, raw=None, strides=None, device=0, ptr=None):
+    if ptr is None:
+        _PTR[0] += 1 << 20
+        ptr = _PTR[0]
+    raw = raw if raw is not None else (dtype.numpy_dtype if dtype is not None else np.dtype(np.int32))
+    return TensorView(ptr, tuple(shape), tuple(strides or contiguous_strides(tuple(shape))), dtype, raw,
+                      device, CUPY, None)
+
+
+def ints(shape, **kw):
+    return view(shape, dtype=None, raw=np.dtype(np.int32), **kw)
+
+
+def args(paged=False, **over):
+    a = dict(q=view((2, 1, 32, 128)), k_cache=view((2, 1024, 8, 128)), v_cache=view((2, 1024, 8, 128)),
+             cache_seqlens=ints((2,)), block_table=None, k_new=None, v_new=None, out=None)
+    if paged:
+        a.update(k_cache=view((40, 16, 8, 128)), v_cache=view((40, 16, 8, 128)), block_table=ints((2, 20)))
+    a.update(over)
+    return a
+
+
+def test_valid_plans():
+    p = check_kvcache_args(**args())
+    assert (p.batch, p.seq_q, p.n_heads, p.n_kv_heads, p.group, p.rows_total) == (2, 1, 32, 8, 4, 4)
+    assert not p.paged and p.max_keys == 1024 and p.out_shape == (2, 1, 32, 128) and p.causal
+    p = check_kvcache_args(**args(paged=True), causal=False, return_lse=True)
+    assert p.paged and p.page_size == 16 and p.page_shift == 4 and p.max_keys == 320 and p.num_pages == 40
+    assert p.block_table_stride == 20 and not p.causal and p.want_lse
+    p = check_kvcache_args(**args(k_new=view((2, 3, 8, 128)), v_new=view((2, 3, 8, 128))))
+    assert p.seq_new == 3
+
+
+@pytest.mark.parametrize("over, paged, err, prefix", [
+    ({"q": view((2, 1, 32, 128), dtype=None, raw=np.dtype(np.float32))}, False, TypeError, "q: dtype"),
+    ({"q": view((2, 32, 128))}, False, ValueError, "q: expected 4"),
+    ({"k_cache": view((2, 1024, 8, 128), dtype=DType.FP16)}, False, TypeError, "k_cache: dtype"),
+    ({"v_cache": view((2, 1000, 8, 128))}, False, ValueError, "v_cache: shape"),
+    ({"k_cache": view((2, 1024, 8, 64)), "v_cache": view((2, 1024, 8, 64))}, False, ValueError, "k_cache: d_head"),
+    ({"q": view((2, 1, 32, 96)), "k_cache": view((2, 1024, 8, 96)), "v_cache": view((2, 1024, 8, 96))},
+     False, ValueError, "q: d_head 96"),
+    ({"k_cache": view((2, 1024, 5, 128)), "v_cache": view((2, 1024, 5, 128))}, False, ValueError, "k_cache: has 5"),
+    ({"k_cache": view((3, 1024, 8, 128)), "v_cache": view((3, 1024, 8, 128))}, False, ValueError, "k_cache: batch"),
+    ({"cache_seqlens": ints((3,))}, False, ValueError, "cache_seqlens: batch size 3"),
+    ({"cache_seqlens": view((2,), dtype=None, raw=np.dtype(np.int64))}, False, TypeError, "cache_seqlens: expected dtype int32"),
+    ({"cache_seqlens": ints((2,), strides=(2,))}, False, ValueError, "cache_seqlens: the last dimension"),
+    ({"cache_seqlens": ints((2,), device=1)}, False, ValueError, "cache_seqlens: is on CUDA device 1"),
+    ({"block_table": ints((3, 20))}, True, ValueError, "block_table: batch size 3"),
+    ({"block_table": view((2, 20), dtype=None, raw=np.dtype(np.int64))}, True, TypeError, "block_table: expected dtype"),
+    ({"block_table": ints((2, 20, 1))}, True, ValueError, "block_table: expected 2"),
+    ({"k_cache": view((40, 24, 8, 128)), "v_cache": view((40, 24, 8, 128))}, True, ValueError, "k_cache: page size 24"),
+    ({"k_cache": view((40, 8, 8, 128)), "v_cache": view((40, 8, 8, 128))}, True, ValueError, "k_cache: page size 8"),
+    ({"k_cache": view((4, 512, 8, 128)), "v_cache": view((4, 512, 8, 128))}, True, ValueError, "k_cache: page size 512"),
+    ({"k_new": view((2, 1, 8, 128))}, False, ValueError, "v_new: k_new and v_new"),
+    ({"k_new": view((2, 1, 4, 128)), "v_new": view((2, 1, 4, 128))}, False, ValueError, "k_new: expected shape"),
+    ({"k_new": view((2, 1, 8, 128)), "v_new": view((2, 2, 8, 128))}, False, ValueError, "v_new: shape"),
+    ({"k_new": view((2, 1, 8, 128), dtype=DType.FP16), "v_new": view((2, 1, 8, 128))}, False, TypeError, "k_new: dtype"),
+    ({"out": view((2, 1, 32, 64))}, False, ValueError, "out: expected shape"),
+    ({"out": view((2, 1, 32, 128), dtype=DType.FP16)}, False, TypeError, "out: expected dtype"),
+    ({"q": view((2, 1, 32, 128), ptr=(1 << 30) + 8)}, False, ValueError, "q: data pointer"),
+    ({"k_cache": view((2, 1024, 8, 128), strides=(1024 * 8 * 128, 8 * 128, 129, 1))}, False, ValueError,
+     "k_cache: the head stride"),
+    ({"v_cache": view((2, 1024, 8, 128), strides=(1024 * 8 * 128 * 2, 8 * 128 * 2, 256, 2))}, False, ValueError,
+     "v_cache: the last dimension"),
+])
+def test_bad_arguments_name_the_argument(over, paged, err, prefix):
+    with pytest.raises(err) as info:
+        check_kvcache_args(**args(paged=paged, **over))
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_bad_flags_and_scale():
+    with pytest.raises(TypeError, match="^causal"):
+        check_kvcache_args(**args(), causal=1)
+    with pytest.raises(TypeError, match="^return_lse"):
+        check_kvcache_args(**args(), return_lse="yes")
+    with pytest.raises(ValueError, match="^softmax_scale"):
+        check_kvcache_args(**args(), softmax_scale=-1.0)
+
+
+def test_index_check_on_host_copies():
+    plan = check_kvcache_args(**args(paged=True, k_new=view((2, 2, 8, 128)), v_new=view((2, 2, 8, 128))))
+    table = np.arange(40, dtype=np.int32).reshape(2, 20)
+    check_index_values(plan, np.array([0, 318], np.int32), table)  # 318 + 2 = 320 rows: exactly full
+    with pytest.raises(ValueError, match=r"^cache_seqlens: sequence 1 needs 321"):
+        check_index_values(plan, np.array([0, 319], np.int32), table)
+    with pytest.raises(ValueError, match="^cache_seqlens: sequence 0 has negative"):
+        check_index_values(plan, np.array([-1, 3], np.int32), table)
+    bad = table.copy()
+    bad[1, 2] = 40  # the third page of sequence 1 (rows 32..47) does not exist
+    with pytest.raises(ValueError, match=r"^block_table: entry \[1, 2\] = 40"):
+        check_index_values(plan, np.array([0, 40], np.int32), bad)
+    check_index_values(plan, np.array([0, 30], np.int32), bad)  # that page is not used by 32 rows
+    contiguous = check_kvcache_args(**args())
+    with pytest.raises(ValueError, match="k_cache capacity"):
+        check_index_values(contiguous, np.array([1025, 0], np.int32), None)
+
+
+def test_workspace_bytes():
+    from cupyflash.kvcache import workspace_bytes
+
+    assert workspace_bytes(2, 1, 32, 128, 1) == 0
+    assert workspace_bytes(2, 4, 32, 128, 8) == 8 * 2 * 4 * 32 * 129 * 4

@@ -1,0 +1,274 @@
+"""GPU tests of forward_kvcache against the SPEC §5 rule, per sequence, on a float64 reference:
+seq_q 1/2/4/16, cache lengths 0, 1, page boundaries and ragged mixes, page sizes 16..256 with
+shuffled page tables, GQA 1/4/8 and MQA, causal and not, every num_splits, LSE, k_new appended
+into the cache, fp16/bf16, d_head 64/128/256, poisoned outputs, and a CUDA graph replayed over
+changing cache_seqlens. Skipped cleanly without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.device import has_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
+
+if has_gpu():
+    import cupy as cp
+
+    import cupyflash
+    from gpu_reference import check_attention, poisoned, random_inputs, to_float32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed_cache():
+    """Compile the configs these tests use (every tile height of the defaults, both dtypes and
+    head sizes, all four variants) in parallel before the tests use them one at a time."""
+    from cupyflash.device import device_arch
+    from cupyflash.families.decode.config_sets import default_config
+    from cupyflash.prewarm import prewarm
+
+    arch, _ = device_arch(cp.cuda.runtime.getDevice())
+    configs = sorted({default_config(dt, d, rows) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)})
+    variants = [(c, p) for c in (False, True) for p in (False, True)]
+    report = prewarm(configs, [arch], variants=variants, progress=None)
+    assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+# ----------------------------------------------------------------------------- problem builders
+def bits(x):
+    """The 16-bit patterns of an fp16/bf16 array: copies move bits, never convert values."""
+    return x.view(cp.uint16)
+
+
+class Problem:
+    """A logical cache (batch, capacity, n_kv, d) and, when paged, its pages under a shuffled table."""
+
+    def __init__(self, rng, dtype, d, batch, seq_q, n_heads, n_kv, lengths, page_size=None, seq_new=0,
+                 capacity=None):
+        self.dtype, self.d, self.batch, self.seq_q = dtype, d, batch, seq_q
+        self.n_heads, self.n_kv, self.seq_new, self.page_size = n_heads, n_kv, seq_new, page_size
+        self.lengths = np.asarray(lengths, dtype=np.int32)
+        need = int((self.lengths + seq_new).max()) if batch else 1
+        cap = capacity or max(need, 1)
+        if page_size:
+            cap = -(-cap // page_size) * page_size
+        self.capacity = cap
+        self.q = random_inputs(cp, dtype, (batch, seq_q, n_heads, d), rng)
+        self.k_logical = random_inputs(cp, dtype, (batch, cap, n_kv, d), rng)
+        self.v_logical = random_inputs(cp, dtype, (batch, cap, n_kv, d), rng)
+        self.k_new = random_inputs(cp, dtype, (batch, seq_new, n_kv, d), rng) if seq_new else None
+        self.v_new = random_inputs(cp, dtype, (batch, seq_new, n_kv, d), rng) if seq_new else None
+        self.cache_seqlens = cp.asarray(self.lengths)
+        if page_size:
+            pages_per_seq = cap // page_size
+            n_pages = batch * pages_per_seq + 3  # spare pages nobody uses
+            perm = rng.permutation(n_pages)[: batch * pages_per_seq].reshape(batch, pages_per_seq)
+            self.block_table = cp.asarray(perm.astype(np.int32))
+            self.k_cache = random_inputs(cp, dtype, (n_pages, page_size, n_kv, d), rng)
+            self.v_cache = random_inputs(cp, dtype, (n_pages, page_size, n_kv, d), rng)
+            for b in range(batch):
+                for j in range(pages_per_seq):
+                    rows = slice(j * page_size, (j + 1) * page_size)
+                    bits(self.k_cache)[int(perm[b, j])] = bits(self.k_logical)[b, rows]
+                    bits(self.v_cache)[int(perm[b, j])] = bits(self.v_logical)[b, rows]
+        else:
+            self.block_table = None
+            self.k_cache = bits(self.k_logical).copy().view(dtype.numpy_dtype)
+            self.v_cache = bits(self.v_logical).copy().view(dtype.numpy_dtype)
+
+    def run(self, **kw):
+        out = poisoned(cp, self.dtype, self.q.shape)
+        res = cupyflash.forward_kvcache(self.q, self.k_cache, self.v_cache, cache_seqlens=self.cache_seqlens,
+                                        block_table=self.block_table, k_new=self.k_new, v_new=self.v_new,
+                                        out=out, **kw)
+        return res
+
+    def logical_after_append(self):
+        k, v = bits(self.k_logical).copy(), bits(self.v_logical).copy()
+        for b in range(self.batch):
+            n = int(self.lengths[b])
+            if self.seq_new:
+                k[b, n:n + self.seq_new] = bits(self.k_new)[b]
+                v[b, n:n + self.seq_new] = bits(self.v_new)[b]
+        return k.view(self.dtype.numpy_dtype), v.view(self.dtype.numpy_dtype)
+
+    def logical_from_pages(self):
+        """The logical (batch, capacity, n_kv, d) view of the paged cache's current contents."""
+        pages = cp.asnumpy(self.block_table)
+        k = cp.stack([cp.concatenate([bits(self.k_cache)[int(j)] for j in pages[b]]) for b in range(self.batch)])
+        v = cp.stack([cp.concatenate([bits(self.v_cache)[int(j)] for j in pages[b]]) for b in range(self.batch)])
+        return k.view(self.dtype.numpy_dtype), v.view(self.dtype.numpy_dtype)
+
+    def check(self, out, lse=None, causal=True, scale=None, context=""):
+        k, v = self.logical_after_append()
+        figures = []
+        for b in range(self.batch):
+            n = int(self.lengths[b]) + self.seq_new
+            where = f"{context} b={b} len={n}"
+            if n == 0:  # no key at all: output 0, lse -inf
+                assert bool((to_float32(cp, out[b]) == 0).all()), where
+                if lse is not None:
+                    assert bool(cp.isneginf(lse[b]).all()), where
+                continue
+            figures.append(check_attention(cp, self.dtype, self.q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n],
+                                           out[b:b + 1], scale, causal=causal,
+                                           lse=None if lse is None else lse[b:b + 1], context=where))
+        return figures
+
+
+# ----------------------------------------------------------------------------- the case matrix
+# (dtype, d, batch, seq_q, n_heads, n_kv, lengths, page_size, seq_new, causal, num_splits)
+B, F = DType.BF16, DType.FP16
+CASES = [
+    # decode (seq_q 1), GQA 4, ragged lengths including 0, 1 and page boundaries
+    (B, 128, 6, 1, 32, 8, [0, 1, 15, 16, 17, 300], None, 0, True, None),
+    (B, 128, 6, 1, 32, 8, [0, 1, 15, 16, 17, 300], 16, 0, True, None),
+    (F, 128, 5, 1, 32, 8, [255, 256, 257, 1, 1000], 256, 0, False, 3),
+    (B, 128, 3, 1, 8, 8, [4096, 37, 2049], 64, 0, True, None),        # MHA (ratio 1)
+    (F, 128, 2, 1, 16, 2, [5000, 3], 32, 0, True, 7),                   # GQA 8
+    (B, 128, 2, 1, 16, 1, [1234, 777], 128, 0, False, None),            # MQA
+    # speculative / chunked: seq_q 2, 4, 16, causal bottom-right, several row tiles
+    (B, 128, 3, 2, 32, 8, [0, 5, 600], 16, 0, True, None),
+    (F, 128, 3, 4, 32, 8, [3, 100, 2000], None, 0, True, 5),
+    (B, 128, 2, 16, 32, 8, [10, 3000], 16, 0, True, None),              # 64 rows: 2 row tiles of 32
+    (B, 128, 2, 16, 8, 1, [20, 1500], 64, 0, True, 4),                  # MQA group 8 x 16 = 128 rows
+    (F, 128, 2, 16, 32, 8, [40, 900], None, 0, False, None),
+    # k_new appended (decode step and a chunk), contiguous and paged
+    (B, 128, 4, 1, 32, 8, [0, 15, 16, 500], 16, 1, True, None),
+    (F, 128, 3, 4, 32, 8, [0, 14, 700], 16, 4, True, 3),
+    (B, 128, 2, 3, 16, 4, [1, 63], None, 3, True, None),
+    # head sizes and dtypes
+    (B, 64, 4, 1, 32, 8, [0, 1, 999, 4100], None, 0, True, None),
+    (F, 64, 3, 4, 16, 4, [17, 256, 3333], 16, 2, True, None),
+    (B, 64, 2, 16, 16, 4, [16, 2000], 32, 0, True, 6),                  # 64 rows in one tile
+    (B, 256, 3, 1, 32, 8, [0, 1, 2500], None, 0, True, None),
+    (F, 256, 3, 2, 8, 2, [31, 32, 1800], 16, 1, True, 9),
+    (B, 256, 2, 16, 4, 4, [50, 700], 256, 0, True, None),
+    # every page size, shuffled
+    *[(B, 128, 3, 1, 16, 4, [ps - 1, ps, 3 * ps + 5], ps, 0, True, 2) for ps in (16, 32, 64, 128, 256)],
+]
+
+
+def _case_id(c):
+    dt, d, b, sq, h, hk, lens, ps, new, causal, ns = c
+    return (f"{dt.name}-d{d}-b{b}-q{sq}-h{h}/{hk}-{'paged' + str(ps) if ps else 'contig'}-new{new}"
+            f"-{'causal' if causal else 'full'}-s{ns}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kvcache_matches_reference(case, rng):
+    dt, d, b, sq, h, hk, lens, ps, new, causal, ns = case
+    p = Problem(rng, dt, d, b, sq, h, hk, lens, ps, new)
+    out, lse = p.run(causal=causal, num_splits=ns, return_lse=True)
+    p.check(out, lse, causal=causal, context=_case_id(case))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_every_num_splits_gives_the_same_result(paged, rng):
+    p = Problem(rng, DType.BF16, 128, 3, 2, 16, 4, [0, 700, 2047], 16 if paged else None)
+    outs = []
+    for ns in (1, 2, 3, 5, 8, 17, 32, 64, 128):
+        out, lse = p.run(num_splits=ns, return_lse=True)
+        p.check(out, lse, context=f"num_splits={ns}")
+        outs.append(to_float32(cp, out))
+    spread = max(float(cp.abs(o - outs[0]).max()) for o in outs)
+    assert spread <= 2 ** -7, spread  # at most a rounding step of bf16 at |O| < 1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_k_new_is_written_into_the_cache(paged, rng):
+    p = Problem(rng, DType.FP16, 64, 3, 2, 8, 2, [0, 16, 45], 16 if paged else None, seq_new=2)
+    k_before = bits(p.k_cache).copy()
+    out = p.run()
+    p.check(out)
+    k_expect, v_expect = p.logical_after_append()
+    if paged:
+        got_k, got_v = p.logical_from_pages()
+        used = set(int(j) for j in cp.asnumpy(p.block_table).reshape(-1))
+        spare = [j for j in range(p.k_cache.shape[0]) if j not in used]
+        assert bool((bits(p.k_cache)[spare] == k_before[spare]).all())
+    else:
+        got_k, got_v = p.k_cache, p.v_cache
+    assert bool((got_k.view(cp.uint16) == k_expect.view(cp.uint16)).all())
+    assert bool((got_v.view(cp.uint16) == v_expect.view(cp.uint16)).all())
+
+
+def test_softmax_scale_and_cfg_short_form(rng):
+    from cupyflash.families.decode.config_sets import default_config
+
+    p = Problem(rng, DType.BF16, 128, 2, 1, 8, 2, [100, 2000], None)
+    cfg = default_config(DType.BF16, 128).replace(stages=2)
+    out = p.run(softmax_scale=0.05, cfg=cfg.short_form(), num_splits=3)
+    p.check(out, scale=0.05)
+
+
+@pytest.mark.parametrize("cfg_index", range(6))
+def test_tune_and_progression_configs(cfg_index, rng):
+    """A spread of the tune and progression sets (each knob's code path) on one paged problem."""
+    from cupyflash.families.decode.config_sets import get_kernel_configs
+
+    tune = [c for c in get_kernel_configs("tune") if c.dtype is DType.BF16 and c.d_head == 128]
+    prog = [c for c in get_kernel_configs("prog") if c.dtype is DType.BF16]
+    picks = [prog[0], prog[1], tune[0], tune[len(tune) // 2], tune[-1], prog[-1]]
+    cfg = picks[cfg_index]
+    p = Problem(rng, DType.BF16, 128, 2, 2, 16, 4, [333, 1900], 16)
+    out = p.run(cfg=cfg, num_splits=3)
+    p.check(out, context=str(cfg))
+
+
+def test_torch_tensors_and_cuda_graph_replay(rng):
+    """Capture one decode step (append + attention + combine) in a CUDA graph, then replay it
+    after changing cache_seqlens in place: each replay matches the reference."""
+    torch = pytest.importorskip("torch")
+    dt = DType.BF16
+    p = Problem(rng, dt, 128, 4, 1, 32, 8, [10, 20, 30, 40], 16, seq_new=1, capacity=4096)
+    def as_torch(x):  # bf16 through its bits: no reliance on DLPack's bfloat16 support
+        return torch.from_dlpack(x.view(cp.uint16)).view(torch.bfloat16)
+
+    tq, tk, tv, tkn, tvn = (as_torch(x) for x in (p.q, p.k_cache, p.v_cache, p.k_new, p.v_new))
+    seqlens = torch.from_dlpack(p.cache_seqlens)
+    table = torch.from_dlpack(p.block_table)
+    out = torch.empty_like(tq)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles and loads the kernels outside the capture
+        cupyflash.forward_kvcache(tq, tk, tv, cache_seqlens=seqlens, block_table=table, k_new=tkn, v_new=tvn,
+                                  out=out, num_splits=4)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cupyflash.forward_kvcache(tq, tk, tv, cache_seqlens=seqlens, block_table=table, k_new=tkn, v_new=tvn,
+                                  out=out, num_splits=4)
+    for lengths in ([0, 100, 4000, 7], [4095, 1, 2, 3], [500, 501, 502, 16]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        p.lengths = np.asarray(lengths, dtype=np.int32)
+        # the replayed append wrote k_new/v_new at the new positions of the paged cache; rebuild
+        # the logical view from the pages to compare against
+        p.k_logical, p.v_logical = p.logical_from_pages()
+        p.check(cp.from_dlpack(out.view(torch.int16)).view(cp.uint16), context=f"replay {lengths}")
+
+
+def test_index_check_is_opt_in(rng):
+    p = Problem(rng, DType.BF16, 128, 2, 1, 8, 2, [10, 20], 16)
+    bad = p.cache_seqlens.copy()
+    bad[1] = p.capacity + 1
+    with pytest.raises(ValueError, match="^cache_seqlens"):
+        cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, cache_seqlens=bad, block_table=p.block_table,
+                                  check_indices=True)
+    table = p.block_table.copy()
+    table[0, 0] = 10_000
+    with pytest.raises(ValueError, match="^block_table"):
+        cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, cache_seqlens=p.cache_seqlens, block_table=table,
+                                  check_indices=True)
+    out = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, cache_seqlens=p.cache_seqlens,
+                                    block_table=p.block_table, check_indices=True)
+    p.check(out)
