@@ -61,8 +61,8 @@ def _parse(text: str) -> DecodeKernelConfig | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _default_for(dtype: DType, d_head: int, rows_total: int, smem_limit: int) -> DecodeKernelConfig:
-    cfg = decode_sets.default_config(dtype, d_head, rows_total)
+def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
+    cfg = decode_sets.default_config(dtype, d_head, rows_total, paged)
     while cfg.smem_bytes() > smem_limit and cfg.stages > 1:  # smaller GPUs (sm_86: 99 KB per CTA)
         cfg = cfg.replace(stages=cfg.stages - 1)
     return cfg
@@ -74,7 +74,7 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
     if isinstance(cfg, str):
         cfg = _parse(cfg)
     if cfg is None:
-        return _default_for(plan.dtype, plan.d_head, plan.rows_total, smem_limit)
+        return _default_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, smem_limit)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:
@@ -90,7 +90,8 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
 def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) -> int:
     """The library's split count for this problem on a GPU of `num_sms` SMs."""
     row_tiles = -(-plan.rows_total // cfg.rows)
-    return choose_num_splits(plan.batch, plan.n_kv_heads, row_tiles, plan.max_keys, num_sms, cfg.B_c * cfg.n_warps)
+    target = num_sms if plan.paged else num_sms / 2  # see families/decode/splits.py
+    return choose_num_splits(plan.batch, plan.n_kv_heads, row_tiles, plan.max_keys, target, cfg.B_c * cfg.n_warps)
 
 
 def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:

@@ -17,6 +17,7 @@ def _configs():
     tune = config_sets.get_kernel_configs("tune")
     picks = {config_sets.default_config(DType.BF16, d) for d in (64, 128, 256)}
     picks.add(config_sets.default_config(DType.FP16, 64, 64))  # a 64-row tile
+    picks.add(config_sets.default_config(DType.BF16, 256, 16, paged=True))  # 8 single-slot warps
     picks.update({tune[0], tune[-1]})
     return sorted(picks)
 

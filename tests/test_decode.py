@@ -111,20 +111,28 @@ def test_default_configs_fit_the_packed_rows(d):
 
 
 # ----------------------------------------------------------------------------- splits
-def test_num_splits_aims_at_half_the_sms():
-    # batch 1, 8 KV heads: 8 splits x 8 heads = 64 CTAs on 132 SMs
-    assert choose_num_splits(1, 8, 1, 131072, 132, 64) == 8
-    assert choose_num_splits(1, 1, 1, 131072, 132, 64) == 66  # MQA: one KV head
-    # a grid that fills half the GPU already: one split
-    assert choose_num_splits(64, 8, 1, 8192, 132, 64) == 1
-    assert choose_num_splits(8, 8, 1, 32768, 132, 64) == 1
+def test_num_splits_aims_at_the_target():
+    # contiguous (target 66 CTAs on 132 SMs), batch 1, 8 KV heads: 8 splits x 8 heads
+    assert choose_num_splits(1, 8, 1, 131072, 66, 64) == 8
+    assert choose_num_splits(1, 8, 1, 131072, 132, 128) == 16  # paged: one CTA per SM
+    assert choose_num_splits(1, 1, 1, 131072, 66, 64) == 66  # MQA: one KV head
+    # a grid that reaches the target already: one split
+    assert choose_num_splits(64, 8, 1, 8192, 66, 64) == 1
+    assert choose_num_splits(8, 8, 1, 32768, 66, 64) == 1
+    assert choose_num_splits(8, 8, 1, 32768, 132, 128) == 2
     # short sequences cannot be split below two steps per warp
-    assert choose_num_splits(1, 8, 1, 100, 132, 64) == 1
-    assert choose_num_splits(1, 8, 1, 300, 132, 64) == 2
-    assert choose_num_splits(1, 1, 1, 10**7, 1000, 64) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 1, 100, 66, 64) == 1
+    assert choose_num_splits(1, 8, 1, 300, 66, 64) == 2
+    assert choose_num_splits(1, 1, 1, 10**7, 500, 64) == MAX_SPLITS
     for batch in (1, 2, 3, 8, 16, 32, 64):
         for keys in (0, 1, 1000, 8192, 131072):
-            assert 1 <= choose_num_splits(batch, 8, 1, keys, 132, 64) <= MAX_SPLITS
+            assert 1 <= choose_num_splits(batch, 8, 1, keys, 66, 64) <= MAX_SPLITS
+
+
+def test_paged_defaults_use_many_single_slot_warps():
+    for d in (64, 128, 256):
+        c = config_sets.default_config(BF16, d, 4, paged=True)
+        assert (c.n_warps, c.stages) == (8, 1) and config_sets.should_autotune(c)
 
 
 def test_check_num_splits():

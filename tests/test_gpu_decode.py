@@ -29,7 +29,8 @@ def prewarmed_cache():
     from cupyflash.prewarm import prewarm
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    configs = sorted({default_config(dt, d, rows) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)})
+    configs = sorted({default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
+                      for paged in (False, True)})
     variants = [(c, p) for c in (False, True) for p in (False, True)]
     report = prewarm(configs, [arch], variants=variants, progress=None)
     assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]

@@ -14,11 +14,18 @@ __all__ = ["KERNEL_SET_KEYS", "all_configs", "autotune_configs", "progression_co
 KERNEL_SET_KEYS = ("all", "tune", "prog")
 
 # The heuristic defaults, (B_c, n_warps, stages, evict_first) per d_head (rows is picked per
-# problem by rows_for). Chosen from the H100 sweep in NOTES.md.
+# problem by rows_for), from the H100 sweeps in NOTES.md. A contiguous cache streams best from
+# few deep rings; a paged one (a page-table read and a new DRAM page every 16 keys) from many
+# warps with one slot each: more independent page fetches in flight per SM.
 _DEFAULTS: dict[int, tuple[int, int, int, bool]] = {
     64: (32, 4, 4, False),
     128: (16, 4, 4, False),
     256: (16, 4, 2, False),
+}
+_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {
+    64: (32, 8, 1, False),
+    128: (16, 8, 1, False),
+    256: (16, 8, 1, False),
 }
 
 
@@ -43,12 +50,13 @@ def all_configs() -> tuple[DecodeKernelConfig, ...]:
 
 def should_autotune(cfg: DecodeKernelConfig) -> bool:
     """The tuning set: 16-row tiles (a GQA group of up to 16 rows, the serving case), 2-8 warps,
-    2-4 stages, and enough bytes in flight per CTA to cover HBM latency: (stages - 1) * n_warps
-    slots of at least 16 KB together, but no more than 2 x 96 KB rings (a bigger ring only
-    lowers the CTAs per SM)."""
+    and either 2-4 stages with enough bytes in flight per CTA to cover HBM latency ((stages - 1)
+    * n_warps slots of at least 16 KB together) or 8 single-slot warps (paged caches); no more
+    than 192 KB of shared memory (a bigger ring only lowers the CTAs per SM)."""
     in_flight = (cfg.stages - 1) * cfg.n_warps * cfg.stage_bytes()
-    return (cfg.rows == 16 and cfg.n_warps >= 2 and cfg.stages >= 2
-            and in_flight >= 16 * 1024 and cfg.smem_bytes() <= 192 * 1024)
+    many_warps = cfg.stages == 1 and cfg.n_warps == 8  # the paged caches' shape (see _PAGED_DEFAULTS)
+    return (cfg.rows == 16 and cfg.n_warps >= 2 and (cfg.stages >= 2 and in_flight >= 16 * 1024 or many_warps)
+            and cfg.smem_bytes() <= 192 * 1024)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=DECODE_D_HEADS) -> list[DecodeKernelConfig]:
@@ -71,11 +79,12 @@ def rows_for(d_head: int, packed_rows: int) -> int:
     return allowed[-1]
 
 
-def default_config(dtype: DType, d_head: int, packed_rows: int = 1) -> DecodeKernelConfig:
-    """The heuristic choice for (dtype, d_head) and a group of `packed_rows` query rows."""
+def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool = False) -> DecodeKernelConfig:
+    """The heuristic choice for (dtype, d_head), a group of `packed_rows` query rows and the
+    cache kind."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by forward_kvcache; expected one of {DECODE_D_HEADS}")
-    bc, w, st, ev = _DEFAULTS[d_head]
+    bc, w, st, ev = (_PAGED_DEFAULTS if paged else _DEFAULTS)[d_head]
     rows = rows_for(d_head, packed_rows)
     while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
         bc //= 2
