@@ -229,7 +229,7 @@ def check_kvcache_args(q: TensorView, k_cache: TensorView, v_cache: TensorView, 
     if batch > MAX_GRID_YZ:
         raise ValueError(f"q: batch size {batch} exceeds the CUDA grid limit gridDim.z <= {MAX_GRID_YZ}")
     if n_heads * seq_q > INT32_MAX // max(1, batch):
-        raise ValueError(f"q: batch x seq_q x n_heads exceeds the int32 range")
+        raise ValueError("q: batch x seq_q x n_heads exceeds the int32 range")
     scale = check_softmax_scale(softmax_scale, d_head)
 
     # layouts (after shapes, so that shape messages come first)

@@ -257,8 +257,6 @@ def bench_row(torch, row: Row, fa3, quick: bool, log) -> None:
                 row.times_us[key] = best[0]
                 row.notes[key] = f"best num_splits={best[1]} (host clock)"
     p.drop_pages()
-    del p
-    torch.cuda.empty_cache()
 
 
 def tune(torch, rows, configs_for, log) -> list[dict]:
