@@ -14,6 +14,12 @@ them into the prepared parameter block and calls cuLaunchKernel.
 `jax.vmap` folds the mapped axis into the batch axis (the kernel's batch dimension is exactly a
 map over independent problems), so a vmapped call is one launch; an unmapped k/v is broadcast to
 the mapped size first.
+
+Gradients: `attention(..., return_lse=False)` is a `jax.custom_vjp` whose forward also keeps the
+log-sum-exp and whose backward runs `cupyflash.backward` (the backward_sm80 family) in a second
+buffer_callback on XLA's buffers and stream (not command-buffer compatible: the backward takes
+its fp32 scratch from CuPy's stream-ordered allocator). `jax.grad` and `jax.jit(jax.grad(...))`
+work; vmap of the gradient does not (the backward callback has no batching rule yet).
 """
 from __future__ import annotations
 
@@ -213,6 +219,71 @@ def _operation(causal: bool, softmax_scale: float | None, with_lse: bool) -> Any
     return jax.jit(op)
 
 
+# ------------------------------------------------------------------ gradients
+class _BackwardCallback:
+    """buffer_callback body of the backward: wraps XLA's buffers (dtypes known from tracing) as
+    CuPy arrays, zero copy, and runs cupyflash.backward into the dq/dk/dv output buffers on
+    XLA's stream."""
+
+    def __init__(self, dtype: np.dtype, causal: bool, softmax_scale: float | None) -> None:
+        self.dtype, self.causal, self.softmax_scale = dtype, causal, softmax_scale
+
+    def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
+        _backward_launch(self, ctx, outs, dout, q, k, v, out, lse)
+
+
+def _cupy_array(buf: Any, dtype: np.dtype) -> Any:
+    import cupy
+
+    cai = buf.__cuda_array_interface__
+    shape = tuple(cai["shape"])
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(cai["data"][0], nbytes, buf)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any,
+                     out: Any, lse: Any) -> None:
+    import cupy
+
+    from .backward_api import backward
+
+    stream = ctx.stream
+    stream = stream() if callable(stream) else stream
+    dt, f32 = callback.dtype, np.dtype(np.float32)
+    with cupy.cuda.Device(q.__dlpack_device__()[1]):
+        arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, f32)]
+        dq, dk, dv = (_cupy_array(b, dt) for b in outs)
+        backward(*arrays, causal=callback.causal, softmax_scale=callback.softmax_scale, dq=dq, dk=dk, dv=dv,
+                 stream=int(stream))
+
+
+def _backward_call(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+                   causal: bool, softmax_scale: float | None) -> tuple[jax.Array, ...]:
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    run = buffer_callback(_BackwardCallback(np.dtype(q.dtype), causal, softmax_scale), results)
+    return tuple(run(dout.astype(q.dtype), q, k, v, out, lse))
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable(causal: bool, softmax_scale: float | None) -> Any:
+    """attention(q, k, v) -> out with a custom VJP through cupyflash.backward."""
+
+    @jax.custom_vjp
+    def f(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return _operation(causal, softmax_scale, False)(q, k, v)[0]
+
+    def f_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple]:
+        out, lse = _operation(causal, softmax_scale, True)(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def f_bwd(residuals: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
+        return _backward_call(dout, *residuals, causal, softmax_scale)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False) -> Any:
     """softmax(q k^T * softmax_scale + mask) v on JAX arrays, inside or outside `jax.jit`.
@@ -222,6 +293,7 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: fl
     masking aligned bottom-right; `causal`, `softmax_scale` and `return_lse` are static (Python
     values). Returns the output, or (out, lse) with return_lse=True (lse float32
     (batch, heads, seq_q)). Under `jax.vmap` the mapped axis is folded into the batch axis.
+    With return_lse=False the result is differentiable in q, k and v (`jax.grad`).
     """
     if causal is not True and causal is not False:
         causal = check_flag(causal, "causal")
@@ -229,5 +301,6 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: fl
         return_lse = check_flag(return_lse, "return_lse")
     if softmax_scale is not None:
         softmax_scale = check_softmax_scale(softmax_scale, 1)  # a hashable float for the caches
-    outs = _operation(causal, softmax_scale, return_lse)(q, k, v)
-    return outs if return_lse else outs[0]
+    if not return_lse:  # differentiable (jax.grad) through cupyflash.backward
+        return _differentiable(causal, softmax_scale)(q, k, v)
+    return _operation(causal, softmax_scale, True)(q, k, v)
