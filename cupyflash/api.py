@@ -237,9 +237,7 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
     """forward() on the Hopper family: validated as forward validates, launched with TMA
     descriptors (cached by pointer and layout); remembered as a fast launch that re-packs the
     descriptors of each call's pointers."""
-    from .families.forward_sm90 import tma
-    from .families.forward_sm90.launch import get_kernel, launch_sm90, pack_sm90, plan_sm90
-    from .families.forward_sm90.params import pack_params as pack_sm90_params
+    from .families.forward_sm90.launch import get_kernel, launch_sm90, make_repack, pack_sm90, plan_sm90
 
     plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
     base = plan.base
@@ -256,20 +254,10 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
     if base.launch:
         launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
-            c, dt = plan.cfg, plan.cfg.dtype
-            shapes = ((qv.shape, qv.strides, c.B_r), (kv.shape, kv.strides, c.B_c), (vv.shape, vv.strides, c.B_c))
-            tail = (*base.o_strides, base.seq_len_q, base.seq_len_k, base.n_heads, base.n_kv_heads,
-                    base.softmax_scale, base.softmax_scale_log2, base.kv_group_size, base.out_shape[0])
-            descriptor = tma.descriptor
-
-            def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int) -> bytes:
-                (qs, qst, qb), (ks, kst, kb), (vs, vst, vb) = shapes
-                return pack_sm90_params(descriptor(q_ptr, dt, qs, qst, qb), descriptor(k_ptr, dt, ks, kst, kb),
-                                        descriptor(v_ptr, dt, vs, vst, vb), o_ptr, 0, *tail)
-
+            c = plan.cfg
             kernel = get_kernel(plan.cfg, base.device, base.causal)
             fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
-                                params=pack_sm90(plan, qv, kv, vv, ov.ptr, 0), repack=repack)
+                                params=pack_sm90(plan, qv, kv, vv, ov.ptr, 0), repack=make_repack(plan, qv, kv, vv))
             launch_plans.remember(key, fast)
     result = out if out is not None else wrap_output(ov)
     if want_lse:

@@ -6,6 +6,7 @@ callback launches the cupyflash kernel there. Nothing is copied and nothing sync
 `command_buffer_compatible=True` XLA may record the launch into a CUDA graph (command buffer) and
 replay it without calling Python again.
 
+On Hopper the Hopper family (forward_sm90) runs where `forward(cfg=None)` would run it.
 Everything that depends only on shapes happens once, while tracing: `forward`'s argument rules
 (errors are raised to the caller as the same TypeError/ValueError), the config choice, the kernel
 compile and load, the launch geometry. The callback then only reads five device pointers, packs
@@ -23,6 +24,7 @@ work; vmap of the gradient does not (the backward callback has no batching rule 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 from typing import Any, NamedTuple
@@ -102,9 +104,22 @@ _get_device: Any = None
 
 def _launcher(callback: "_Callback", device: int) -> launch_plans.FastLaunch:
     """The callback's plan on `device`, packed once: kernel handle, grid and every parameter but
-    the pointers (cupyflash.launch_plans' replayable launch)."""
+    the pointers (cupyflash.launch_plans' replayable launch). The Hopper family's launch re-packs
+    its TMA descriptors from each run's pointers instead."""
     from .registry import get_registry
 
+    if callback.sm90 is not None:
+        from .families.forward_sm90.launch import get_kernel, make_repack
+        from .families.forward_sm90.params import PARAMS_SIZE
+
+        sm90, views = callback.sm90
+        cfg = sm90.cfg
+        kernel = get_kernel(cfg, device, sm90.base.causal)
+        fast = launch_plans.FastLaunch(kernel.func_ptr, sm90.grid, cfg.n_threads, cfg.smem_bytes(), device,
+                                       bytes(PARAMS_SIZE), sm90.base.out_shape, None, None,
+                                       make_repack(sm90, *views))
+        callback.launchers[device] = fast
+        return fast
     plan = callback.plan
     kernel = get_registry().get(plan.cfg, device, plan.causal)
     fast = launch_plans.FastLaunch(kernel.func_ptr, plan.grid, plan.block, plan.smem_bytes, device,
@@ -130,8 +145,12 @@ def _launch(callback: "_Callback", ctx: Any, q: Any, k: Any, v: Any, out: Any, l
     stream = stream() if callable(stream) else stream  # a method in jaxlib 0.10/0.11
     device = q.__dlpack_device__()[1]
     fast = callback.launchers.get(device) or _launcher(callback, device)
+    lse_ptr = _buffer_ptr(lse) if lse is not None else 0
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
-        _POINTERS.pack_into(fast.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, _buffer_ptr(lse) if lse is not None else 0)
+        if fast.repack is None:
+            _POINTERS.pack_into(fast.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+        else:  # the Hopper family: TMA descriptors of these buffers
+            ctypes.memmove(fast.buf, fast.repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr), fast.size)
         if _get_device() == device:  # XLA's thread has its device current; cuLaunchKernel needs it
             _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
         else:
@@ -146,9 +165,10 @@ class _Callback:
     """The buffer_callback body for one plan. One object per plan (cached), so the primitive's
     parameters compare equal across traces and XLA's lowering and compile caches hit."""
 
-    def __init__(self, plan: LaunchPlan, with_lse: bool) -> None:
+    def __init__(self, plan: LaunchPlan, with_lse: bool, sm90: Any = None) -> None:
         self.plan = plan
         self.with_lse = with_lse
+        self.sm90 = sm90  # (Sm90Plan, (q, k, v) views): the Hopper family runs this problem
         self.launchers: dict[int, launch_plans.FastLaunch] = {}  # per device, made at first launch
 
     def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any) -> None:
@@ -168,12 +188,28 @@ def _plan(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float | Non
                               softmax_scale, causal, select=_select)
 
 
+def _hopper_plan(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float | None,
+                 device: int) -> tuple[Any, tuple[TensorView, ...]] | None:
+    """(Sm90Plan, views) when forward(cfg=None) would run the Hopper family on this problem
+    (sm_90 and a layout TMA takes), else None (the mma.sync plan)."""
+    from . import api
+
+    if not api._hopper_default(device):
+        return None
+    views = tuple(_view(x, device) for x in (q, k, v))
+    if api._hopper_reason(*views) is not None:
+        return None
+    from .families.forward_sm90.launch import plan_sm90
+
+    return plan_sm90(None, *views, None, softmax_scale, causal), views
+
+
 @functools.lru_cache(maxsize=1024)
 def _prepared(q: _Spec, k: _Spec, v: _Spec, causal: bool, softmax_scale: float | None,
               with_lse: bool) -> tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]:
     """(callback, result types) for one problem signature; validates and loads the kernel once."""
     plan = _plan(q, k, v, causal, softmax_scale)
-    callback = _Callback(plan, with_lse)
+    callback = _Callback(plan, with_lse, _hopper_plan(q, k, v, causal, softmax_scale, plan.device))
     _prepare_kernel(callback)
     results = (jax.ShapeDtypeStruct(plan.out_shape, q.dtype),)
     if with_lse:

@@ -9,7 +9,7 @@ family on Hopper.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from ...interop import (TensorView, allocate_lse, allocate_output, as_view, output_view, resolve_stream,
                         wrap_output)
@@ -21,7 +21,7 @@ from .config_sets import default_config
 from .params import pack_params
 
 __all__ = ["Sm90Plan", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
-           "pack_sm90"]
+           "pack_sm90", "make_repack"]
 
 
 class Sm90Plan(NamedTuple):
@@ -100,15 +100,25 @@ def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool):
 
 
 # ------------------------------------------------------------------------------ launch
+def make_repack(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView) -> Callable[..., bytes]:
+    """`repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr=0)` -> HopperForwardParams for new pointers of
+    these layouts: the per-call half of the packing (each descriptor a lookup in tma's cache)."""
+    cfg, b = plan.cfg, plan.base
+    dtype, descriptor = cfg.dtype, tma.descriptor
+    (qs, qst), (ks, kst), (vs, vst) = ((x.shape, x.strides) for x in (q, k, v))
+    tail = (*b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads, b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2,
+            b.kv_group_size, b.out_shape[0])
+
+    def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
+        return pack_params(descriptor(q_ptr, dtype, qs, qst, cfg.B_r), descriptor(k_ptr, dtype, ks, kst, cfg.B_c),
+                           descriptor(v_ptr, dtype, vs, vst, cfg.B_c), o_ptr, lse_ptr, *tail)
+
+    return repack
+
+
 def pack_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o_ptr: int, lse_ptr: int) -> bytes:
     """HopperForwardParams for one call: the three (cached) descriptors, then the scalars."""
-    cfg, b = plan.cfg, plan.base
-    dtype = cfg.dtype
-    tq = tma.descriptor(q.ptr, dtype, q.shape, q.strides, cfg.B_r)
-    tk = tma.descriptor(k.ptr, dtype, k.shape, k.strides, cfg.B_c)
-    tv = tma.descriptor(v.ptr, dtype, v.shape, v.strides, cfg.B_c)
-    return pack_params(tq, tk, tv, o_ptr, lse_ptr, *b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads,
-                       b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2, b.kv_group_size, b.out_shape[0])
+    return make_repack(plan, q, k, v)(q.ptr, k.ptr, v.ptr, o_ptr, lse_ptr)
 
 
 def launch_sm90(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,
