@@ -17,6 +17,7 @@ import threading
 from typing import Any, Callable
 
 from .families.decode.config import DecodeKernelConfig
+from .launch_plans import _CUPY, _TORCH, _kind, _kinds  # one array-type classifier for both fast paths
 from .families.decode.params import DECODE_PARAMS
 
 __all__ = ["KVCacheLaunch", "signature", "lookup", "remember", "clear"]
@@ -29,8 +30,6 @@ _MAX_PLANS = 4096
 _plans: dict[tuple, "KVCacheLaunch"] = {}
 _launch_kernel: Callable[..., None] | None = None
 _get_device: Callable[[], int] | None = None
-_TORCH, _CUPY = 1, 2
-_kinds: dict[type, int] = {}
 
 
 class KVCacheLaunch:
@@ -55,15 +54,6 @@ class KVCacheLaunch:
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()
-
-
-def _kind(cls: type) -> int:
-    kind = _kinds.get(cls)
-    if kind is None:
-        module = cls.__module__
-        kind = _TORCH if module.startswith("torch") else _CUPY if module.startswith("cupy") else 0
-        _kinds[cls] = kind
-    return kind
 
 
 def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,

@@ -64,6 +64,7 @@ _kinds: dict[type, int] = {}  # array type -> _TORCH / _CUPY / 0, so the module 
 
 
 def _kind(cls: type) -> int:
+    """_TORCH, _CUPY or 0 for an array type (cached per type; kvcache_plans shares it)."""
     kind = _kinds.get(cls)
     if kind is None:
         module = cls.__module__
