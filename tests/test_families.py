@@ -123,7 +123,7 @@ def test_the_seed_family_is_registered_and_is_the_default():
     cfg = progression_configs()[-1]
     assert family_of(cfg) is FORWARD_SM80 and get_family("forward_sm80") is FORWARD_SM80
     assert parse_config(cfg.short_form()) == cfg  # SPEC §2's unprefixed short form
-    assert FORWARD_SM80.name_expressions(cfg, (True,)) == {"forward": render.name_expression(cfg, causal=True)}
+    assert FORWARD_SM80.name_expressions(cfg, (True, False)) == {"forward": render.name_expression(cfg, causal=True)}
     with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
         get_family("nope")
     with pytest.raises(ValueError, match="unknown kernel family 'nope'"):

@@ -109,15 +109,15 @@ def test_tune_set_follows_the_rule_and_covers_every_head_dim():
 def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
     descs = [bytes([i]) * 128 for i in (1, 2, 3)]
-    packed = params.pack_params(*descs, 0x1111, 0x2222, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3)
+    packed = params.pack_params(*descs, 0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3, 5)
     assert len(packed) == params.PARAMS_SIZE
     for (name, offset), desc in zip(sorted(params.DESCRIPTOR_OFFSETS.items(), key=lambda kv: kv[1]), descs):
         assert offset % 64 == 0 and packed[offset:offset + 128] == desc, name
-    o, lse, sb, ss, sh = struct.unpack_from("<QQqqq", packed, 384)
-    assert (o, lse, sb, ss, sh) == (0x1111, 0x2222, 10, 20, 30)
-    seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 40)
+    o, lse, cu_q, cu_k, sb, ss, sh = struct.unpack_from("<QQQQqqq", packed, 384)
+    assert (o, lse, cu_q, cu_k, sb, ss, sh) == (0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30)
+    seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 56)
     assert (seq_q, seq_k, heads, kv_heads) == (7, 9, 4, 2)
-    assert struct.unpack_from("<ffii", packed, 384 + 56) == (0.5, pytest.approx(0.72), 2, 3)
+    assert struct.unpack_from("<ffiii", packed, 384 + 72) == (0.5, pytest.approx(0.72), 2, 3, 5)
     assert packed[params.PARAMS_SIZE - 8:] == b"\0" * 8  # tail padding to sizeof
 
 
@@ -134,14 +134,14 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true>")
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true, false>")
 
 
 def test_registered_as_a_family_of_the_seam():
     assert FAMILIES["forward_sm90"] is FORWARD_SM90 is get_family("forward_sm90")
     cfg = config_sets.default_config(DType.BF16, 128)
     assert family_of(cfg) is FORWARD_SM90 and parse_config(cfg.short_form()) == cfg
-    assert FORWARD_SM90.kind == "forward" and FORWARD_SM90.variant(causal=True) == (True,)
+    assert FORWARD_SM90.kind == "forward" and FORWARD_SM90.variant(causal=True) == (True, False)
     FORWARD_SM90.check_arch("sm_90a")
     for arch in ("sm_90", "sm_80"):
         with pytest.raises(ValueError, match="compiles for sm_90a"):

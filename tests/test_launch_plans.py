@@ -45,7 +45,7 @@ def launches(monkeypatch):
 
 
 def make_plan(allocated=None):
-    params = PARAMS_STRUCT.pack(*([0] * 17 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
+    params = PARAMS_STRUCT.pack(*([0] * 19 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
     return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params, out_shape=(1, 128, 8, 64),
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
 
@@ -110,7 +110,7 @@ def test_replay_packs_new_pointers_and_allocates(launches):
     fields = dict(zip(param_names(), packed))
     assert (fields["q"], fields["k"], fields["v"], fields["o"]) == (0x1000, 0x2000, 0x3000, 0x4000)
     assert fields["seq_len_q"] == 100 and fields["n_heads"] == 8  # the prepacked tail is untouched
-    assert fields["lse"] == 0 and fields["kv_group_size"] == 1 and fields["reserved"] == 0
+    assert fields["lse"] == 0 and fields["kv_group_size"] == 1 and fields["lse_head_stride"] == 0
 
 
 def test_misaligned_pointer_or_other_device_falls_back(launches, monkeypatch):

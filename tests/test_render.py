@@ -107,13 +107,13 @@ def test_render_rejects_non_configs():
 def test_name_expression_exact_format():
     assert name_expression(CFG) == (
         "flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig{"
-        "DType::FP16, 128, 64, 64, 4, true, true, true, 0, 2, 2, true, true}>, false>"
+        "DType::FP16, 128, 64, 64, 4, true, true, true, 0, 2, 2, true, true}>, false, false>"
     )
-    assert name_expression(CFG, causal=True) == name_expression(CFG)[:-len("false>")] + "true>"
+    assert name_expression(CFG, causal=True) == name_expression(CFG)[:-len("false, false>")] + "true, false>"
 
 
 NAME_RE = re.compile(
-    r"^flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig\{(?P<values>[^{}]*)\}>, false>$")
+    r"^flash_forward_kernel<StaticForwardKernelConfig<FlashForwardKernelConfig\{(?P<values>[^{}]*)\}>, false, false>$")
 
 
 def test_name_expression_values_follow_field_order():

@@ -429,12 +429,12 @@ def test_causal_defaults_to_false_and_selects_the_kernel_not_a_field():
     assert plan.causal is False
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000))))
     assert "causal" not in fields  # a template parameter of the kernel: the plan picks the instantiation
-    assert fields["reserved"] == 0 and fields["lse"] == 0 and fields["kv_group_size"] == 2
+    assert fields["lse_head_stride"] == 0 and fields["lse"] == 0 and fields["kv_group_size"] == 2
     plan = check_forward_args(CFG, q, k, k, causal=True)
     assert plan.causal is True
     fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(0x1000, 0x2000, 0x3000, 0x4000, 0x5000))))
     assert (fields["q"], fields["k"], fields["v"], fields["o"], fields["lse"]) == (0x1000, 0x2000, 0x3000, 0x4000, 0x5000)
-    assert (fields["reserved"], fields["kv_group_size"]) == (0, 2)
+    assert (fields["lse_head_stride"], fields["kv_group_size"]) == (0, 2)
     assert (fields["seq_len_q"], fields["seq_len_k"], fields["n_heads"], fields["n_kv_heads"]) == (100, 300, 4, 2)
     assert plan.grid == (2, 4, 2)  # causal does not change the grid: each CTA skips masked blocks
 

@@ -6,6 +6,10 @@
 // O += P V with P converted straight from the S accumulators into A fragments (the C layout of
 // two adjacent n-tiles is the A layout of one k-step). Tails past seq_len_q / seq_len_k are
 // zero-filled on load, masked to -inf in S and not stored.
+//
+// VARLEN (forward_varlen): q/k/v/o are packed (total_tokens, heads, d_head) and sequence b holds
+// tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1; each CTA reads its own sequence's lengths and
+// token offsets, and CTAs past the end of a short sequence exit at once.
 #pragma once
 
 template <FlashForwardKernelConfig C>
@@ -48,7 +52,7 @@ struct StaticForwardKernelConfig {
 // CAUSAL is a template parameter rather than a runtime flag: the non-causal kernel then carries
 // none of the diagonal bookkeeping, which at 32 rows per warp would cost registers (measured:
 // spills 36 -> 48 bytes and ~3% at d_head 128 with a runtime flag).
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool VARLEN>
 struct ForwardCTA {
     using Softmax = OnlineSoftmax<Cfg::M_TILES, Cfg::S_N_TILES, Cfg::cfg.optimized_softmax>;
     static constexpr bool ASYNC = Cfg::cfg.async_copy;
@@ -56,6 +60,8 @@ struct ForwardCTA {
 
     const ForwardParams& p;
     const int tid, lane, warp_row0;  // warp_row0: first query row of this warp inside the CTA tile
+    // VARLEN only (dead code otherwise): this sequence's lengths and first token indices.
+    int var_len_q = 0, var_len_k = 0, var_tok_q = 0, var_tok_k = 0;
     typename Cfg::QTile q_tile;
     typename Cfg::KVTile k_tile, v_tile;
     const u16* k_src;
@@ -75,8 +81,16 @@ struct ForwardCTA {
           warp_row0((threadIdx.x >> 5) * Cfg::WARP_ROWS) {
         const int head = blockIdx.y, batch = blockIdx.z;
         const int kv_head = head / params.kv_group_size;
-        k_src = static_cast<const u16*>(params.k) + batch * params.k_batch_stride + kv_head * params.k_head_stride;
-        v_src = static_cast<const u16*>(params.v) + batch * params.v_batch_stride + kv_head * params.v_head_stride;
+        if constexpr (VARLEN) {
+            var_tok_q = params.cu_seqlens_q[batch];
+            var_len_q = params.cu_seqlens_q[batch + 1] - var_tok_q;
+            var_tok_k = params.cu_seqlens_k[batch];
+            var_len_k = params.cu_seqlens_k[batch + 1] - var_tok_k;
+        }
+        k_src = static_cast<const u16*>(params.k) + kv_offset(params.k_batch_stride, params.k_seq_stride) +
+                kv_head * params.k_head_stride;
+        v_src = static_cast<const u16*>(params.v) + kv_offset(params.v_batch_stride, params.v_seq_stride) +
+                kv_head * params.v_head_stride;
         q_tile.base = shared_address(smem);
         k_tile.base = q_tile.base + Cfg::QTile::BYTES;
         v_tile.base = k_tile.base + Cfg::KVTile::BYTES;
@@ -97,22 +111,42 @@ struct ForwardCTA {
     // rather than a member, so nothing forces it to stay live across the key loop.
     CF_DEVICE static int q_block() { return CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x; }
 
+    // Lengths and the element offset of this CTA's sequence in q/o and in k/v.
+    CF_DEVICE int seq_len_q() const {
+        if constexpr (VARLEN) return var_len_q;
+        else return p.seq_len_q;
+    }
+    CF_DEVICE int seq_len_k() const {
+        if constexpr (VARLEN) return var_len_k;
+        else return p.seq_len_k;
+    }
+    CF_DEVICE long long q_offset(long long batch_stride, long long seq_stride) const {
+        if constexpr (VARLEN) return (long long)var_tok_q * seq_stride;
+        else return blockIdx.z * batch_stride;
+    }
+    CF_DEVICE long long kv_offset(long long batch_stride, long long seq_stride) const {
+        if constexpr (VARLEN) return (long long)var_tok_k * seq_stride;
+        else return blockIdx.z * batch_stride;
+    }
+    // Whether this CTA has query rows (a VARLEN grid is sized for the longest sequence).
+    CF_DEVICE bool has_rows() const { return !VARLEN || q_block() * Cfg::BR < seq_len_q(); }
+
     // ---- global -> shared block loads ----
     // Query rows of this CTA inside seq_len_q; recomputed where needed rather than held live.
-    CF_DEVICE int q_rows_valid() const { return min(Cfg::BR, p.seq_len_q - q_block() * Cfg::BR); }
+    CF_DEVICE int q_rows_valid() const { return min(Cfg::BR, seq_len_q() - q_block() * Cfg::BR); }
 
     CF_DEVICE void load_q() {
-        const u16* q_src = static_cast<const u16*>(p.q) + blockIdx.z * p.q_batch_stride + blockIdx.y * p.q_head_stride +
+        const u16* q_src = static_cast<const u16*>(p.q) + q_offset(p.q_batch_stride, p.q_seq_stride) + blockIdx.y * p.q_head_stride +
                            (long long)q_block() * Cfg::BR * p.q_seq_stride;
         copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(q_tile, q_src, p.q_seq_stride, q_rows_valid(), tid);
     }
     CF_DEVICE void load_k(int block) {
         copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(k_tile, k_src + (long long)block * Cfg::BC * p.k_seq_stride,
-                                                          p.k_seq_stride, p.seq_len_k - block * Cfg::BC, tid);
+                                                          p.k_seq_stride, seq_len_k() - block * Cfg::BC, tid);
     }
     CF_DEVICE void load_v(int block) {
         copy_tile_global_to_shared<Cfg::N_THREADS, ASYNC>(v_tile, v_src + (long long)block * Cfg::BC * p.v_seq_stride,
-                                                          p.v_seq_stride, p.seq_len_k - block * Cfg::BC, tid);
+                                                          p.v_seq_stride, seq_len_k() - block * Cfg::BC, tid);
     }
 
     CF_DEVICE void load_q_into_registers() {
@@ -295,11 +329,11 @@ struct ForwardCTA {
 
         float s[Cfg::M_TILES][Cfg::S_N_TILES][4];
         compute_scores(s);
-        const int keys_valid = p.seq_len_k - block * Cfg::BC;
+        const int keys_valid = seq_len_k() - block * Cfg::BC;
         if constexpr (CAUSAL) {
             // Last visible key of this lane's first row, relative to the block's first key.
             const int diagonal =
-                q_block() * Cfg::BR + warp_row0 + (lane >> 2) + (p.seq_len_k - p.seq_len_q) - block * Cfg::BC;
+                q_block() * Cfg::BR + warp_row0 + (lane >> 2) + (seq_len_k() - seq_len_q()) - block * Cfg::BC;
             // Warp-uniform test: does any row of this warp end before the block does?
             const bool causal_cut = diagonal - (lane >> 2) < Cfg::BC - 1;
             if (keys_valid < Cfg::BC || causal_cut) mask_scores(s, keys_valid, causal_cut, diagonal);
@@ -334,10 +368,10 @@ struct ForwardCTA {
     // Key blocks this CTA must visit: all of them, or under causal masking those up to the last
     // row's diagonal (none at all when every row of the CTA precedes the first key).
     CF_DEVICE int kv_blocks() const {
-        const int all = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        const int all = (seq_len_k() + Cfg::BC - 1) / Cfg::BC;
         if constexpr (!CAUSAL) return all;
-        const int last_row = min(p.seq_len_q, (q_block() + 1) * Cfg::BR) - 1;
-        const int last_key = last_row + p.seq_len_k - p.seq_len_q;
+        const int last_row = min(seq_len_q(), (q_block() + 1) * Cfg::BR) - 1;
+        const int last_key = last_row + seq_len_k() - seq_len_q();
         return last_key < 0 ? 0 : min(all, last_key / Cfg::BC + 1);
     }
 
@@ -359,10 +393,11 @@ struct ForwardCTA {
         }
 
         if constexpr (Cfg::cfg.optimized_softmax) {
-            // Non-causal CTAs always have a first block (seq_len_k >= 1): an unconditional call
-            // keeps the block loop's entry free of a join, which measurably changed register
-            // allocation (spills 36 -> 48 bytes, +19 register moves per block at d_head 128).
-            if (!CAUSAL || n_blocks > 0) process_kv_block<true>(0, n_blocks);
+            // Dense non-causal CTAs always have a first block (seq_len_k >= 1): an unconditional
+            // call keeps the block loop's entry free of a join, which measurably changed register
+            // allocation (spills 36 -> 48 bytes, +19 register moves per block at d_head 128). A
+            // varlen sequence may have no keys: then no block, output 0 and lse -inf.
+            if ((!CAUSAL && !VARLEN) || n_blocks > 0) process_kv_block<true>(0, n_blocks);
             for (int block = 1; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
         } else {
             for (int block = 0; block < n_blocks; ++block) process_kv_block<false>(block, n_blocks);
@@ -391,25 +426,29 @@ struct ForwardCTA {
                 store_accumulator_tile<Cfg::dtype>(q_tile, o_cursor, o_acc[m][n], 16 * m, n, inv0, inv1);
         }
         if (p.lse != nullptr && (lane & 3) == 0) {
-            const long long row_base = ((long long)blockIdx.z * p.n_heads + blockIdx.y) * p.seq_len_q;
+            // lse is (batch, n_heads, seq_len_q), or with VARLEN (n_heads, total_q) as in
+            // FlashAttention's varlen functions (lse_head_stride = total_q).
+            const long long row_base = VARLEN ? (long long)blockIdx.y * p.lse_head_stride + var_tok_q
+                                              : ((long long)blockIdx.z * p.n_heads + blockIdx.y) * p.seq_len_q;
 #pragma unroll
             for (int m = 0; m < Cfg::M_TILES; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = q_block() * Cfg::BR + warp_row0 + 16 * m + 8 * h + (lane >> 2);
-                    if (row < p.seq_len_q) p.lse[row_base + row] = softmax.log_sum_exp(m, h, row_sum[m][h], p.softmax_scale);
+                    if (row < seq_len_q()) p.lse[row_base + row] = softmax.log_sum_exp(m, h, row_sum[m][h], p.softmax_scale);
                 }
         }
         __syncwarp();
-        u16* o_dst = static_cast<u16*>(p.o) + blockIdx.z * p.o_batch_stride + blockIdx.y * p.o_head_stride +
+        u16* o_dst = static_cast<u16*>(p.o) + q_offset(p.o_batch_stride, p.o_seq_stride) + blockIdx.y * p.o_head_stride +
                      (long long)q_block() * Cfg::BR * p.o_seq_stride;
         copy_warp_rows_shared_to_global<Cfg::WARP_ROWS>(q_tile, warp_row0, o_dst, p.o_seq_stride, q_rows_valid(), lane);
     }
 };
 
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(Cfg::N_THREADS) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    ForwardCTA<Cfg, CAUSAL> cta(params, smem);
+    ForwardCTA<Cfg, CAUSAL, VARLEN> cta(params, smem);
+    if (!cta.has_rows()) return;  // uniform over the CTA, before any barrier
     cta.run();
 }

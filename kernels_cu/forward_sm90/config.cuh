@@ -18,6 +18,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool PINGPONG = C.pingpong;
     static constexpr bool OVERLAP = C.intra_wg_overlap;
     static constexpr bool PERSISTENT = C.persistent;
+    static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
     static constexpr int CONSUMERS = BR / WG_ROWS;
@@ -73,3 +74,12 @@ struct SmemLayout {
 // Stage and phase parity of key block `block` in the K/V ring.
 CF_DEVICE int ring_stage(int block, int stages) { return block % stages; }
 CF_DEVICE u32 ring_phase(int block, int stages) { return (u32)(block / stages) & 1u; }
+
+// The kernel's varlen template flag folded into its static configuration, so that every role
+// (scheduler, producer, consumer, epilogue) sees it as Cfg::VARLEN without another template
+// parameter: q/k/v/o are packed (total_tokens, heads, d_head) and each tile reads its sequence's
+// token range from cu_seqlens_q/k.
+template <class Base, bool V>
+struct WithVarlen : Base {
+    static constexpr bool VARLEN = V;
+};

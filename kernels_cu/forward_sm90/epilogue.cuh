@@ -31,23 +31,24 @@ struct Epilogue {
                         pack_pair<Cfg::dtype>(c.o[n][2] * inv1, c.o[n][3] * inv1));
         }
         if (p.lse != nullptr && (c.lane & 3) == 0) {
-            const long long row_base = ((long long)c.tile.batch * p.n_heads + c.tile.head) * p.seq_len_q;
+            const long long row_base = c.tile.lse_offset(p);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = c.row() + 8 * h;
-                if (row < p.seq_len_q)
+                if (row < c.tile.seq_len_q(p))
                     p.lse[row_base + row] = c.softmax.stats.log_sum_exp(0, h, total[0][h], p.softmax_scale);
             }
         }
         named_barrier_sync(Consumer<Cfg, CAUSAL>::EPILOGUE_BARRIER + c.wg, 128);
         constexpr int CHUNKS = Cfg::D / 8;  // 16-byte chunks per row
-        u16* o_dst = static_cast<u16*>(p.o) + c.tile.batch * p.o_batch_stride + c.tile.head * p.o_head_stride;
+        u16* o_dst = static_cast<u16*>(p.o) + c.tile.o_offset(p);
+        const int rows_valid = c.tile.seq_len_q(p);
         const int row0 = c.wg_row0();
 #pragma unroll
         for (int i = c.tid; i < Cfg::WG_ROWS * CHUNKS; i += 128) {
             const int r = i / CHUNKS, ch = i % CHUNKS;
             const int row = row0 + r;
-            if (row < p.seq_len_q)
+            if (row < rows_valid)
                 st_global_16(o_dst + (long long)row * p.o_seq_stride + 8 * ch,
                              ld_shared_16(q_tile_address(q_base, c.wg, r, 8 * ch)));
         }

@@ -6,9 +6,13 @@
 // producer runs ahead into the next tile's K/V while the consumers finish the epilogue.
 #pragma once
 
-template <class Cfg, bool CAUSAL>
-__global__ void __launch_bounds__(Cfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+template <class BaseCfg, bool CAUSAL, bool VARLEN>
+__global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+    using Cfg = WithVarlen<BaseCfg, VARLEN>;
     using Scheduler = TileScheduler<Cfg, CAUSAL>;
+    if constexpr (VARLEN && !Cfg::PERSISTENT) {
+        if (!Scheduler::first(params).valid) return;  // past its sequence's end; uniform, before any barrier
+    }
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const SmemLayout<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
     const int warpgroup = threadIdx.x / 128;

@@ -137,7 +137,7 @@ struct Consumer {
             wgmma_wait<0>();
             fence_registers(s[0]);
             release_k(stage);
-            Softmax::mask(s, p, j, wg_row0(), row(), lane);
+            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
             if (j == 0) {
                 float unused[1][2];
                 softmax.stats.template update<true>(s, unused, p.softmax_scale, p.softmax_scale_log2);
@@ -173,7 +173,7 @@ struct Consumer {
         wgmma_wait<0>();
         fence_registers(s[0]);
         release_k(first);
-        Softmax::mask(s, p, 0, wg_row0(), row(), lane);
+        Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
         softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
         Softmax::convert(s, pa);
         for (int j = 1; j < n_blocks; ++j) {
@@ -189,7 +189,7 @@ struct Consumer {
             wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
             fence_registers(s[0]);
             release_k(stage);
-            Softmax::mask(s, p, j, wg_row0(), row(), lane);
+            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
             softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
             wgmma_wait<0>();
             fence_registers(o);

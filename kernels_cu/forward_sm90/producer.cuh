@@ -23,7 +23,7 @@ struct Producer {
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
             tma_load_4d(smem.q() + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(), c * Cfg::COL_BLOCK,
-                        tile.first_row(), tile.head, tile.batch);
+                        tile.q_coord(), tile.head, tile.tma_batch());
     }
 
     // Key block `block` of the tile into its stage, each of K and V once the consumers have
@@ -38,13 +38,13 @@ struct Producer {
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
             tma_load_4d(smem.k(stage) + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_k, smem.k_full(stage),
-                        c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
+                        c * Cfg::COL_BLOCK, tile.k_coord(key0), kv_head, tile.tma_batch());
         mbarrier_wait(smem.v_empty(stage), free_phase);
         mbarrier_arrive_expect_tx(smem.v_full(stage), Cfg::KV_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
             tma_load_4d(smem.v(stage) + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_v, smem.v_full(stage),
-                        c * Cfg::COL_BLOCK, key0, kv_head, tile.batch);
+                        c * Cfg::COL_BLOCK, tile.k_coord(key0), kv_head, tile.tma_batch());
     }
 
     // The whole schedule of a tile (warp-specialised producer thread). A persistent CTA's later

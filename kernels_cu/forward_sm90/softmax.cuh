@@ -18,13 +18,13 @@ struct WarpgroupSoftmax {
     // Scores that must not count become -inf: keys at or past seq_len_k and, under causal
     // masking, keys after the row's diagonal. `wg_row0` is the warpgroup's first query row,
     // `row` this lane's first row (the second is row + 8); both absolute.
-    CF_DEVICE static void mask(Scores& s, const HopperForwardParams& p, int block, int wg_row0, int row, int lane) {
+    CF_DEVICE static void mask(Scores& s, int seq_len_q, int seq_len_k, int block, int wg_row0, int row, int lane) {
         const int key0 = block * Cfg::BC;
-        const int keys_valid = p.seq_len_k - key0;
+        const int keys_valid = seq_len_k - key0;
         bool cut = keys_valid < Cfg::BC;
         int diagonal = 0;  // last visible key of `row`, relative to key0
         if constexpr (CAUSAL) {
-            const int shift = p.seq_len_k - p.seq_len_q;
+            const int shift = seq_len_k - seq_len_q;
             diagonal = row + shift - key0;
             // uniform over the warpgroup: does its first row end inside this block?
             cut = cut || (wg_row0 + shift - key0 < Cfg::BC - 1);

@@ -8,6 +8,10 @@
 // long tile with a short one. Either way consecutive tiles are the query blocks of one (head,
 // batch), so CTAs running at the same time share its K/V in L2; under causal masking each
 // head's query blocks go last to first (longest first).
+//
+// VARLEN: the grid (or tile list) is sized for max_seqlen_q (params.seq_len_q); each tile reads
+// its sequence's lengths and first tokens from cu_seqlens_q/k, and tiles past the end of their
+// sequence are skipped (non-persistent CTAs exit, persistent ones move to their next round).
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -16,23 +20,38 @@ struct TileScheduler {
     int round;  // persistent: how many tiles this CTA took before
     int q_block, head, batch;
     bool valid;
+    int len_q = 0, len_k = 0, tok_q = 0, tok_k = 0;  // VARLEN only: the sequence's lengths and first tokens
+
+    CF_DEVICE void read_sequence(const HopperForwardParams& p) {
+        tok_q = p.cu_seqlens_q[batch];
+        len_q = p.cu_seqlens_q[batch + 1] - tok_q;
+        tok_k = p.cu_seqlens_k[batch];
+        len_k = p.cu_seqlens_k[batch + 1] - tok_k;
+    }
 
     CF_DEVICE static int q_blocks(const HopperForwardParams& p) { return (p.seq_len_q + Cfg::BR - 1) / Cfg::BR; }
     CF_DEVICE static int tiles(const HopperForwardParams& p) { return q_blocks(p) * p.n_heads * p.batch; }
 
     CF_DEVICE static TileScheduler decode(const HopperForwardParams& p, int round) {
         const int g = gridDim.x, c = blockIdx.x;
-        const int index = round * g + ((round & 1) ? g - 1 - c : c);
-        TileScheduler t;
-        t.index = index;
-        t.round = round;
-        t.valid = index < tiles(p);
-        const int nqb = q_blocks(p);
-        const int rest = index / nqb;
-        t.q_block = CAUSAL ? nqb - 1 - index % nqb : index % nqb;
-        t.head = rest % p.n_heads;
-        t.batch = rest / p.n_heads;
-        return t;
+        for (;; ++round) {
+            const int index = round * g + ((round & 1) ? g - 1 - c : c);
+            TileScheduler t;
+            t.index = index;
+            t.round = round;
+            t.valid = index < tiles(p);
+            const int nqb = q_blocks(p);
+            const int rest = index / nqb;
+            t.q_block = CAUSAL ? nqb - 1 - index % nqb : index % nqb;
+            t.head = rest % p.n_heads;
+            t.batch = rest / p.n_heads;
+            if constexpr (Cfg::VARLEN) {
+                if (!t.valid) return t;
+                t.read_sequence(p);
+                if (t.first_row() >= t.len_q) continue;  // past its sequence's end: the next round
+            }
+            return t;
+        }
     }
 
     CF_DEVICE static TileScheduler first(const HopperForwardParams& p) {
@@ -46,6 +65,10 @@ struct TileScheduler {
         t.q_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
         t.head = blockIdx.y;
         t.batch = blockIdx.z;
+        if constexpr (Cfg::VARLEN) {
+            t.read_sequence(p);
+            t.valid = t.first_row() < t.len_q;
+        }
         return t;
     }
 
@@ -59,13 +82,36 @@ struct TileScheduler {
 
     CF_DEVICE int first_row() const { return q_block * Cfg::BR; }
 
+    // This tile's sequence lengths, and its TMA / global coordinates.
+    CF_DEVICE int seq_len_q(const HopperForwardParams& p) const {
+        if constexpr (Cfg::VARLEN) return len_q;
+        else return p.seq_len_q;
+    }
+    CF_DEVICE int seq_len_k(const HopperForwardParams& p) const {
+        if constexpr (Cfg::VARLEN) return len_k;
+        else return p.seq_len_k;
+    }
+    CF_DEVICE int q_coord() const { return (Cfg::VARLEN ? tok_q : 0) + first_row(); }  // seq coordinate of Q's box
+    CF_DEVICE int k_coord(int key0) const { return (Cfg::VARLEN ? tok_k : 0) + key0; }
+    CF_DEVICE int tma_batch() const { return Cfg::VARLEN ? 0 : batch; }  // packed arrays: one 'batch'
+    // Element offset of the tile's (sequence, head) row 0 in o, and index of its row 0 in lse
+    // ((batch, n_heads, seq_len_q), or (n_heads, total_q) for VARLEN).
+    CF_DEVICE long long o_offset(const HopperForwardParams& p) const {
+        if constexpr (Cfg::VARLEN) return (long long)tok_q * p.o_seq_stride + head * p.o_head_stride;
+        else return batch * p.o_batch_stride + head * p.o_head_stride;
+    }
+    CF_DEVICE long long lse_offset(const HopperForwardParams& p) const {
+        if constexpr (Cfg::VARLEN) return (long long)head * p.lse_head_stride + tok_q;
+        else return ((long long)batch * p.n_heads + head) * p.seq_len_q;
+    }
+
     // Key blocks to visit: all, or under (bottom-right) causal masking those up to the last row's
     // diagonal; none when every row of the tile precedes the first visible key.
     CF_DEVICE int kv_blocks(const HopperForwardParams& p) const {
-        const int all = (p.seq_len_k + Cfg::BC - 1) / Cfg::BC;
+        const int all = (seq_len_k(p) + Cfg::BC - 1) / Cfg::BC;
         if constexpr (!CAUSAL) return all;
-        const int last_row = min(p.seq_len_q, first_row() + Cfg::BR) - 1;
-        const int last_key = last_row + p.seq_len_k - p.seq_len_q;
+        const int last_row = min(seq_len_q(p), first_row() + Cfg::BR) - 1;
+        const int last_key = last_row + seq_len_k(p) - seq_len_q(p);
         return last_key < 0 ? 0 : min(all, last_key / Cfg::BC + 1);
     }
 };

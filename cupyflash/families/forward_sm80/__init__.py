@@ -22,7 +22,9 @@ class ForwardSm80Family(KernelFamily):
                "forward_sm80/flash_forward.cuh")
     static_wrapper = "StaticForwardKernelConfig"
     roles = (KernelRole("forward", "flash_forward_kernel", FORWARD_PARAMS),)
-    variant_flags = ("causal",)  # a template flag: the plain kernel carries no diagonal code
+    # Template flags: the plain kernel carries no diagonal code, and only the varlen one reads
+    # cu_seqlens (forward_varlen).
+    variant_flags = ("causal", "varlen")
     min_compute_capability = 80
     set_keys = config_sets.KERNEL_SET_KEYS
 

@@ -17,6 +17,10 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("v", "const void*", "Q"),
     ("o", "void*", "Q"),
     ("lse", "float*", "Q"),  # optional per-(batch, head, row) log-sum-exp; 0 = not written
+    # forward_varlen only (the varlen variant; 0 otherwise): (batch + 1,) token offsets of each
+    # sequence in the packed q/o and k/v.
+    ("cu_seqlens_q", "const int*", "Q"),
+    ("cu_seqlens_k", "const int*", "Q"),
     ("q_batch_stride", "long long", "q"),
     ("q_seq_stride", "long long", "q"),
     ("q_head_stride", "long long", "q"),
@@ -36,9 +40,9 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),  # softmax_scale * log2(e)
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads: q heads sharing one k/v head (GQA/MQA)
-    # Zero. Keeps the packed size equal to sizeof(ForwardParams), a multiple of 8 (causal masking
-    # is a template parameter of the kernel, not a field: see render.name_expression).
-    ("reserved", "int", "i"),
+    # The varlen variant's lse is (n_heads, total_q): its head stride, total_q. 0 otherwise. Also
+    # keeps the packed size equal to sizeof(ForwardParams), a multiple of 8.
+    ("lse_head_stride", "int", "i"),
 )
 
 FORWARD_PARAMS = ParamStruct("ForwardParams", PARAM_FIELDS)

@@ -30,7 +30,7 @@ class ForwardSm90Family(KernelFamily):
                "forward_sm90/kernel.cuh")
     static_wrapper = "StaticHopperForwardConfig"
     roles = (KernelRole("forward", "flash_forward_sm90_kernel", HOPPER_FORWARD_PARAMS),)
-    variant_flags = ("causal",)
+    variant_flags = ("causal", "varlen")  # varlen: packed ragged batches (forward_varlen)
     min_compute_capability = 90
     arch_suffix = "a"                # wgmma, setmaxnreg: sm_90a only
     exact_compute_capability = 90

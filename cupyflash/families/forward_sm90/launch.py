@@ -96,7 +96,7 @@ def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool):
     (compiled for sm_90a on first use; the registry raises the shared-memory limit)."""
     from ...registry import get_registry
 
-    return get_registry().get(cfg, device, causal)
+    return get_registry().get(cfg, device, causal)  # the dense variant: (causal, varlen=False)
 
 
 # ------------------------------------------------------------------------------ launch
@@ -107,11 +107,11 @@ def make_repack(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView) -> 
     dtype, descriptor = cfg.dtype, tma.descriptor
     (qs, qst), (ks, kst), (vs, vst) = ((x.shape, x.strides) for x in (q, k, v))
     tail = (*b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads, b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2,
-            b.kv_group_size, b.out_shape[0])
+            b.kv_group_size, b.out_shape[0], 0)
 
     def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
         return pack_params(descriptor(q_ptr, dtype, qs, qst, cfg.B_r), descriptor(k_ptr, dtype, ks, kst, cfg.B_c),
-                           descriptor(v_ptr, dtype, vs, vst, cfg.B_c), o_ptr, lse_ptr, *tail)
+                           descriptor(v_ptr, dtype, vs, vst, cfg.B_c), o_ptr, lse_ptr, 0, 0, *tail)
 
     return repack
 

@@ -26,6 +26,9 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tma_v", "TmaDescriptor", f"{TMA_DESCRIPTOR_BYTES}s"),
     ("o", "void*", "Q"),
     ("lse", "float*", "Q"),  # per-(batch, head, row) log-sum-exp; 0 = not written
+    # forward_varlen (the varlen variant; 0 otherwise): (batch + 1,) token offsets per sequence
+    ("cu_seqlens_q", "const int*", "Q"),
+    ("cu_seqlens_k", "const int*", "Q"),
     ("o_batch_stride", "long long", "q"),
     ("o_seq_stride", "long long", "q"),
     ("o_head_stride", "long long", "q"),
@@ -37,6 +40,7 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("softmax_scale_log2", "float", "f"),
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads
     ("batch", "int", "i"),          # persistent CTAs decode tile indices with it
+    ("lse_head_stride", "int", "i"),  # varlen: lse is (n_heads, total_q); 0 otherwise
 )
 _unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
 _pad = -_unpadded % _ALIGN

@@ -1,0 +1,273 @@
+"""`cupyflash.forward_varlen`: attention over packed ragged batches (FlashAttention's
+`flash_attn_varlen_func`).
+
+Sequences of different lengths are packed token after token into (total_tokens, heads, d_head)
+arrays and described by cumulative offsets, so no padding is stored or computed. One launch of a
+forward family's varlen variant: each CTA reads its sequence's offsets from `cu_seqlens_*` on the
+GPU, and the grid is sized from `max_seqlen_q` (a host int), so a call reads no device value on
+the host and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import struct
+from typing import Any, Callable
+
+from .families.forward_sm80 import FORWARD_SM80
+from .families.forward_sm80.config import FlashForwardKernelConfig
+from .families.forward_sm80.params import pack_params
+from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
+from . import varlen_plans
+from .interop import TORCH, _cupy, allocate_lse, allocate_output, as_view, output_view, resolve_stream, wrap_output
+from .kvcache import _host_copy, _index_check_requested
+from .varlen_checks import VarlenProblem, check_index_values, check_varlen_args
+
+__all__ = ["forward_varlen", "pack_varlen_sm80", "pack_varlen_sm90"]
+
+# q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k: the first seven ForwardParams fields
+_SM80_POINTERS = struct.Struct("<7Q")
+
+_checked_devices: set[int] = set()
+_get_registry = None
+
+
+def _check_device(device: int) -> None:
+    from .device import compute_capability, require_gpu
+    from .validation import check_compute_capability
+
+    require_gpu()
+    check_compute_capability(compute_capability(device), device)
+    _checked_devices.add(device)
+
+
+def _hopper_reason(problem: VarlenProblem, q, k, v) -> str | None:
+    """Why the Hopper family cannot run this varlen call (the mma.sync family then does), or None."""
+    from .api import _compute_capability
+    from .families.forward_sm90 import tma
+    from .families.forward_sm90.config import D_HEADS
+
+    cc = _compute_capability(problem.device)
+    if cc != 90:
+        return f"device {problem.device} has compute capability {cc // 10}.{cc % 10}, not 9.0"
+    if problem.d_head not in D_HEADS:
+        return f"q: d_head {problem.d_head} is not supported by {FORWARD_SM90.name} (supported: {D_HEADS})"
+    if not problem.total_k:
+        return "k: no keys at all (a TMA tensor map needs at least one row)"
+    for view, name in ((q, "q"), (k, "k"), (v, "v")):
+        reason = tma.tma_layout_problem(name, _as_4d(view.shape), _as_4d_strides(view.strides))
+        if reason:
+            return reason
+    return None
+
+
+def _as_4d(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """A packed (tokens, heads, d) array as forward's (batch, seq, heads, d) with one 'batch'."""
+    return (1, *shape)
+
+
+def _as_4d_strides(strides: tuple[int, ...]) -> tuple[int, int, int, int]:
+    return (0, *strides)  # the batch extent is 1: its stride is never used
+
+
+def _resolve_config(cfg: Any, problem: VarlenProblem, q, k, v) -> FlashForwardKernelConfig | HopperForwardKernelConfig:
+    """The config for this call: `cfg` (a forward family's config or short form) checked against
+    the inputs, or for None/'auto' the Hopper family on sm_90 where its TMA layout rules hold
+    (its default for dtype, d_head and causal), else forward()'s tuned mma.sync pick for the
+    longest sequences."""
+    from .api import _forward_config, _parse_config, _select_config
+
+    if isinstance(cfg, str):
+        cfg = _parse_config(cfg)
+    elif cfg is not None:
+        cfg = _forward_config(cfg)  # ValueError naming another family
+    if cfg is None:
+        if _hopper_reason(problem, q, k, v) is None:
+            from .families.forward_sm90.config_sets import default_config
+
+            return default_config(problem.dtype, problem.d_head, problem.causal)
+        return _select_config(problem.dtype, problem.d_head, problem.max_seqlen_q, problem.max_seqlen_k,
+                              problem.device, problem.causal)
+    if cfg.dtype is not problem.dtype:
+        raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {problem.dtype.name}")
+    if cfg.d_head != problem.d_head:
+        raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {problem.d_head}")
+    if type(cfg) is HopperForwardKernelConfig:
+        reason = _hopper_reason(problem, q, k, v)
+        if reason:
+            raise ValueError(f"cfg: {cfg} (family {FORWARD_SM90.name}) cannot run this call: {reason}")
+    return cfg
+
+
+def pack_varlen_sm80(problem: VarlenProblem, q: int, k: int, v: int, o: int, lse: int, cu_q: int,
+                     cu_k: int) -> bytes:
+    """ForwardParams of the varlen variant: batch strides 0 (the kernel offsets by tokens), the
+    seq_len fields the longest lengths (unused by the kernel), lse_head_stride = total_q."""
+    return pack_params(q, k, v, o, lse, cu_q, cu_k,
+                       0, problem.q_strides[0], problem.q_strides[1],
+                       0, problem.k_strides[0], problem.k_strides[1],
+                       0, problem.v_strides[0], problem.v_strides[1],
+                       0, problem.o_strides[0], problem.o_strides[1],
+                       problem.max_seqlen_q, problem.max_seqlen_k, problem.n_heads, problem.n_kv_heads,
+                       problem.softmax_scale, problem.softmax_scale_log2, problem.kv_group_size, problem.total_q)
+
+
+def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                   max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
+                   return_lse: bool = False, out: Any = None, stream: Any = None, cfg: Any = None,
+                   check_indices: bool | None = None) -> Any:
+    """Attention over a packed batch of sequences of different lengths.
+
+    Sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and its keys/values
+    k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]; each sequence attends only to its own keys.
+
+    Args:
+        q: (total_q, n_heads, d_head) fp16 or bf16, d_head one of config.SUPPORTED_D_HEADS.
+        k, v: (total_k, n_kv_heads, d_head), same dtype; n_heads a multiple of n_kv_heads (GQA/MQA:
+            q head h reads k/v head h // (n_heads // n_kv_heads)). Last dimension contiguous,
+            token and head strides multiples of 8 elements (16-byte aligned rows), else free.
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device: 0, then the running total
+            of each sequence's length. Empty sequences (equal neighbours) are allowed: a sequence
+            with queries but no keys gets output 0 and lse -inf.
+        max_seqlen_q, max_seqlen_k: Python ints, at least the longest query / key sequence.
+            They size the grid; a max_seqlen_q below the true longest leaves rows unwritten.
+        causal: a bool. True masks key j for query i unless j <= i + len_k - len_q, per sequence
+            (bottom-right aligned, as in `forward` and FlashAttention >= 2.1).
+        softmax_scale: default 1 / sqrt(d_head).
+        return_lse: a bool. True returns (out, lse), lse the float32 (n_heads, total_q)
+            natural-log log-sum-exp of each row (FlashAttention's varlen layout). Tokens past
+            cu_seqlens_q[-1] belong to no sequence: their out and lse rows are not written.
+        out: optional (total_q, n_heads, d_head) array of q's dtype to write into (not a JAX array).
+        stream: default the caller's current stream (PyTorch's for torch tensors, CuPy's
+            otherwise); or a cupy/torch stream or an int handle.
+        cfg: a config of a forward family (forward_sm80: mma.sync, sm_80+; forward_sm90:
+            wgmma/TMA, sm_90), its short form, or None / 'auto': on Hopper the forward_sm90 family
+            where its TMA rules hold (d_head 64/128/256, positive strides), else forward_sm80's
+            tuned pick for max_seqlen_q/k.
+        check_indices: a bool, or None to follow CUPYFLASH_CHECK_INDICES=1. The offsets live on
+            the GPU and are NOT checked per call by default; with the check on they are copied
+            to the host (a synchronisation: not inside graph capture) and validated against the
+            packed arrays and max_seqlen_q/k, raising ValueError naming the argument instead of
+            reading out of bounds.
+
+    Returns:
+        out (a new array in q's framework unless `out` was given), or (out, lse).
+    """
+    key = None
+    if (stream is None and return_lse is False and check_indices is None
+            and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
+        key = varlen_plans.signature(cfg, softmax_scale, causal, max_seqlen_q, max_seqlen_k, q, k, v,
+                                     cu_seqlens_q, cu_seqlens_k, out)
+        result = varlen_plans.lookup(key, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+        if result is not None:
+            return result
+    qv = as_view(q, "q")
+    if qv.device not in _checked_devices:
+        _check_device(qv.device)
+    kv = as_view(k, "k")
+    vv = as_view(v, "v")
+    cqv = as_view(cu_seqlens_q, "cu_seqlens_q")
+    ckv = as_view(cu_seqlens_k, "cu_seqlens_k")
+    ov = output_view(out) if out is not None else None
+    problem = check_varlen_args(qv, kv, vv, cqv, ckv, max_seqlen_q, max_seqlen_k, ov, softmax_scale, causal)
+    from .validation import check_flag
+
+    want_lse = check_flag(return_lse, "return_lse")
+    config = _resolve_config(cfg, problem, qv, kv, vv)
+    if _index_check_requested(check_indices):
+        check_index_values(problem, _host_copy(cqv), _host_copy(ckv))
+    stream_ptr = resolve_stream(stream, qv)
+    if ov is None:
+        ov = allocate_output(qv, problem.out_shape)
+    lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
+    if not problem.empty:
+        launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
+        head, params, pack = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
+        if key is not None:
+            varlen_plans.remember(key, _fast_launch(problem, qv, head, params, pack))
+    result = out if out is not None else wrap_output(ov)
+    return (result, wrap_output(lv)) if want_lse else result
+
+
+def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
+                 stream_ptr: int) -> tuple[tuple, bytes, Callable[..., None]]:
+    """Launch the mma.sync family's varlen kernel; return the launch head, the parameters and
+    their per-call packer (for the fast path)."""
+    global _get_registry
+    if _get_registry is None:
+        from .registry import get_registry as _get_registry
+
+    kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM80.variant(causal=problem.causal, varlen=True))
+    grid = (-(-problem.max_seqlen_q // cfg.B_r), problem.n_heads, problem.batch)
+    params = pack_varlen_sm80(problem, q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0,
+                              cu_q.ptr, cu_k.ptr)
+    with _cupy.cuda.Device(problem.device):
+        kernel.launch(grid, cfg.n_warps * 32, cfg.smem_bytes(), stream_ptr, params)
+
+    def pack(buf, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+        _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck)  # every other field as packed
+
+    return (kernel.func_ptr, *grid, cfg.n_warps * 32, 1, 1, cfg.smem_bytes()), params, pack
+
+
+def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, k, v, o: int, lse: int,
+                     cu_q: int, cu_k: int) -> bytes:
+    """HopperForwardParams of the varlen variant: tensor maps over the packed arrays as one
+    'batch' of total tokens (tiles address tokens cu_seqlens[b] + row), o's batch stride 0."""
+    from .families.forward_sm90 import tma
+    from .families.forward_sm90.params import pack_params as pack_sm90_params
+
+    dtype = cfg.dtype
+    descriptors = [tma.descriptor(x.ptr, dtype, _as_4d(x.shape), _as_4d_strides(x.strides), rows)
+                   for x, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c))]
+    return pack_sm90_params(*descriptors, o, lse, cu_q, cu_k, 0, problem.o_strides[0], problem.o_strides[1],
+                            problem.max_seqlen_q, problem.max_seqlen_k, problem.n_heads, problem.n_kv_heads,
+                            problem.softmax_scale, problem.softmax_scale_log2, problem.kv_group_size, problem.batch,
+                            problem.total_q)
+
+
+def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
+                 stream_ptr: int) -> tuple[tuple, bytes, Callable[..., None]]:
+    """Launch the Hopper family's varlen kernel; as _launch_sm80."""
+    global _get_registry
+    if _get_registry is None:
+        from .registry import get_registry as _get_registry
+    from .families.forward_sm90.launch import _sm_count
+
+    kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM90.variant(causal=problem.causal, varlen=True))
+    q_blocks = -(-problem.max_seqlen_q // cfg.B_r)
+    if cfg.persistent:  # tiles past a sequence's end are skipped by the scheduler
+        tiles = q_blocks * problem.n_heads * problem.batch
+        grid = (max(1, min(tiles, _sm_count(problem.device) or tiles)), 1, 1)
+    else:
+        grid = (q_blocks, problem.n_heads, problem.batch)
+    params = pack_varlen_sm90(cfg, problem, q, k, v, o.ptr, lse.ptr if lse is not None else 0, cu_q.ptr, cu_k.ptr)
+    with _cupy.cuda.Device(problem.device):
+        kernel.launch(grid, cfg.n_threads, cfg.smem_bytes(), stream_ptr, params)
+
+    qs, ks, vs = (x._replace(base=None) for x in (q, k, v))  # the plan must not keep this call's arrays alive
+
+    def pack(buf, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+        # the descriptors embed the pointers: each a lookup in tma's cache (encoded on a miss)
+        ctypes.memmove(buf, pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
+                                             vs._replace(ptr=v_ptr), o_ptr, 0, cq, ck), len(params))
+
+    return (kernel.func_ptr, *grid, cfg.n_threads, 1, 1, cfg.smem_bytes()), params, pack
+
+
+def _fast_launch(problem: VarlenProblem, q, head: tuple, params: bytes,
+                 pack: Callable[..., None]) -> varlen_plans.VarlenLaunch:
+    """The replayable form of a validated call, for later calls with the same signature."""
+    device = problem.device
+    if q.framework == TORCH:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        current = (functools.partial(raw, device) if raw is not None
+                   else functools.partial(resolve_stream, None, q))
+        allocate = None
+    else:
+        current = functools.partial(resolve_stream, None, q._replace(base=None))
+        allocate = functools.partial(_cupy.empty, problem.out_shape, dtype=q.raw_dtype)
+    return varlen_plans.VarlenLaunch(head, device, params, problem.out_shape, allocate, current, pack)

@@ -1,0 +1,118 @@
+"""Per-signature launch plans: the per-call fast path of `forward_varlen`.
+
+The first call with a given signature (array type; shapes, strides, dtypes and devices of q, k,
+v, cu_seqlens_q/k and out; cfg, max_seqlen_q/k, softmax_scale, causal) goes through full
+validation and config choice; its launch is kept as a `VarlenLaunch` whose `pack` turns the
+call's pointers into the kernel's parameter bytes (the mma.sync family patches the pointers into
+a pre-packed struct; the Hopper family also looks up the TMA descriptors of the new pointers).
+Later calls read the pointers, check alignment, allocate the output and launch.
+
+Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
+without return_lse, stream= or the index check; everything else takes the full path.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Callable
+
+from .launch_plans import _TORCH, _kind, _kinds  # one array-type classifier for every fast path
+
+__all__ = ["VarlenLaunch", "signature", "lookup", "remember", "clear"]
+
+_MAX_PLANS = 4096
+_plans: dict[tuple, "VarlenLaunch"] = {}
+_launch_kernel: Callable[..., None] | None = None
+_get_device: Callable[[], int] | None = None
+
+
+class VarlenLaunch:
+    """One validated launch, replayable with new pointers."""
+
+    __slots__ = ("head", "device", "out_shape", "allocate", "current_stream", "pack", "is_torch", "buf",
+                 "_argv", "argv_ptr", "lock")
+
+    def __init__(self, head: tuple, device: int, params: bytes, out_shape: tuple[int, ...],
+                 allocate: Callable[[], Any] | None, current_stream: Callable[[], int],
+                 pack: Callable[[Any, int, int, int, int, int, int], None]) -> None:
+        self.head = head                      # cuLaunchKernel's arguments up to the stream
+        self.device = device
+        self.out_shape = out_shape
+        self.allocate = allocate              # CuPy: () -> output; torch: None (q.new_empty)
+        self.current_stream = current_stream  # () -> the caller's current stream handle
+        self.pack = pack                      # pack(buf, q, k, v, o, cu_q, cu_k): the parameters in place
+        self.is_torch = False
+        self.buf = ctypes.create_string_buffer(params, len(params))
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self._argv)
+        self.lock = threading.Lock()
+
+
+def signature(cfg: Any, softmax_scale: Any, causal: Any, max_seqlen_q: Any, max_seqlen_k: Any, q: Any, k: Any,
+              v: Any, cu_q: Any, cu_k: Any, out: Any) -> tuple | None:
+    """The plan key, or None when these arguments cannot take the fast path."""
+    if not (cfg is None or type(cfg) is str) and not hasattr(cfg, "short_form"):
+        return None
+    if not (softmax_scale is None or type(softmax_scale) is float):
+        return None
+    if (causal is not True and causal is not False) or type(max_seqlen_q) is not int or type(max_seqlen_k) is not int:
+        return None
+    cls = type(q)
+    kind = _kinds.get(cls) or _kind(cls)
+    if not kind:
+        return None
+    key: list = [cls, cfg, softmax_scale, causal, max_seqlen_q, max_seqlen_k]
+    for x in (q, k, v, cu_q, cu_k, out):
+        if x is None:
+            key.append(None)
+        elif type(x) is not cls:
+            return None
+        elif kind == _TORCH:
+            key += (x.shape, x.stride(), x.dtype, x.get_device())
+        else:
+            key += (x.shape, x.strides, x.dtype, x.data.device_id)
+    return tuple(key)
+
+
+def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any) -> Any:
+    """Launch through the plan for `key` and return the output, or None when there is no usable
+    plan (the caller then takes the full path, which also reports any error)."""
+    plan = _plans.get(key) if key is not None else None
+    if plan is None or _get_device() != plan.device:
+        return None
+    if plan.is_torch:
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        cq, ck = cu_q.data_ptr(), cu_k.data_ptr()
+        result = out if out is not None else q.new_empty(plan.out_shape)
+        o = result.data_ptr()
+    else:
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr)
+        cq, ck = cu_q.data.ptr, cu_k.data.ptr
+        result = out if out is not None else plan.allocate()
+        o = result.data.ptr
+    if (ptrs[0] | ptrs[1] | ptrs[2] | o) & 15 or (cq | ck) & 3:
+        return None  # misaligned this time: the full path raises the proper error
+    stream = plan.current_stream()
+    with plan.lock:  # cuLaunchKernel copies the parameters before it returns
+        plan.pack(plan.buf, *ptrs, o, cq, ck)
+        _launch_kernel(*plan.head, stream, plan.argv_ptr, 0)
+    return result
+
+
+def remember(key: tuple | None, plan: VarlenLaunch) -> None:
+    global _launch_kernel, _get_device
+    if key is None:
+        return
+    if _launch_kernel is None:
+        from cupy_backends.cuda.api.driver import launchKernel
+        from cupy.cuda.runtime import getDevice
+
+        _launch_kernel, _get_device = launchKernel, getDevice
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    plan.is_torch = _kind(key[0]) == _TORCH
+    _plans[key] = plan
+
+
+def clear() -> None:
+    _plans.clear()

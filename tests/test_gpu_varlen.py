@@ -1,0 +1,207 @@
+"""GPU tests of forward_varlen against the SPEC §5 rule, per sequence, on a float64 reference:
+ragged batches with empty sequences (no queries, no keys, or both), lengths at tile boundaries,
+seq_q != seq_k per sequence, causal and not, GQA/MQA, fp16/bf16, d_head 64/96/128/256, LSE,
+strided inputs, poisoned outputs (rows past the last sequence stay untouched), agreement with
+forward() on equal lengths, CUDA-graph replay, the opt-in index check, torch tensors, and each
+family that serves varlen. Skipped cleanly without a GPU."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.device import has_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
+
+if has_gpu():
+    import cupy as cp
+
+    import cupyflash
+    from gpu_reference import check_attention, poisoned, random_inputs
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def family_config(family: str, dtype: DType, d: int, causal: bool):
+    """cfg for forward_varlen: None (the library's pick: forward_sm90 on Hopper), forward_sm80's
+    default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles)."""
+    if family == "auto":
+        return None
+    if family == "sm80":
+        from cupyflash.families.forward_sm80.config_sets import default_config
+
+        return default_config(dtype, d)
+    import dataclasses
+
+    from cupyflash.device import compute_capability
+    from cupyflash.families.forward_sm90.config_sets import default_config
+
+    if compute_capability(cp.cuda.runtime.getDevice()) != 90 or d == 96:
+        pytest.skip("forward_sm90 needs an sm_90 GPU and d_head 64/128/256")
+    return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
+
+
+def packed(rng, dtype, lens_q, lens_k, n_heads, n_kv_heads, d, pad_q=0):
+    """q (sum(lens_q) + pad_q, H, d), k/v (sum(lens_k), H_kv, d) and the int32 offsets."""
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = random_inputs(cp, dtype, (int(cu_q[-1]) + pad_q, n_heads, d), rng)
+    k = random_inputs(cp, dtype, (int(cu_k[-1]), n_kv_heads, d), rng)
+    v = random_inputs(cp, dtype, (int(cu_k[-1]), n_kv_heads, d), rng)
+    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), cu_q, cu_k
+
+
+def check_per_sequence(dtype, q, k, v, out, cu_q, cu_k, causal, lse=None, scale=None):
+    """Each sequence against the reference; sequences with queries but no keys: out 0, lse -inf."""
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        if q1 == q0:
+            continue
+        context = f"sequence {b}: {q1 - q0} queries, {k1 - k0} keys, causal={causal}"
+        if k1 == k0:
+            assert bool((out[q0:q1].astype(cp.float32) == 0).all()), context
+            if lse is not None:
+                assert bool(cp.isneginf(lse[:, q0:q1]).all()), context
+            continue
+        seq_lse = None if lse is None else lse[None, :, q0:q1]
+        check_attention(cp, dtype, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1], scale,
+                        causal=causal, lse=seq_lse, context=context)
+
+
+RAGGED = [
+    # (lens_q, lens_k): empty sequences of every kind, tile boundaries, seq_q != seq_k
+    ([1, 0, 17, 64, 65, 128, 3, 0], [1, 5, 0, 64, 63, 129, 300, 0]),
+    ([200, 1, 127, 256], [200, 1, 127, 256]),
+    ([0, 0, 33], [7, 0, 33]),
+]
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent"])
+@pytest.mark.parametrize("dtype", list(DType))
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", RAGGED)
+def test_ragged_batches(rng, family, dtype, d, causal, lens):
+    lens_q, lens_k = lens
+    cfg = family_config(family, dtype, d, causal)
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5)
+    out = poisoned(cp, dtype, q.shape)
+    got, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                        return_lse=True, out=out, cfg=cfg)
+    assert got is out
+    check_per_sequence(dtype, q, k, v, out, hq, hk, causal, lse)
+    # the pad tokens after the last sequence belong to none: never written
+    assert bool(cp.isnan(out[int(hq[-1]):].astype(cp.float32)).all())
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1), (16, 2)])
+def test_gqa_mqa_and_scale(rng, family, heads):
+    n_heads, n_kv = heads
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [50, 300, 9], [80, 300, 1], n_heads, n_kv, 128)
+    out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.3,
+                                   cfg=family_config(family, DType.BF16, 128, False))
+    check_per_sequence(DType.BF16, q, k, v, out, hq, hk, False, scale=0.3)
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+def test_strided_inputs(rng, family):
+    """q, k, v as head slices of wider arrays (free token and head strides)."""
+    dtype = DType.FP16
+    lens = [70, 0, 130]
+    cu = cp.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    total = sum(lens)
+    wide_q = random_inputs(cp, dtype, (total, 12, 128), rng)
+    wide_kv = random_inputs(cp, dtype, (total, 2, 6, 128), rng)
+    q, k, v = wide_q[:, 2:10], wide_kv[:, 0, 1:3], wide_kv[:, 1, 3:5]
+    out = cupyflash.forward_varlen(q, k, v, cu, cu, 130, 130, causal=True,
+                                   cfg=family_config(family, dtype, 128, True))
+    check_per_sequence(dtype, cp.ascontiguousarray(q), cp.ascontiguousarray(k), cp.ascontiguousarray(v), out,
+                       cp.asnumpy(cu), cp.asnumpy(cu), True)
+
+
+@pytest.mark.parametrize("family", ["sm80", "sm90_persistent"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_equal_lengths_match_forward(rng, family, causal):
+    """A packed batch of equal lengths gives forward()'s bits when both run the same config."""
+    batch, s, h, d = 3, 200, 4, 128
+    q, k, v = (random_inputs(cp, DType.BF16, (batch, s, h, d), rng) for _ in range(3))
+    cu = cp.arange(0, (batch + 1) * s, s, dtype=cp.int32)
+    cfg = family_config(family, DType.BF16, d, causal)
+    dense = cupyflash.forward(cfg, q, k, v, causal=causal)
+    var = cupyflash.forward_varlen(q.reshape(-1, h, d), k.reshape(-1, h, d), v.reshape(-1, h, d), cu, cu, s, s,
+                                   causal=causal, cfg=cfg)
+    assert bool((var.view(cp.uint16) == dense.reshape(-1, h, d).view(cp.uint16)).all())
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+def test_cuda_graph_replay_with_new_offsets(rng, family):
+    """Captured once; replayed after the offsets (same total, same max) change on the device."""
+    dtype = DType.BF16
+    cfg = family_config(family, dtype, 64, True)
+    q, k, v, cu_q, cu_k, _, _ = packed(rng, dtype, [100, 100], [100, 100], 4, 4, 64)
+    out = poisoned(cp, dtype, q.shape)
+    cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 150, 150, out=out, causal=True, cfg=cfg)  # compiles, warms up
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 150, 150, out=out, causal=True, cfg=cfg)
+        graph = stream.end_capture()
+    for lens in ([100, 100], [150, 50], [50, 150], [0, 150]):
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cu_q[...] = cp.asarray(cu)
+        cu_k[...] = cp.asarray(cu)
+        out[...] = poisoned(cp, dtype, q.shape)
+        graph.launch(stream)
+        stream.synchronize()
+        check_per_sequence(dtype, q, k, v, out, cu, cu, True)
+
+
+def test_index_check_raises_before_launch(rng):
+    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, [10, 20], [10, 20], 4, 4, 64)
+    with pytest.raises(ValueError, match="^max_seqlen_q: 15 is less than sequence 1"):
+        cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 15, 20, check_indices=True)
+    bad = cp.asarray(np.array([0, 10, 31], dtype=np.int32))
+    with pytest.raises(ValueError, match="^cu_seqlens_k: the last offset 31"):
+        cupyflash.forward_varlen(q, k, v, cu_q, bad, 20, 21, check_indices=True)
+
+
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    lens = [33, 0, 257]
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = cupyflash.forward_varlen(q, k, v, cu, cu, 257, 257, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.shape == (4, sum(lens))
+    for b in range(len(lens)):
+        s0, s1 = int(cu[b]), int(cu[b + 1])
+        if s1 == s0:
+            continue
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(x[s0:s1].transpose(0, 1).float() for x in (q, k, v)), is_causal=True).transpose(0, 1)
+        assert (out[s0:s1].float() - ref).norm() / ref.norm() < 1e-2
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+def test_repeated_calls_take_the_fast_path(rng, family):
+    """A second call with the same signature (new arrays, new pointers) replays the remembered
+    launch and still computes its own inputs."""
+    from cupyflash import varlen_plans
+
+    dtype = DType.FP16
+    cfg = family_config(family, dtype, 128, True)
+    lens_q, lens_k = [90, 0, 200], [100, 30, 200]
+    for _ in range(3):
+        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, 128)
+        key = varlen_plans.signature(cfg, None, True, 200, 200, q, k, v, cu_q, cu_k, None)
+        out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, cfg=cfg)
+        assert key in varlen_plans._plans
+        check_per_sequence(dtype, q, k, v, out, hq, hk, True)

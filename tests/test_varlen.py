@@ -1,0 +1,209 @@
+"""CPU tests of forward_varlen: argument checks, the opt-in index check, parameter packing, the
+varlen kernel variant's name and its compile (sm_80, sm_90: no spills, no ptxas warnings)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.families.forward_sm80 import FORWARD_SM80
+from cupyflash.families.forward_sm80.config_sets import default_config
+from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, param_names
+from cupyflash.interop import CUPY, TensorView, contiguous_strides
+from cupyflash.varlen import pack_varlen_sm80
+from cupyflash.varlen_checks import check_index_values, check_varlen_args
+
+BF16 = DType.BF16
+_PTR = [1 << 20]
+
+
+def view(shape, dtype=BF16, raw=None, strides=None, device=0, ptr=None):
+    if ptr is None:
+        _PTR[0] += 1 << 20
+        ptr = _PTR[0]
+    raw = raw if raw is not None else (dtype.numpy_dtype if dtype is not None else np.dtype(np.int32))
+    return TensorView(ptr, tuple(shape), tuple(strides or contiguous_strides(tuple(shape))), dtype, raw,
+                      device, CUPY, None)
+
+
+def ints(shape, **kw):
+    return view(shape, dtype=None, raw=kw.pop("raw", np.dtype(np.int32)), **kw)
+
+
+def args(**over):
+    a = dict(q=view((100, 16, 128)), k=view((300, 4, 128)), v=view((300, 4, 128)),
+             cu_q=ints((4,)), cu_k=ints((4,)), max_seqlen_q=60, max_seqlen_k=200, out=None)
+    a.update(over)
+    return a
+
+
+def check(**over):
+    a = args(**over)
+    return check_varlen_args(a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], a["max_seqlen_q"], a["max_seqlen_k"],
+                             a["out"], a.get("softmax_scale"), a.get("causal", False))
+
+
+def test_valid_problem():
+    p = check(causal=True)
+    assert (p.total_q, p.total_k, p.batch, p.n_heads, p.n_kv_heads, p.kv_group_size) == (100, 300, 3, 16, 4, 4)
+    assert p.q_strides == (16 * 128, 128) and p.o_strides == (16 * 128, 128) and p.causal
+    assert p.out_shape == (100, 16, 128) and p.lse_shape == (16, 100) and not p.empty
+    assert abs(p.softmax_scale - 128 ** -0.5) < 1e-12
+    # strided views (a slice of the head dimension) keep their strides
+    q = view((100, 16, 128), strides=(32 * 128, 128, 1))
+    assert check(q=q).q_strides == (32 * 128, 128)
+
+
+@pytest.mark.parametrize("over, err, prefix", [
+    (dict(q=view((100, 16, 128), dtype=None, raw=np.dtype(np.float32))), TypeError, "q:"),
+    (dict(k=view((300, 4, 128), dtype=DType.FP16)), TypeError, "k:"),
+    (dict(q=view((1, 100, 16, 128))), ValueError, "q:"),
+    (dict(q=view((100, 16, 80))), ValueError, "k:"),
+    (dict(q=view((100, 16, 80)), k=view((300, 4, 80)), v=view((300, 4, 80))), ValueError, "q:"),
+    (dict(v=view((299, 4, 128))), ValueError, "v:"),
+    (dict(q=view((100, 6, 128))), ValueError, "k:"),
+    (dict(q=view((100, 16, 128), strides=(16 * 128, 128, 2))), ValueError, "q:"),
+    (dict(k=view((300, 4, 128), strides=(4 * 128 + 4, 128, 1))), ValueError, "k:"),
+    (dict(q=view((100, 16, 128), ptr=(1 << 30) + 8)), ValueError, "q:"),
+    (dict(v=view((300, 4, 128), device=1)), ValueError, "v:"),
+    (dict(cu_q=ints((4,), raw=np.dtype(np.int64))), TypeError, "cu_seqlens_q:"),
+    (dict(cu_k=ints((4, 1))), ValueError, "cu_seqlens_k:"),
+    (dict(cu_q=ints((0,))), ValueError, "cu_seqlens_q:"),
+    (dict(cu_q=ints((4,), strides=(2,))), ValueError, "cu_seqlens_q:"),
+    (dict(cu_k=ints((5,))), ValueError, "cu_seqlens_k:"),
+    (dict(cu_k=ints((4,), device=1)), ValueError, "cu_seqlens_k:"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q:"),
+    (dict(max_seqlen_k=2.0), TypeError, "max_seqlen_k:"),
+    (dict(max_seqlen_q=True), TypeError, "max_seqlen_q:"),
+    (dict(max_seqlen_k=2**31), ValueError, "max_seqlen_k:"),
+    (dict(out=view((100, 16, 64))), ValueError, "out:"),
+    (dict(out=view((100, 16, 128), dtype=DType.FP16)), TypeError, "out:"),
+    (dict(out=view((100, 16, 128), strides=(0, 128, 1))), ValueError, "out:"),
+    (dict(out=view((100, 16, 128), device=1)), ValueError, "out:"),
+    (dict(causal=1), TypeError, "causal:"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale:"),
+])
+def test_bad_arguments_name_the_argument(over, err, prefix):
+    with pytest.raises(err) as info:
+        check(**over)
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_empty_problems():
+    assert check(cu_q=ints((1,)), cu_k=ints((1,))).empty  # batch 0
+    assert check(q=view((0, 16, 128))).empty
+    assert check(max_seqlen_q=0).empty
+    assert not check(max_seqlen_k=0).empty  # queries over no keys: output 0, lse -inf
+
+
+def test_index_check_on_host_copies():
+    p = check()  # 100 q tokens, 300 k tokens, batch 3, max 60 / 200
+    check_index_values(p, np.array([0, 10, 10, 70]), np.array([0, 200, 200, 300]))
+    cases = [
+        (np.array([1, 10, 10, 70]), np.array([0, 1, 2, 3]), "cu_seqlens_q: must start at 0"),
+        (np.array([0, 10, 5, 70]), np.array([0, 1, 2, 3]), "cu_seqlens_q: offsets must not decrease"),
+        (np.array([0, 10, 20, 101]), np.array([0, 1, 2, 3]), "cu_seqlens_q: the last offset 101"),
+        (np.array([0, 61, 62, 63]), np.array([0, 1, 2, 3]), "max_seqlen_q: 60 is less than sequence 0"),
+        (np.array([0, 1, 2, 3]), np.array([0, 1, 2, 301]), "cu_seqlens_k: the last offset 301"),
+        (np.array([0, 1, 2, 3]), np.array([0, 1, 2, 203]), "max_seqlen_k: 200 is less than sequence 2"),
+    ]
+    for cu_q, cu_k, message in cases:
+        with pytest.raises(ValueError) as info:
+            check_index_values(p, cu_q, cu_k)
+        assert str(info.value).startswith(message), str(info.value)
+
+
+def test_packed_parameters():
+    p = check(causal=True)
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(pack_varlen_sm80(p, 1, 2, 3, 4, 5, 6, 7))))
+    assert [fields[n] for n in ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")] == [1, 2, 3, 4, 5, 6, 7]
+    assert (fields["q_batch_stride"], fields["q_seq_stride"], fields["q_head_stride"]) == (0, 16 * 128, 128)
+    assert (fields["k_batch_stride"], fields["k_seq_stride"], fields["k_head_stride"]) == (0, 4 * 128, 128)
+    assert (fields["seq_len_q"], fields["seq_len_k"], fields["kv_group_size"]) == (60, 200, 4)
+    assert fields["lse_head_stride"] == 100  # lse is (n_heads, total_q)
+
+
+def test_varlen_is_a_template_flag():
+    cfg = default_config(BF16, 128)
+    exprs = FORWARD_SM80.name_expressions(cfg, FORWARD_SM80.variant(causal=True, varlen=True))
+    assert exprs["forward"].endswith(">, true, true>")
+    assert FORWARD_SM80.variant(varlen=True) == (False, True)
+
+
+def test_packed_parameters_sm90(monkeypatch):
+    import struct
+
+    from cupyflash.families.forward_sm90 import tma
+    from cupyflash.families.forward_sm90.config_sets import default_config as sm90_default
+    from cupyflash.families.forward_sm90.params import PARAMS_SIZE
+    from cupyflash.varlen import pack_varlen_sm90
+
+    seen = []
+    monkeypatch.setattr(tma, "descriptor", lambda ptr, dtype, shape, strides, rows:
+                        seen.append((ptr, shape, strides, rows)) or bytes([len(seen)]) * 128)
+    a = args()
+    p = check(causal=True)
+    cfg = sm90_default(BF16, 128, True)
+    packed = pack_varlen_sm90(cfg, p, a["q"], a["k"], a["v"], 4, 5, 6, 7)
+    assert len(packed) == PARAMS_SIZE
+    # packed arrays as one 'batch' of all tokens; boxes of B_r query rows and B_c key rows
+    assert seen == [(a["q"].ptr, (1, 100, 16, 128), (0, 16 * 128, 128, 1), cfg.B_r),
+                    (a["k"].ptr, (1, 300, 4, 128), (0, 4 * 128, 128, 1), cfg.B_c),
+                    (a["v"].ptr, (1, 300, 4, 128), (0, 4 * 128, 128, 1), cfg.B_c)]
+    assert struct.unpack_from("<QQQQqqq", packed, 384) == (4, 5, 6, 7, 0, 16 * 128, 128)
+    assert struct.unpack_from("<iiii", packed, 384 + 56) == (60, 200, 16, 4)
+    assert struct.unpack_from("<ffiii", packed, 384 + 72)[2:] == (4, 3, 100)  # group, batch, lse head stride
+
+
+@pytest.mark.compile
+def test_sm90_varlen_variants_compile_without_warnings():
+    import dataclasses
+
+    from cupyflash.compiler import compile_module
+    from cupyflash.families.forward_sm90 import FORWARD_SM90
+    from cupyflash.families.forward_sm90.config_sets import default_config as sm90_default
+    from cupyflash.render import render_family_source
+
+    names = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            cfg = sm90_default(BF16, d, causal)
+            for c in (cfg, dataclasses.replace(cfg, persistent=True)):
+                names += FORWARD_SM90.name_expressions(c, FORWARD_SM90.variant(causal=causal, varlen=True)).values()
+    module = compile_module(render_family_source(FORWARD_SM90.name), names, "sm_90a")
+    warnings = [line for line in module.log.splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings[:10])
+    assert len(module.resources) == len(names)
+    for name, r in module.resources.items():
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, (name, r)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_varlen_variants_compile_without_spills(arch):
+    from cupyflash.compiler import compile_module
+    from cupyflash.render import render_family_source
+
+    source = render_family_source(FORWARD_SM80.name)
+    names = [expr for dtype in DType for d in (64, 128, 256) for causal in (False, True)
+             for expr in FORWARD_SM80.name_expressions(default_config(dtype, d),
+                                                       FORWARD_SM80.variant(causal=causal, varlen=True)).values()]
+    module = compile_module(source, names, arch)
+    warnings = [line for line in module.log.splitlines() if "warning" in line.lower()]
+    assert not warnings, "\n".join(warnings[:10])
+    assert len(module.resources) == len(names)
+    for name, r in module.resources.items():
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0, (name, r)
+
+
+def test_fast_path_signature_refuses_what_it_cannot_replay():
+    from cupyflash import varlen_plans
+
+    class Arr:  # neither torch nor CuPy
+        pass
+
+    a = Arr()
+    assert varlen_plans.signature(None, None, False, 8, 8, a, a, a, a, a, None) is None
+    assert varlen_plans.signature(None, None, 1, 8, 8, a, a, a, a, a, None) is None  # causal not a bool
+    assert varlen_plans.signature(None, 0.5, True, 8.0, 8, a, a, a, a, a, None) is None  # max_seqlen not an int
+    assert varlen_plans.lookup(None, a, a, a, a, a, None) is None
