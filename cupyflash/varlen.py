@@ -84,9 +84,9 @@ def _resolve_config(cfg: Any, problem: VarlenProblem, q, k, v) -> FlashForwardKe
         cfg = _forward_config(cfg)  # ValueError naming another family
     if cfg is None:
         if _hopper_reason(problem, q, k, v) is None:
-            from .families.forward_sm90.config_sets import default_config
+            from .families.forward_sm90.config_sets import varlen_default_config
 
-            return default_config(problem.dtype, problem.d_head, problem.causal)
+            return varlen_default_config(problem.dtype, problem.d_head, problem.causal)
         return _select_config(problem.dtype, problem.d_head, problem.max_seqlen_q, problem.max_seqlen_k,
                               problem.device, problem.causal)
     if cfg.dtype is not problem.dtype:

@@ -162,13 +162,15 @@ def test_sm90_varlen_variants_compile_without_warnings():
     from cupyflash.compiler import compile_module
     from cupyflash.families.forward_sm90 import FORWARD_SM90
     from cupyflash.families.forward_sm90.config_sets import default_config as sm90_default
+    from cupyflash.families.forward_sm90.config_sets import varlen_default_config
     from cupyflash.render import render_family_source
 
     names = []
     for d in (64, 128, 256):
         for causal in (False, True):
             cfg = sm90_default(BF16, d, causal)
-            for c in (cfg, dataclasses.replace(cfg, persistent=True)):
+            picks = {cfg, dataclasses.replace(cfg, persistent=True), varlen_default_config(BF16, d, causal)}
+            for c in sorted(picks):
                 names += FORWARD_SM90.name_expressions(c, FORWARD_SM90.variant(causal=causal, varlen=True)).values()
     module = compile_module(render_family_source(FORWARD_SM90.name), names, "sm_90a")
     warnings = [line for line in module.log.splitlines() if "warning" in line.lower()]
