@@ -4,7 +4,7 @@
 #   OUT=/tmp/out bash scripts/gpu_backward_session.sh
 # Environment: STAGES (default "tests,sanitize,autotune,bench"), SANITIZE_CFGS ('|'-separated short
 # forms checked by memcheck and racecheck), PREWARM_CFGS (compile only these, all variants, instead
-# of the tuning set), SANITIZE_DHEADS (whose bf16 defaults they check too;
+# of the tuning set), PREWARM_FORWARD_CFGS (forward configs to compile too), SANITIZE_DHEADS (whose bf16 defaults they check too;
 # default 64,128 and 128), BENCH_ARGS (extra arguments of
 # scripts/bench_backward.py), BENCH_CFGS (its --cfgs), TUNE_ARGS (extra arguments of `cupyflash autotune`), WHEELS (a
 # directory of wheels to install into /tmp/site first, e.g. the FlashAttention-3 one).
@@ -34,6 +34,12 @@ fi
 python3 scripts/prewarm_cache.py --family backward_sm80 "${prewarm[@]}" --arch "$arch" --all-variants --jobs 16 \
     --quiet >/tmp/cupyflash-prewarm.log 2>&1
 echo "prewarm exit $? ($((SECONDS - t0)) s): $(tail -n 2 /tmp/cupyflash-prewarm.log | head -n 1)"
+if [ -n "${PREWARM_FORWARD_CFGS:-}" ]; then  # the forward configs a stage runs (out and lse of the bench)
+    fwd=()
+    while IFS= read -r c; do [ -n "$c" ] && fwd+=(--config "$c"); done < <(echo "$PREWARM_FORWARD_CFGS" | tr '|' '\n')
+    python3 scripts/prewarm_cache.py "${fwd[@]}" --arch "$arch" --causal --jobs 16 --quiet >/tmp/cupyflash-prewarm-fwd.log 2>&1
+    echo "prewarm forward exit $? ($((SECONDS - t0)) s)"
+fi
 if has tests; then
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider \
         tests/test_gpu_backward.py >"$OUT/pytest.log" 2>&1
