@@ -127,6 +127,14 @@ def timed_rounds(timers: dict, rounds: int) -> dict:
     return out
 
 
+def meta_of(torch, args, argv, peers, t_start: float) -> dict:
+    """The JSON's meta block: device, versions, settings, the command line, seconds so far."""
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "tokens": TOKENS, "heads": HEADS, "reps": args.reps, "rounds": args.rounds, "peers": peers,
+            "command": "python scripts/bench_backward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "seconds": time.perf_counter() - t_start}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d-heads", default="128,64")
@@ -248,6 +256,9 @@ def main(argv=None) -> int:
                     if det_key:
                         row["tflops"]["cupyflash_det"] = row["configs"][det_key[0]]["tflops"]
                     rows.append(row)
+                    if args.json:  # after every point, so a run cut short keeps what it measured
+                        Path(args.json).write_text(json.dumps({"meta": meta_of(torch, args, argv, peers, t_start),
+                                                               "rows": rows}, indent=1))
                     fl, cu, f3, cf = (row["tflops"].get(x) for x in ("sdpa_flash", "sdpa_cudnn", "fa3", "cupyflash"))
                     print(f"{dtype.name.lower()} d{d} S={seq} causal={int(causal)}: cupyflash "
                           f"{cf or 0:.0f} ({row.get('auto_config', '-')}), flash {fl or 0:.0f}, cudnn {cu or 0:.0f}, "
@@ -259,12 +270,9 @@ def main(argv=None) -> int:
                           flush=True)
                     del keep, timers, cf_calls
                 torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-            "tokens": TOKENS, "heads": HEADS, "reps": args.reps, "rounds": args.rounds, "peers": peers,
-            "command": "python scripts/bench_backward.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seconds": time.perf_counter() - t_start}
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta_of(torch, args, argv, peers, t_start), "rows": rows},
+                                              indent=1))
     print("\n| dtype | d | causal | S | cupyflash | SDPA flash | SDPA cuDNN | FA3 | cf/flash | best cfg | det |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
