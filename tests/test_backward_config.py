@@ -292,3 +292,30 @@ def test_resolve_config():
         resolve_backward_config("backward_sm80 (BF16): x")
     with _raises(TypeError, "cfg"):
         resolve_backward_config(3)
+
+
+# ----------------------------------------------------------------------------- shipped H100 table
+def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
+    """cupyflash/tuning/default_h100.backward_sm80.json (`autotune --family backward_sm80
+    --write-default` on the H100) answers every (dtype, d_head 64/128, causal) bucket it was tuned
+    for with a valid tuning-set config that fits the H100's shared memory, for the device name an
+    H100 reports; other GPUs fall back to the family default."""
+    from cupyflash.families.backward_sm80.config import MAX_SMEM_BYTES
+    from cupyflash.tuning import clear_caches, default_table_path, explain_choice
+
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))  # no user table in the way
+    clear_caches()
+    name = "NVIDIA H100 80GB HBM3"
+    path = default_table_path(name, "backward_sm80")
+    assert path.is_file(), path
+    tune = set(get_kernel_configs("tune"))
+    for dtype in DType:
+        for d in (64, 128):
+            for causal in (False, True):
+                for seq in (1024, 3000, 16384, 100_000):
+                    cfg, source = explain_choice(dtype, d, seq, seq, name, causal, "backward_sm80")
+                    assert source == f"default table {path}", source
+                    assert cfg.dtype is dtype and cfg.d_head == d and cfg in tune
+                    assert max(cfg.smem_bytes(), cfg.dq_smem_bytes()) <= MAX_SMEM_BYTES
+    assert explain_choice(DType.BF16, 128, 4096, 4096, "NVIDIA A100-SXM4-80GB", False, "backward_sm80")[1] == "heuristic"
+    clear_caches()
