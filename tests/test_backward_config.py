@@ -63,7 +63,11 @@ def test_parse_rejects_bad_short_forms(text):
     ({"B_r": 128, "B_c": 64, "n_warps": 4}, "accumulators"),   # 128 dK/dV + 128 S^T/dP^T registers
     ({"d_head": 256, "d_split": 1, "B_c": 64, "n_warps": 4}, "accumulators"),
     ({"pds_smem": True}, "needs double_buffer"),
-    ({"pds_smem": True, "double_buffer": True, "B_r": 128, "d_head": 64}, "warp grids"),  # 64 x 32 S tiles
+    ({"pds_smem": True, "double_buffer": True, "B_r": 128, "n_warps": 4, "d_head": 64}, "warp grids"),  # 128-row S tiles
+    ({"kv_regs": True}, "kv_regs needs pds_smem"),
+    ({"pds_smem": True, "double_buffer": True, "kv_regs": True}, "K/V fragments"),  # d_head 128: 192 + 128
+    ({"pipelined": True}, "pipelined needs pds_smem"),
+    ({"pds_smem": True, "double_buffer": True, "pipelined": True, "d_head": 64, "B_r": 128}, "shared memory"),
     ({"pds_smem": True, "double_buffer": True, "d_head": 256, "d_split": 1}, "accumulators"),
 ])
 def test_invalid_combinations_name_the_rule(changes, rule):
@@ -116,6 +120,16 @@ def test_smem_and_threads():
     pds = CFG.replace(double_buffer=True, pds_smem=True)
     assert pds.smem_bytes() == CFG.replace(double_buffer=True).smem_bytes() + 64 * 128 * 2
     assert pds.accumulator_registers() == 2 * 64 + 64  # 32 keys x 64 columns of dK and dV, 32 x 32 S and dP
+    # FlashAttention-2's d_head 64 layout: 64 x 32 S/dP tiles, 32 keys x 32 columns of dK/dV
+    fa2_d64 = pds.replace(d_head=64, B_r=128)
+    assert fa2_d64.pds_s_rows == 64 and fa2_d64.accumulator_registers() == 2 * 32 + 2 * 64
+    assert fa2_d64.smem_bytes() == 2 * 128 * 64 * 2 + 2 * (2 * 128 * 64 * 2 + 8 * 128) + 2 * 128 * 128 * 2
+    # kv_regs keeps d_head registers of K/V fragments: only where the accumulators leave room
+    assert pds.replace(d_head=64, kv_regs=True).short_form().endswith("+pds+kvreg")
+    # pipelined: a third Q/dO/statistics buffer and a second P/dS pair
+    pipe = pds.replace(pipelined=True)
+    assert pipe.smem_bytes() == pds.smem_bytes() + 2 * 64 * 128 * 2 + 8 * 64 + 2 * 64 * 128 * 2
+    assert pipe.short_form().endswith("+pds+pipe") and BackwardKernelConfig.parse(pipe.short_form()) == pipe
     assert CFG.dq_smem_bytes() == 2 * 64 * 128 * 2 + 2 * 128 * 128 * 2
 
 
@@ -151,7 +165,7 @@ def test_name_expressions_per_variant():
     assert list(plain)[0] == "dkdv" and roles_for(False)[0] == "preprocess"  # main kernel first; launch order
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
-    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false}"
+    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false}"
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 
@@ -278,3 +292,30 @@ def test_resolve_config():
         resolve_backward_config("backward_sm80 (BF16): x")
     with _raises(TypeError, "cfg"):
         resolve_backward_config(3)
+
+
+# ----------------------------------------------------------------------------- shipped H100 table
+def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
+    """cupyflash/tuning/default_h100.backward_sm80.json (`autotune --family backward_sm80
+    --write-default` on the H100) answers every (dtype, d_head 64/128, causal) bucket it was tuned
+    for with a valid tuning-set config that fits the H100's shared memory, for the device name an
+    H100 reports; other GPUs fall back to the family default."""
+    from cupyflash.families.backward_sm80.config import MAX_SMEM_BYTES
+    from cupyflash.tuning import clear_caches, default_table_path, explain_choice
+
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path))  # no user table in the way
+    clear_caches()
+    name = "NVIDIA H100 80GB HBM3"
+    path = default_table_path(name, "backward_sm80")
+    assert path.is_file(), path
+    tune = set(get_kernel_configs("tune"))
+    for dtype in DType:
+        for d in (64, 128):
+            for causal in (False, True):
+                for seq in (1024, 3000, 16384, 100_000):
+                    cfg, source = explain_choice(dtype, d, seq, seq, name, causal, "backward_sm80")
+                    assert source == f"default table {path}", source
+                    assert cfg.dtype is dtype and cfg.d_head == d and cfg in tune
+                    assert max(cfg.smem_bytes(), cfg.dq_smem_bytes()) <= MAX_SMEM_BYTES
+    assert explain_choice(DType.BF16, 128, 4096, 4096, "NVIDIA A100-SXM4-80GB", False, "backward_sm80")[1] == "heuristic"
+    clear_caches()

@@ -35,6 +35,11 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (BF16, 128, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
     "backward_sm80 (FP16, 96, 64, 64, 4): dsplit_1+swizzled+dbuf+pds",
     "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+dbuf+pds",   # plain (unswizzled) tiles
+    "backward_sm80 (FP16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds",  # 64 x 32 S/dP warp tiles
+    "backward_sm80 (BF16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+kvreg",  # K/V fragments in registers
+    "backward_sm80 (FP16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf+pds+kvreg",
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe",  # one barrier per iteration
+    "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+kvreg+pipe",
 )]
 FIGURES: list[dict] = []
 
@@ -102,6 +107,9 @@ CASES = [
     (1, 1, 129, 2, 2, False),
     (2, 129, 1, 2, 1, False),
     (1, 640, 513, 4, 4, False),
+    # causal CTAs dealt out heaviest first in groups of (head, batch) pairs, the last group partial
+    # (40 or 80 key blocks: groups of 7 or 4 of the 10 pairs)
+    (2, 100, 5120, 5, 5, True),
 ]
 
 

@@ -55,24 +55,39 @@ struct StaticBackwardKernelConfig {
     static constexpr int Q_BUFFERS = C.double_buffer ? 2 : 1;
     static constexpr int Q_BUFFER_SHIFT = 2 * QTile::BYTES;  // Q(1) - Q(0) = dO(1) - dO(0)
     // pds_smem: P and dS exchanged through two [B_r][B_c] tiles, 2-D warp layouts per product
-    // (see backward_dkdv_2d.cuh); X_* are its warp grids: phase A (B_r/32) x X_S_WN warps of
-    // 32 x 32, phase B (B_c/32) x X_DKV_WD warps of 32 keys x X_DKV_COLS, phase C (B_r/32) x
-    // X_DQ_WD warps of 32 queries x X_DQ_COLS.
+    // (see backward_dkdv_2d.cuh); X_* are its warp grids: phase A X_S_WM x X_S_WN warps of
+    // X_S_ROWS queries x 32 keys (32 x 32, or 64 x 32 as FlashAttention-2 tiles d_head 64),
+    // phase B (B_c/32) x X_DKV_WD warps of 32 keys x X_DKV_COLS, phase C (B_r/32) x X_DQ_WD
+    // warps of 32 queries x X_DQ_COLS.
     static constexpr bool PDS_SMEM = C.pds_smem;
     // (a [B_r][64] stand-in when unused: SmemTile needs rows of >= 8 chunks, B_c may be 32)
     using PTile = SmemTile<BR, (PDS_SMEM ? BC : 64), C.swizzled>;
-    static constexpr int X_S_WN = N_WARPS / (BR / 32);
+    static constexpr int X_S_WN = BC >= 32 ? BC / 32 : 1;
+    static constexpr int X_S_WM = N_WARPS / X_S_WN;
+    static constexpr int X_S_ROWS = X_S_WM > 0 ? BR / X_S_WM : BR;
     static constexpr int X_DKV_WD = N_WARPS / (BC / 32);
     static constexpr int X_DKV_COLS = D / X_DKV_WD;
     static constexpr int X_DQ_WD = N_WARPS / (BR / 32);
     static constexpr int X_DQ_COLS = D / X_DQ_WD;
+    // kv_regs: each phase-A warp holds the B fragments of its 32 keys of K and V in registers.
+    static constexpr bool KV_REGS = C.kv_regs;
+    static_assert(!KV_REGS || PDS_SMEM, "kv_regs needs pds_smem");
+    // pipelined (pds_smem only): three Q/dO/statistics buffers and two P/dS pairs, one barrier per
+    // iteration (backward_dkdv_2d.cuh).
+    static constexpr bool PIPELINED = C.pipelined;
+    static_assert(!PIPELINED || PDS_SMEM, "pipelined needs pds_smem");
+    static constexpr int PDS_Q_BUFFERS = PIPELINED ? 3 : 2;
+    static constexpr int P_BUFFERS = PIPELINED ? 2 : 1;
+    static constexpr int P_BUFFER_SHIFT = 2 * PTile::BYTES;  // P(1) - P(0) = dS(1) - dS(0)
     static constexpr int SMEM_BYTES =
-        PDS_SMEM ? 2 * KVTile::BYTES + 2 * (2 * QTile::BYTES + ROW_STATS_BYTES) + 2 * PTile::BYTES
+        PDS_SMEM ? 2 * KVTile::BYTES + PDS_Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) +
+                       P_BUFFERS * 2 * PTile::BYTES
                  : 2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
     static_assert(!PDS_SMEM || (C.double_buffer && C.d_split == 1), "pds_smem needs double_buffer, d_split 1");
     static_assert(!PDS_SMEM || (BR % 32 == 0 && BC % 32 == 0 && N_WARPS % (BR / 32) == 0 &&
-                                N_WARPS % (BC / 32) == 0 && BC / X_S_WN == 32),
-                  "pds_smem warp grids: 32 x 32 tiles of S, 32-key and 32-query warp rows");
+                                N_WARPS % X_S_WN == 0 && X_S_WM > 0 && BR % X_S_WM == 0 && X_S_ROWS % 16 == 0 &&
+                                X_S_ROWS <= 64),
+                  "pds_smem warp grids: 16/32/64 x 32 tiles of S, 32-key and 32-query warp rows");
     static_assert(!PDS_SMEM || (X_DKV_COLS % 16 == 0 && X_DQ_COLS % 16 == 0), "column slices of whole n-tile pairs");
 
     // The deterministic dQ kernel: one CTA per query block, one warp per 16 query rows.
@@ -93,6 +108,33 @@ struct StaticBackwardKernelConfig {
     static_assert(BR % ROW_KERNEL_ROWS == 0, "padded rows are whole preprocess blocks");
     static_assert(BR / 2 <= N_THREADS, "one 16-byte row-statistics copy per thread");
 };
+
+// ---- which key block a dK/dV CTA owns -------------------------------------------------------
+// Returns (key block, k/v head, batch) of this CTA of a dK/dV grid (n_key_blocks, n_kv_heads, batch).
+// Without causal masking every CTA does the same work: the grid's own coordinates (consecutive
+// CTAs, which run together, share one head's Q and dO in L2). Under causal masking a key block
+// sees fewer query blocks the later it lies, and in grid order each head's light CTAs end up
+// running beside the next heads' heavy ones, leaving a tail of heavy CTAs (list scheduling of the
+// SPEC grid on 132 SMs: 5-7% over the ideal at S = 1k-8k). So the CTAs (in launch order) are
+// dealt out heaviest first within groups of w (head, batch) pairs, with w * n_key_blocks about
+// two waves (CAUSAL_GROUP_CTAS): the same simulation gives 0.1-1.5% over the ideal, and a group's
+// Q/dO (w heads, S rows) stays small enough for L2.
+#define CF_CAUSAL_GROUP_CTAS 256
+template <bool CAUSAL>
+CF_DEVICE int3 kv_block_coords() {
+    if constexpr (!CAUSAL) {
+        return make_int3((int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z);
+    } else {
+        const int n_kb = (int)gridDim.x, n_heads = (int)gridDim.y, n_hb = n_heads * (int)gridDim.z;
+        const int linear = (int)blockIdx.x + n_kb * ((int)blockIdx.y + n_heads * (int)blockIdx.z);
+        const int w = min(n_hb, (CF_CAUSAL_GROUP_CTAS + n_kb - 1) / n_kb);
+        const int group = linear / (w * n_kb);
+        const int wg = min(w, n_hb - group * w);  // the last group may be smaller
+        const int within = linear - group * w * n_kb;
+        const int hb = group * w + within % wg;
+        return make_int3(within / wg, hb % n_heads, hb / n_heads);
+    }
+}
 
 // ---- PTX the forward kernel does not use --------------------------------------------------
 CF_DEVICE float2 ld_shared_f32x2(u32 addr) {

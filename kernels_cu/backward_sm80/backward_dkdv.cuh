@@ -51,6 +51,11 @@ struct BackwardKVCTA {
           warp(threadIdx.x >> 5),
           warp_key0(((threadIdx.x >> 5) % Cfg::KEY_GROUPS) * Cfg::WARP_KEYS),
           split((threadIdx.x >> 5) / Cfg::KEY_GROUPS) {
+        if constexpr (CAUSAL) {
+            const int3 c = kv_block_coords<CAUSAL>();
+            causal_kb = c.x;
+            causal_batch = c.z;
+        }
         // K, V, Q(0), dO(0), [Q(1), dO(1)], dS^T, statistics(0), [statistics(1)]
         k_tile.base = shared_address(smem);
         v_tile.base = k_tile.base + KVTile::BYTES;
@@ -91,12 +96,18 @@ struct BackwardKVCTA {
                 }
     }
 
-    CF_DEVICE static int k0() { return blockIdx.x * Cfg::BC; }
+    // (key block, k/v head, batch): the grid's coordinates, or under causal masking the
+    // heavy-first order of kv_block_coords, decoded once (it divides) into causal_kb/batch.
+    int causal_kb, causal_batch;
+    CF_DEVICE int key_block() const { return CAUSAL ? causal_kb : (int)blockIdx.x; }
+    CF_DEVICE int batch_index() const { return CAUSAL ? causal_batch : (int)blockIdx.z; }
+    CF_DEVICE static int kv_head_index() { return kv_block_coords<CAUSAL>().y; }
+    CF_DEVICE int k0() const { return key_block() * Cfg::BC; }
     CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }  // causal diagonal shift
 
     // ---- global -> shared ----
     CF_DEVICE void load_kv() {
-        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        const int kv_head = kv_head_index(), batch = batch_index();
         const u16* k_src = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                            (long long)k0() * p.k_seq_stride;
         const u16* v_src = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
@@ -117,7 +128,7 @@ struct BackwardKVCTA {
     CF_DEVICE u32 stats_of(int buf) const { return stats + buf * Cfg::ROW_STATS_BYTES; }
 
     CF_DEVICE void load_q_block(int head, int qb, int buf) {
-        const int batch = blockIdx.z;
+        const int batch = batch_index();
         const long long row0 = (long long)qb * Cfg::BR;
         const int rows_valid = p.seq_len_q - qb * Cfg::BR;
         const u16* q_src = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
@@ -322,8 +333,8 @@ struct BackwardKVCTA {
         const int n_qb = n_qb_all - qb_begin;
         const int total = n_qb > 0 ? n_qb * p.kv_group_size : 0;
         // Each head's query blocks in the order qb_first, ..., last, qb_begin, ..., qb_first - 1.
-        const int qb_first = n_qb > 0 ? qb_begin + (int)(blockIdx.x % (unsigned)n_qb) : 0;
-        int head = blockIdx.y * p.kv_group_size, qb = qb_first;
+        const int qb_first = n_qb > 0 ? qb_begin + (int)((unsigned)key_block() % (unsigned)n_qb) : 0;
+        int head = kv_head_index() * p.kv_group_size, qb = qb_first;
         load_kv();
         if (total > 0) load_q_block(head, qb, 0);
         cp_async_commit();
@@ -347,7 +358,7 @@ struct BackwardKVCTA {
             float* dq_rows = nullptr;
             if constexpr (!DETERMINISTIC)
                 dq_rows = p.dq_accum +
-                          (((long long)blockIdx.z * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) *
+                          (((long long)batch_index() * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) *
                               Cfg::D +
                           lane_elem;
             process_q_block(qb, Cfg::Q_BUFFERS == 2 ? (it & 1) : 0, it + 1 < total, next_head, next_qb, dq_rows);
@@ -373,7 +384,7 @@ struct BackwardKVCTA {
                 store_accumulator_tile<Cfg::dtype>(v_tile, v_cur, dv[m][n], 16 * m, n, 1.f, 1.f);
             }
         __syncthreads();
-        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        const int kv_head = kv_head_index(), batch = batch_index();
         u16* dk_dst = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
                       (long long)k0() * p.dk_seq_stride;
         u16* dv_dst = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +

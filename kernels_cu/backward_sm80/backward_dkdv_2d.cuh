@@ -2,7 +2,8 @@
 // warp tiling of FlashAttention-2's backward: each of the three products gets its own 2-D warp
 // layout with 32 x 32 (or 32 x D/k) warp tiles, instead of every warp owning 16 key rows of all
 // of them. Per query block of B_r rows:
-//   phase A, warps (B_r/32) x (B_c/32) over (queries, keys): S = Q K^T, P = exp2(S*scale*log2 e -
+//   phase A, warps X_S_WM x (B_c/32) over (queries, keys), tiles of X_S_ROWS (32 or 64) queries x
+//            32 keys: S = Q K^T, P = exp2(S*scale*log2 e -
 //            lse2[row]), dP = dO V^T, dS = P * (dP - dvec[row]); P and dS (input precision) are
 //            stored to shared [query][key] tiles;                        -- barrier --
 //   phase B, warps (B_c/32) x (D/cols) over (keys, d): dV += P^T dO, dK += dS^T Q, with P^T and
@@ -11,7 +12,13 @@
 //   phase C, warps (B_r/32) x (D/cols) over (queries, d), atomic variant only: dQ += dS K into the
 //            fp32 workspace.
 // Q, dO and the row statistics are double-buffered (required): the next block's copies are issued
-// at the top of the iteration, since Q and dO are read until the end of phase B.
+// at the top of the iteration, since Q and dO are read until the end of phase B. Two barriers per
+// iteration: the top one (block landed; every warp done with the previous phases B/C, whose Q/dO
+// buffer the copy overwrites and whose P/dS phase A overwrites) and the one after phase A.
+// pipelined: three Q/dO/statistics buffers and two P/dS pairs; the only barrier is the one after
+// phase A (it also publishes the next block, waited for just before it), and the next-but-one
+// block is copied right after it into the buffer that phases B/C of the previous iteration read.
+// A warp done with phases B/C goes on to the next phase A without waiting for the others.
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
@@ -19,8 +26,10 @@ struct BackwardKVCTA2D {
     using KVTile = typename Cfg::KVTile;
     using QTile = typename Cfg::QTile;
     using PTile = typename Cfg::PTile;  // [B_r queries][B_c keys], P or dS
-    static constexpr int S_N = 4;       // phase A: 32 keys per warp = 4 n-tiles
+    static constexpr int S_M = Cfg::X_S_ROWS / 16;  // phase A: m-tiles of queries per warp
+    static constexpr int S_N = 4;                   // phase A: 32 keys per warp = 4 n-tiles
     static constexpr int DKV_N = Cfg::X_DKV_COLS / 8;
+    static constexpr int KV_REG_STEPS = Cfg::KV_REGS ? Cfg::D_K_STEPS : 1;
     static constexpr int DQ_N = Cfg::X_DQ_COLS / 8;
 
     const BackwardParams& p;
@@ -44,26 +53,34 @@ struct BackwardKVCTA2D {
 
     float dk[2][DKV_N][4];
     float dv[2][DKV_N][4];
+    // kv_regs: this warp's K and V B fragments (32 keys: two n-tile pairs per k-step over d_head)
+    u32 k_frag[KV_REG_STEPS][S_N / 2][4];
+    u32 v_frag[KV_REG_STEPS][S_N / 2][4];
 
     CF_DEVICE BackwardKVCTA2D(const BackwardParams& params, unsigned char* smem)
         : p(params),
           tid(threadIdx.x),
           lane(threadIdx.x & 31),
           warp(threadIdx.x >> 5),
-          a_q0(((threadIdx.x >> 5) / Cfg::X_S_WN) * 32),
+          a_q0(((threadIdx.x >> 5) / Cfg::X_S_WN) * Cfg::X_S_ROWS),
           a_k0(((threadIdx.x >> 5) % Cfg::X_S_WN) * 32),
           b_k0(((threadIdx.x >> 5) / Cfg::X_DKV_WD) * 32),
           b_d0(((threadIdx.x >> 5) % Cfg::X_DKV_WD) * Cfg::X_DKV_COLS),
           c_q0(((threadIdx.x >> 5) / Cfg::X_DQ_WD) * 32),
           c_d0(((threadIdx.x >> 5) % Cfg::X_DQ_WD) * Cfg::X_DQ_COLS) {
-        // K, V, Q(0), dO(0), Q(1), dO(1), P, dS, statistics(0), statistics(1)
+        if constexpr (CAUSAL) {
+            const int3 c = kv_block_coords<CAUSAL>();
+            causal_kb = c.x;
+            causal_batch = c.z;
+        }
+            // K, V, Q(0), dO(0), Q(1), dO(1), [Q(2), dO(2)], P(0), dS(0), [P(1), dS(1)], statistics(0..)
         k_tile.base = shared_address(smem);
         v_tile.base = k_tile.base + KVTile::BYTES;
         q_tile.base = v_tile.base + KVTile::BYTES;
         do_tile.base = q_tile.base + QTile::BYTES;
-        p_tile.base = q_tile.base + 2 * Cfg::Q_BUFFER_SHIFT;
+        p_tile.base = q_tile.base + Cfg::PDS_Q_BUFFERS * Cfg::Q_BUFFER_SHIFT;
         ds_tile.base = p_tile.base + PTile::BYTES;
-        stats = ds_tile.base + PTile::BYTES;
+        stats = p_tile.base + Cfg::P_BUFFERS * Cfg::P_BUFFER_SHIFT;
         const int matrix = lane >> 3;
         // phase A: A operands (Q, dO rows a_q0..), B operands (K, V rows a_k0..) with the warp's
         // offsets folded into the cursors (multiples of 8 rows: the swizzle phase is kept)
@@ -91,7 +108,13 @@ struct BackwardKVCTA2D {
                 }
     }
 
-    CF_DEVICE static int k0() { return blockIdx.x * Cfg::BC; }
+    // (key block, k/v head, batch): the grid's coordinates, or under causal masking the
+    // heavy-first order of kv_block_coords, decoded once (it divides) into causal_kb/batch.
+    int causal_kb, causal_batch;
+    CF_DEVICE int key_block() const { return CAUSAL ? causal_kb : (int)blockIdx.x; }
+    CF_DEVICE int batch_index() const { return CAUSAL ? causal_batch : (int)blockIdx.z; }
+    CF_DEVICE static int kv_head_index() { return kv_block_coords<CAUSAL>().y; }
+    CF_DEVICE int k0() const { return key_block() * Cfg::BC; }
     CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }
 
     CF_DEVICE static QTile shifted(QTile t, int buf) {
@@ -103,9 +126,18 @@ struct BackwardKVCTA2D {
         return c;
     }
     CF_DEVICE u32 stats_of(int buf) const { return stats + buf * Cfg::ROW_STATS_BYTES; }
+    // The P and dS tiles (and cursors) of P/dS buffer `pbuf` (always 0 unless pipelined).
+    CF_DEVICE static PTile pshifted(PTile t, int pbuf) {
+        t.base += pbuf * Cfg::P_BUFFER_SHIFT;
+        return t;
+    }
+    CF_DEVICE static typename PTile::Cursor pshifted(typename PTile::Cursor c, int pbuf) {
+        c.addr += pbuf * Cfg::P_BUFFER_SHIFT;  // whole 1024-byte multiples: the swizzle phase is kept
+        return c;
+    }
 
     CF_DEVICE void load_kv() {
-        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        const int kv_head = kv_head_index(), batch = batch_index();
         const u16* k_src = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                            (long long)k0() * p.k_seq_stride;
         const u16* v_src = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
@@ -115,7 +147,7 @@ struct BackwardKVCTA2D {
     }
 
     CF_DEVICE void load_q_block(int head, int qb, int buf) {
-        const int batch = blockIdx.z;
+        const int batch = batch_index();
         const long long row0 = (long long)qb * Cfg::BR;
         const int rows_valid = p.seq_len_q - qb * Cfg::BR;
         const u16* q_src = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
@@ -132,27 +164,47 @@ struct BackwardKVCTA2D {
             cp_async_16(st + tid * 16, p.dvec + stat0 + (tid - Cfg::BR / 4) * 4, true);
     }
 
-    // acc (32 rows x 32 keys) = A B^T over d_head: A rows from a query-major tile, B rows from K or V.
-    CF_DEVICE void query_by_key_product(float (&acc)[2][S_N][4], const QTile& a_tile,
-                                        const typename QTile::Cursor& a_cur, const KVTile& b_tile,
-                                        const typename KVTile::Cursor& b_cur) {
+    // kv_regs: read this warp's K and V B fragments once (the tiles must have landed).
+    CF_DEVICE void load_kv_fragments() {
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int ks = 0; ks < KV_REG_STEPS; ++ks)
+#pragma unroll
+            for (int j = 0; j < S_N / 2; ++j) {
+                ldmatrix_x4(k_frag[ks][j], k_tile.at(k_b, 16 * j, 2 * ks));
+                ldmatrix_x4(v_frag[ks][j], v_tile.at(v_b, 16 * j, 2 * ks));
+            }
+    }
+
+    // acc (X_S_ROWS rows x 32 keys) = A B^T over d_head: A rows from a query-major tile, B rows from K or V
+    // (with kv_regs: from `b_regs`, the same fragments kept in registers).
+    CF_DEVICE void query_by_key_product(float (&acc)[S_M][S_N][4], const QTile& a_tile,
+                                        const typename QTile::Cursor& a_cur, const KVTile& b_tile,
+                                        const typename KVTile::Cursor& b_cur,
+                                        const u32 (&b_regs)[KV_REG_STEPS][S_N / 2][4]) {
+#pragma unroll
+        for (int m = 0; m < S_M; ++m)
 #pragma unroll
             for (int n = 0; n < S_N; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < Cfg::D_K_STEPS; ++ks) {
-            u32 a[2][4];
-            load_a_fragment(a[0], a_tile, a_cur, 0, ks);
-            load_a_fragment(a[1], a_tile, a_cur, 16, ks);
+            u32 a[S_M][4];
+#pragma unroll
+            for (int m = 0; m < S_M; ++m) load_a_fragment(a[m], a_tile, a_cur, 16 * m, ks);
 #pragma unroll
             for (int n = 0; n < S_N; n += 2) {
                 u32 b0[2], b1[2];
-                load_b_fragments(b0, b1, b_tile, b_cur, 8 * n, ks);
+                if constexpr (Cfg::KV_REGS) {
+                    b0[0] = b_regs[ks][n / 2][0];
+                    b0[1] = b_regs[ks][n / 2][1];
+                    b1[0] = b_regs[ks][n / 2][2];
+                    b1[1] = b_regs[ks][n / 2][3];
+                } else {
+                    load_b_fragments(b0, b1, b_tile, b_cur, 8 * n, ks);
+                }
 #pragma unroll
-                for (int m = 0; m < 2; ++m) {
+                for (int m = 0; m < S_M; ++m) {
                     mma_m16n8k16<Cfg::dtype>(acc[m][n], a[m], b0[0], b0[1]);
                     mma_m16n8k16<Cfg::dtype>(acc[m][n + 1], a[m], b1[0], b1[1]);
                 }
@@ -160,19 +212,20 @@ struct BackwardKVCTA2D {
         }
     }
 
-    // Phase A for one query block: P and dS of this warp's 32 x 32 tile into shared memory.
-    CF_DEVICE void phase_a(int q0, int buf) {
+    // Phase A for one query block: P and dS of this warp's X_S_ROWS x 32 tile into shared memory.
+    CF_DEVICE void phase_a(int q0, int buf, int pbuf) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
+        const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
         const u32 st = stats_of(buf);
-        float s[2][S_N][4];
-        query_by_key_product(s, qt, shifted(q_a, buf), k_tile, k_b);
+        float s[S_M][S_N][4];
+        query_by_key_product(s, qt, shifted(q_a, buf), k_tile, k_b, k_frag);
         const int keys_valid = p.seq_len_k - k0();
         bool need_mask = a_k0 + 32 > keys_valid;
         if constexpr (CAUSAL)  // warp-uniform: does the tile's last key lie after its first row's diagonal?
             need_mask = need_mask || k0() + a_k0 + 31 > q0 + a_q0 + offset();
         if (need_mask) {
 #pragma unroll
-            for (int m = 0; m < 2; ++m)
+            for (int m = 0; m < S_M; ++m)
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = a_q0 + 16 * m + 8 * h + (lane >> 2);
@@ -187,9 +240,9 @@ struct BackwardKVCTA2D {
                         }
                 }
         }
-        float lse2[2][2], dvec[2][2];
+        float lse2[S_M][2], dvec[S_M][2];
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < S_M; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int row = a_q0 + 16 * m + 8 * h + (lane >> 2);
@@ -197,18 +250,18 @@ struct BackwardKVCTA2D {
                 dvec[m][h] = ld_shared_f32(st + (Cfg::BR + row) * 4);
             }
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < S_M; ++m)
 #pragma unroll
             for (int n = 0; n < S_N; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.softmax_scale_log2, -lse2[m][e >> 1]));
-        float dp[2][S_N][4];
-        query_by_key_product(dp, dot, shifted(do_a, buf), v_tile, v_b);
-        const auto p_cur = p_tile.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
-        const auto ds_cur = ds_tile.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
+        float dp[S_M][S_N][4];
+        query_by_key_product(dp, dot, shifted(do_a, buf), v_tile, v_b, v_frag);
+        const auto p_cur = pt.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
+        const auto ds_cur = dst.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
+        for (int m = 0; m < S_M; ++m)
 #pragma unroll
             for (int k = 0; k < S_N / 2; ++k) {
                 float ds0[4], ds1[4];
@@ -219,23 +272,25 @@ struct BackwardKVCTA2D {
                 }
                 u32 a[4];
                 pack_a_fragment<Cfg::dtype>(a, s[m][2 * k], s[m][2 * k + 1]);
-                store_a_fragment(p_tile, p_cur, a, 16 * m, k);
+                store_a_fragment(pt, p_cur, a, 16 * m, k);
                 pack_a_fragment<Cfg::dtype>(a, ds0, ds1);
-                store_a_fragment(ds_tile, ds_cur, a, 16 * m, k);
+                store_a_fragment(dst, ds_cur, a, 16 * m, k);
             }
     }
 
     // Phase B: dV += P^T dO and dK += dS^T Q for this warp's 32 keys and column slice.
-    CF_DEVICE void phase_b(int buf) {
+    CF_DEVICE void phase_b(int buf, int pbuf) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
         const auto q_cur = shifted(q_bt, buf), do_cur = shifted(do_bt, buf);
+        const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
+        const auto p_cur = pshifted(p_at, pbuf), ds_cur = pshifted(ds_at, pbuf);
 #pragma unroll
         for (int ks = 0; ks < Cfg::Q_K_STEPS; ++ks) {
             u32 pa[2][4], da[2][4];
 #pragma unroll
             for (int m = 0; m < 2; ++m) {
-                load_a_fragment_transposed(pa[m], p_tile, p_at, m, ks);
-                load_a_fragment_transposed(da[m], ds_tile, ds_at, m, ks);
+                load_a_fragment_transposed(pa[m], pt, p_cur, m, ks);
+                load_a_fragment_transposed(da[m], dst, ds_cur, m, ks);
             }
 #pragma unroll
             for (int n = 0; n < DKV_N; n += 2) {
@@ -258,7 +313,9 @@ struct BackwardKVCTA2D {
 
     // Phase C: dq_accum rows c_q0.. (32), columns c_d0.. += dS K. `dq_rows` points at this lane's
     // element (row c_q0 + lane/4, column c_d0 + 2*(lane%4)) of the query block.
-    CF_DEVICE void phase_c(float* dq_rows) {
+    CF_DEVICE void phase_c(float* dq_rows, int pbuf) {
+        const PTile dst = pshifted(ds_tile, pbuf);
+        const auto ds_cur = pshifted(ds_a, pbuf);
         float acc[2][DQ_N][4];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
@@ -269,8 +326,8 @@ struct BackwardKVCTA2D {
 #pragma unroll
         for (int ks = 0; ks < Cfg::KEY_K_STEPS; ++ks) {
             u32 a[2][4];
-            load_a_fragment(a[0], ds_tile, ds_a, 0, ks);
-            load_a_fragment(a[1], ds_tile, ds_a, 16, ks);
+            load_a_fragment(a[0], dst, ds_cur, 0, ks);
+            load_a_fragment(a[1], dst, ds_cur, 16, ks);
 #pragma unroll
             for (int n = 0; n < DQ_N; n += 2) {
                 u32 b0[2], b1[2];
@@ -292,35 +349,85 @@ struct BackwardKVCTA2D {
             }
     }
 
+    // The block after (head, qb) in this CTA's order: each head's query blocks from qb_first to the
+    // last, then from qb_begin to qb_first - 1; then the next head of the group.
+    CF_DEVICE void advance(int& head, int& qb, int qb_first, int n_qb_all) const {
+        qb = qb + 1 == n_qb_all ? first_query_block() : qb + 1;
+        if (qb == qb_first) ++head;
+    }
+
+    // Under causal masking, query blocks before the first one that sees key k0 are skipped
+    // (recomputed where needed rather than held in a register across the loop).
+    CF_DEVICE int first_query_block() const { return CAUSAL ? max(0, k0() - offset()) / Cfg::BR : 0; }
+
+    // This lane's element of the dq_accum rows of (head, qb) in phase C: row c_q0 + lane/4,
+    // column c_d0 + 2*(lane%4) (recomputed from the thread index: nothing held across the loop).
+    CF_DEVICE float* dq_rows_of(int head, int qb) const {
+        const int lane_elem = (c_q0 + (lane >> 2)) * Cfg::D + c_d0 + 2 * (lane & 3);
+        return p.dq_accum +
+               (((long long)batch_index() * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) * Cfg::D +
+               lane_elem;
+    }
+
     CF_DEVICE void run() {
         const int n_qb_all = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
-        const int qb_begin = CAUSAL ? max(0, k0() - offset()) / Cfg::BR : 0;
+        const int qb_begin = first_query_block();
         const int n_qb = n_qb_all - qb_begin;
         const int total = n_qb > 0 ? n_qb * p.kv_group_size : 0;
-        const int qb_first = n_qb > 0 ? qb_begin + (int)(blockIdx.x % (unsigned)n_qb) : 0;
-        int head = blockIdx.y * p.kv_group_size, qb = qb_first;
+        const int qb_first = n_qb > 0 ? qb_begin + (int)((unsigned)key_block() % (unsigned)n_qb) : 0;
+        int head = kv_head_index() * p.kv_group_size, qb = qb_first;
         load_kv();
         if (total > 0) load_q_block(head, qb, 0);
         cp_async_commit();
-        const int lane_elem = (c_q0 + (lane >> 2)) * Cfg::D + c_d0 + 2 * (lane & 3);
-        for (int it = 0; it < total; ++it) {
-            const int buf = it & 1;
-            cp_async_wait<0>();
-            __syncthreads();  // block `it` has landed; every warp is done with iteration it-1
-            int next_head = head, next_qb = qb + 1 == n_qb_all ? qb_begin : qb + 1;
-            if (next_qb == qb_first) ++next_head;
-            if (it + 1 < total) load_q_block(next_head, next_qb, buf ^ 1);
+        if constexpr (Cfg::PIPELINED) {
+            if (total > 1) {
+                int head1 = head, qb1 = qb;
+                advance(head1, qb1, qb_first, n_qb_all);
+                load_q_block(head1, qb1, 1);  // block 1, one iteration ahead
+            }
             cp_async_commit();
-            phase_a(qb * Cfg::BR, buf);
-            __syncthreads();  // P and dS complete
-            phase_b(buf);
-            if constexpr (!DETERMINISTIC)
-                phase_c(p.dq_accum +
-                        (((long long)blockIdx.z * p.n_heads + head) * p.seq_len_q_pad + (long long)qb * Cfg::BR) *
-                            Cfg::D +
-                        lane_elem);
-            head = next_head;
-            qb = next_qb;
+            cp_async_wait<1>();
+            __syncthreads();  // K, V and block 0 have landed
+            if constexpr (Cfg::KV_REGS) load_kv_fragments();
+            int buf = 0;  // buffer of block it (it % 3)
+            for (int it = 0; it < total; ++it) {
+                phase_a(qb * Cfg::BR, buf, it & 1);
+                cp_async_wait<0>();  // block it + 1 (this thread's copies)
+                __syncthreads();     // P/dS(it) complete, block it + 1 visible, every warp past phases B/C(it - 1)
+                if (it + 2 < total) {  // block it + 2 into the buffer of block it - 1
+                    int head2 = head, qb2 = qb;
+                    advance(head2, qb2, qb_first, n_qb_all);
+                    advance(head2, qb2, qb_first, n_qb_all);
+                    load_q_block(head2, qb2, buf == 0 ? 2 : buf - 1);
+                }
+                cp_async_commit();
+                phase_b(buf, it & 1);
+                if constexpr (!DETERMINISTIC) phase_c(dq_rows_of(head, qb), it & 1);
+                advance(head, qb, qb_first, n_qb_all);
+                buf = buf == 2 ? 0 : buf + 1;
+            }
+        } else {
+            if constexpr (Cfg::KV_REGS) {
+                cp_async_wait<0>();
+                __syncthreads();  // K and V have landed
+                load_kv_fragments();
+            }
+            for (int it = 0; it < total; ++it) {
+                const int buf = it & 1;
+                cp_async_wait<0>();
+                __syncthreads();  // block `it` has landed; every warp is done with iteration it-1
+                if (it + 1 < total) {
+                    int next_head = head, next_qb = qb;
+                    advance(next_head, next_qb, qb_first, n_qb_all);
+                    load_q_block(next_head, next_qb, buf ^ 1);
+                }
+                cp_async_commit();
+                phase_a(qb * Cfg::BR, buf, 0);
+                __syncthreads();  // P and dS complete
+                phase_b(buf, 0);
+                if constexpr (!DETERMINISTIC) phase_c(dq_rows_of(head, qb), 0);
+                advance(head, qb, qb_first, n_qb_all);
+            }
         }
         store_dk_dv();
     }
@@ -339,7 +446,7 @@ struct BackwardKVCTA2D {
                 store_accumulator_tile<Cfg::dtype>(v_tile, v_cur, dv[m][n], 16 * m, n, 1.f, 1.f);
             }
         __syncthreads();
-        const int kv_head = blockIdx.y, batch = blockIdx.z;
+        const int kv_head = kv_head_index(), batch = batch_index();
         u16* dk_dst = static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + kv_head * p.dk_head_stride +
                       (long long)k0() * p.dk_seq_stride;
         u16* dv_dst = static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + kv_head * p.dv_head_stride +

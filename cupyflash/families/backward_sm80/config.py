@@ -51,9 +51,17 @@ class BackwardKernelConfig(KernelConfig):
     double_buffer: two Q/dO buffers in the dK/dV kernel: the next query block is copied during the
         whole current iteration instead of only during its dQ step (+2 * B_r * d_head * 2 bytes).
     pds_smem: P and dS exchanged through shared memory, with FlashAttention-2's 2-D warp tiling per
-        product (32 x 32 tiles of S/dP, 32 keys per warp for dK/dV, 32 queries per warp for dQ)
+        product (S/dP tiles of 32 keys by B_r * (B_c/32) / n_warps queries: 32, or 64 for its d_head 64
+        layout (128, 128, 8); 32 keys per warp for dK/dV, 32 queries per warp for dQ)
         instead of every warp owning 16 key rows of all products: fewer shared-memory reads per
         mma, two more [B_r][B_c] tiles. Needs double_buffer and d_split 1.
+    kv_regs: pds_smem only: each warp keeps the B fragments of its 32 keys of K and V (d_head
+        registers per thread) for the whole CTA instead of re-reading them from shared memory for
+        every query block (FlashAttention-2's Is_V_in_regs, for both K and V): half the shared
+        reads of S and dP. Fits the register budget at d_head 64 only.
+    pipelined: pds_smem only: three Q/dO buffers and two P/dS buffers, so an iteration needs one
+        barrier instead of two (the next-but-one block is copied right after it; warps finishing
+        their dK/dV/dQ products go on to the next block's S/dP without waiting for the others).
     """
 
     FAMILY: ClassVar[str] = FAMILY_NAME
@@ -67,6 +75,8 @@ class BackwardKernelConfig(KernelConfig):
     swizzled: bool
     double_buffer: bool
     pds_smem: bool
+    kv_regs: bool = False
+    pipelined: bool = False
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -84,10 +94,17 @@ class BackwardKernelConfig(KernelConfig):
 
     def accumulator_registers(self) -> int:
         """fp32 registers per thread for dK, dV, S^T and dP^T (S, dP) in the dK/dV kernel."""
-        if self.pds_smem:  # 32 keys x d_head / (n_warps / (B_c/32)) of dK and dV, 32 x 32 of S and dP
-            return 2 * self.d_head * (self.B_c // 32) // self.n_warps + 64
+        if self.pds_smem:  # 32 keys x d_head / (n_warps / (B_c/32)) of dK and dV, S/dP tiles of 32 keys
+            return 2 * self.d_head * (self.B_c // 32) // self.n_warps + 2 * self.pds_s_rows
         mk = self.key_rows_per_warp // 16
         return mk * self.d_head // self.d_split + mk * self.B_r
+
+    @property
+    def pds_s_rows(self) -> int:
+        """pds_smem: query rows of one warp's S/dP tile (32 keys wide): the B_c/32 key columns of
+        warps share the n_warps warps, the rest split the B_r rows."""
+        key_warps = max(1, self.B_c // 32)
+        return self.B_r * key_warps // self.n_warps
 
     def dq_accumulator_registers(self) -> int:
         """fp32 registers per thread for dQ, S and dP in the deterministic dQ kernel."""
@@ -95,8 +112,8 @@ class BackwardKernelConfig(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel: K, V, Q, dO tiles, dS^T, row statistics."""
-        buffers = 2 if self.double_buffer else 1
-        exchange = 2 if self.pds_smem else 1  # dS^T, or P and dS
+        buffers = 3 if self.pipelined else 2 if self.double_buffer else 1
+        exchange = (4 if self.pipelined else 2) if self.pds_smem else 1  # dS^T, or P and dS (x2 pipelined)
         return (2 * self.B_c * self.d_head * 2 + buffers * (2 * self.B_r * self.d_head * 2 + 8 * self.B_r)
                 + exchange * self.B_c * self.B_r * 2)
 
@@ -126,15 +143,24 @@ class BackwardKernelConfig(KernelConfig):
         if self.pds_smem:
             yield "pds_smem needs double_buffer and d_split 1", self.double_buffer and ds == 1
             wq, wk = br // 32, bc // 32
-            grids = w % wq == 0 and w % wk == 0 and bc * wq == 32 * w
-            yield ("pds_smem warp grids: (B_r/32) x (n_warps/(B_r/32)) warps of 32 x 32 S tiles, B_c/32 key rows "
-                   "and B_r/32 query rows of warps, each with a column slice of whole n-tile pairs",
+            rows = self.pds_s_rows
+            grids = (bc % 32 == 0 and w % wq == 0 and w % wk == 0 and (br * wk) % w == 0
+                     and rows in (16, 32, 64))
+            yield ("pds_smem warp grids: S/dP tiles of 16, 32 or 64 query rows x 32 keys (B_c/32 warps across "
+                   "the keys), B_c/32 key rows and B_r/32 query rows of warps, each with a column slice of "
+                   "whole n-tile pairs",
                    grids and (d * wk // w) % 16 == 0 and (d * wq // w) % 16 == 0)
             if not grids:
                 return
         if rows >= 16 and rows % 16 == 0:
             yield (f"dK/dV + S^T/dP^T accumulators <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
                    self.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
+        if self.pipelined:
+            yield "pipelined needs pds_smem", self.pds_smem
+        if self.kv_regs:
+            yield "kv_regs needs pds_smem", self.pds_smem
+            yield (f"kv_regs: accumulators + K/V fragments (d_head) <= {MAX_ACCUMULATOR_REGISTERS} registers per "
+                   "thread", self.accumulator_registers() + d <= MAX_ACCUMULATOR_REGISTERS)
         yield (f"dQ-kernel accumulators (d_head/2 + B_c) <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
                self.dq_accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
         yield (f"shared memory of each kernel <= {MAX_SMEM_BYTES} bytes",
@@ -149,6 +175,10 @@ class BackwardKernelConfig(KernelConfig):
             out.append("dbuf")
         if self.pds_smem:
             out.append("pds")
+        if self.kv_regs:
+            out.append("kvreg")
+        if self.pipelined:
+            out.append("pipe")
         return out
 
     def short_form(self) -> str:
@@ -166,7 +196,7 @@ class BackwardKernelConfig(KernelConfig):
                              f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
         features = [f for f in m.group("features").split("+") if f]
         d_split = None
-        flags = {"swizzled": False, "dbuf": False, "pds": False}
+        flags = {"swizzled": False, "dbuf": False, "pds": False, "kvreg": False, "pipe": False}
         for feat in features:
             dm = _DSPLIT_RE.match(feat)
             if dm and d_split is None:
@@ -175,8 +205,9 @@ class BackwardKernelConfig(KernelConfig):
                 flags[feat] = True
             else:
                 raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
-                                 "(known: dsplit_N once, swizzled, dbuf, pds)")
+                                 "(known: dsplit_N once, swizzled, dbuf, pds, kvreg, pipe)")
         if d_split is None:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"])
+                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"], flags["kvreg"],
+                   flags["pipe"])

@@ -15,21 +15,31 @@ KERNEL_SET_KEYS = ("all", "tune", "prog", "prog_all")
 def all_configs() -> list[BackwardKernelConfig]:
     """Every valid config (both dtypes, every d_head, swizzled or not, double-buffered or not)."""
     out = []
-    for dtype, d, br, bc, w, ds, swz, dbuf, pds in itertools.product(
+    for dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe in itertools.product(
             DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES, N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
-            (False, True), (False, True)):
+            (False, True), (False, True), (False, True), (False, True)):
         try:
-            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds))
+            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe))
         except ValueError:
             continue
     return sorted(out)
 
 
 def should_autotune(cfg: BackwardKernelConfig) -> bool:
-    """The tuning set's rule: swizzled only (the plain layout exists for the progression), and a
-    d_split of 2 only where the unsplit config would not fit (d_head 256) or where it lets a
-    CTA hold a larger key block with 8 warps: (B_c * 2 / n_warps) keys per warp equal to 16."""
+    """The tuning set's rule: swizzled only (the plain layout exists for the progression).
+
+    d_head 64/128 (measured on the H100, NOTES.md): pds_smem with 128-key blocks only. pds_smem
+    won every bucket of the first H100 tuning run (1.02-1.13x the 16-rows-per-warp layout), and
+    64-key blocks lost with or without it (0.86-0.92x: twice the Q/dO loads and dQ atomics per
+    FLOP); d_split 2 measured 0.66x at d128.
+    d_head 96/256: no pipelined or kv_regs; a d_split of 2 only where the unsplit config would not fit (d_head 256) or
+    where it lets a CTA hold a larger key block with 8 warps ((B_c * 2 / n_warps) keys per warp
+    equal to 16)."""
     if not cfg.swizzled:
+        return False
+    if cfg.d_head in (64, 128):
+        return cfg.pds_smem and cfg.B_c == 128
+    if cfg.pipelined or cfg.kv_regs:  # not measured at d_head 96/256 (and pipelined d96 spills ~200 bytes)
         return False
     if cfg.d_split == 2:
         return cfg.d_head == 256 or cfg.key_rows_per_warp == 16
@@ -62,13 +72,14 @@ def progression_configs(dtype: DType | None = DType.BF16, d_head: int | None = 1
     return out
 
 
-# (B_r, B_c, n_warps, d_split, double_buffer, pds_smem) per d_head. d_head 64/128: the fastest of
-# the H100 bench (docs/bench_backward_h100.json; NOTES); 96/256: no spills. pds_smem is not a
-# default until it has been measured on a GPU.
+# (B_r, B_c, n_warps, d_split, double_buffer, pds_smem) per d_head. d_head 64/128: FlashAttention-2's
+# tilings with P/dS through shared memory, the fastest of the H100 tuning runs that also fit an
+# A100's 163 KB of shared memory per block (the H100's shipped table may pick `pipelined` ones,
+# 226 KB); 96/256: no spills.
 _DEFAULTS = {
-    64: (128, 128, 8, 1, True, False),
+    64: (128, 128, 8, 1, True, True),
     96: (64, 64, 8, 2, False, False),
-    128: (64, 128, 8, 1, True, False),
+    128: (64, 128, 8, 1, True, True),
     256: (64, 64, 8, 2, False, False),
 }
 
