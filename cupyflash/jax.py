@@ -25,7 +25,6 @@ axis into the batch as the forward does.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from typing import Any, NamedTuple
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from . import launch_plans, op_launch
+from . import op_launch
 from .config import DType
 from .interop import JAX, TensorView, contiguous_strides
 from .validation import ALIGN_BYTES, LaunchPlan, check_flag, check_forward_args, check_softmax_scale
@@ -102,7 +101,7 @@ _launch_kernel: Any = None  # cuLaunchKernel and cudaGetDevice, bound at the fir
 _get_device: Any = None
 
 
-def _launcher(callback: "_Callback", device: int) -> launch_plans.FastLaunch:
+def _launcher(callback: "_Callback", device: int) -> op_launch.OpLaunch:
     """The callback's plan on `device`, packed once (cupyflash.op_launch): kernel handle, grid
     and every parameter but the pointers. The Hopper family's launch re-packs its TMA
     descriptors from each run's pointers instead."""
@@ -130,10 +129,7 @@ def _launch(callback: "_Callback", ctx: Any, q: Any, k: Any, v: Any, out: Any, l
     fast = callback.launchers.get(device) or _launcher(callback, device)
     lse_ptr = _buffer_ptr(lse) if lse is not None else 0
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
-        if fast.repack is None:
-            _POINTERS.pack_into(fast.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
-        else:  # the Hopper family: TMA descriptors of these buffers
-            ctypes.memmove(fast.buf, fast.repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr), fast.size)
+        fast.write_pointers(fast.buf, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         if _get_device() == device:  # XLA's thread has its device current; cuLaunchKernel needs it
             _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
         else:
@@ -152,7 +148,7 @@ class _Callback:
         self.plan = plan
         self.with_lse = with_lse
         self.sm90 = sm90  # (Sm90Plan, (q, k, v) views): the Hopper family runs this problem
-        self.launchers: dict[int, launch_plans.FastLaunch] = {}  # per device, made at first launch
+        self.launchers: dict[int, op_launch.OpLaunch] = {}  # per device, made at first launch
 
     def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any) -> None:
         if self.plan.launch:  # zero-size problems: empty outputs, nothing to compute

@@ -31,7 +31,6 @@ has no autograd formula (it saves no lse).
 """
 from __future__ import annotations
 
-import ctypes
 import struct
 from typing import Any
 
@@ -81,7 +80,6 @@ def _forward(*args: Any, **kwargs: Any) -> Any:
 # cupyflash.forward / cupyflash.backward (full validation, their errors, the launch), later
 # calls read the pointers, allocate the outputs with torch and launch a pre-packed parameter
 # block on torch's current stream. No CuPy array, view or stream object is made per call.
-_POINTERS = op_launch.POINTERS            # forward: q, k, v, o, lse
 _BWD_POINTERS = struct.Struct("<12Q")     # backward: params.POINTER_FIELDS, in order
 _MAX_PLANS = 4096                         # a process cycling through more signatures rebuilds them
 _forward_plans: dict[tuple, "_ForwardPlan"] = {}
@@ -120,6 +118,8 @@ def _forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: Any) -> None:
     """Plan the signature of a call that `forward` has just run (so its arguments are valid)."""
+    if key in _forward_plans:  # planned already (this call was misaligned, or on another device)
+        return
     if _launch_kernel is None:
         _bind_launch()
     views = [as_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
@@ -135,7 +135,9 @@ def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any,
                  with_lse: bool) -> Any:
     """The CUDA kernels' body: (out) or (out, lse) for a replayed plan, else None."""
-    plan = _forward_plans.get(_forward_key(q, k, v, causal, softmax_scale))
+    # _forward_key, inlined: a call frame is a visible share of this path
+    plan = _forward_plans.get((q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+                               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale))
     if plan is None or _get_device() != plan.device:
         return None
     out = q.new_empty(plan.out_shape)  # q's dtype and device, contiguous, torch's allocator
@@ -150,10 +152,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     stream = _raw_stream(plan.device)
     fast = plan.fast
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
-        if fast.repack is None:
-            _POINTERS.pack_into(fast.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
-        else:  # the Hopper family: TMA descriptors of these pointers
-            ctypes.memmove(fast.buf, fast.repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr), fast.size)
+        fast.write_pointers(fast.buf, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
     return (out, lse) if with_lse else out
 
@@ -234,6 +233,8 @@ def _backward_key(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 def _remember_backward(key: tuple, tensors: tuple[torch.Tensor, ...], causal: bool, softmax_scale: Any,
                        deterministic: bool) -> None:
     """Plan the signature of a call that `backward` has just run (so its arguments are valid)."""
+    if key in _backward_plans:  # planned already (this call was misaligned, or on another device)
+        return
     from .backward_api import _select
     from .backward_validation import check_backward_args
     from .families.backward_sm80.kernels import get_launcher

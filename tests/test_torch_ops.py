@@ -194,15 +194,20 @@ def mocked_launch(monkeypatch):
 def test_forward_plan_replays_with_each_calls_pointers(mocked_launch, monkeypatch):
     import struct
 
-    from cupyflash import launch_plans, op_launch
+    from cupyflash import op_launch
     from cupyflash.families.forward_sm80.config_sets import default_config
     from cupyflash.validation import check_forward_args
 
     select = lambda dtype, d_head, *_: default_config(dtype, d_head)  # noqa: E731
     monkeypatch.setattr(op_launch, "plan_views", lambda q, k, v, causal, scale: (
         check_forward_args(None, q, k, v, None, scale, causal, select=select), None))
-    monkeypatch.setattr(op_launch, "make_launch", lambda plan, sm90, device: launch_plans.FastLaunch(
-        1234, plan.grid, plan.block, plan.smem_bytes, device, plan.pack(0, 0, 0, 0, 0), plan.out_shape, None, None))
+    def make_launch(plan, sm90, device):  # op_launch.make_launch's mma.sync branch, minus the registry
+        fast = op_launch.OpLaunch(1234, plan.grid, plan.block, plan.smem_bytes, device, plan.pack(0, 0, 0, 0, 0),
+                                  plan.out_shape, None, None)
+        fast.write_pointers = op_launch._write_leading
+        return fast
+
+    monkeypatch.setattr(op_launch, "make_launch", make_launch)
     full_path = []
     monkeypatch.setattr(cft, "_forward", lambda *args, **kwargs: full_path.append(kwargs) or "full path")
     q, k, v = _inputs("cpu", shape=(2, 40, 4, 64), kv=(2, 56, 2, 64))
