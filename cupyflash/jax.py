@@ -103,8 +103,8 @@ _get_device: Any = None
 
 def _launcher(callback: "_Callback", device: int) -> op_launch.OpLaunch:
     """The callback's plan on `device`, packed once (cupyflash.op_launch): kernel handle, grid
-    and every parameter but the pointers. The Hopper family's launch re-packs its TMA
-    descriptors from each run's pointers instead."""
+    and every parameter but the five pointers, which each run writes (for the Hopper family into
+    its TMA descriptors' address words, or by re-encoding them)."""
     fast = op_launch.make_launch(callback.plan, callback.sm90, device)
     callback.launchers[device] = fast
     return fast
