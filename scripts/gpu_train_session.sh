@@ -14,7 +14,7 @@ export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
 left() { echo $((BUDGET - SECONDS)); }
 
 # the kernels the tests, the bench and the check launch (cfg=None's picks), compiled in parallel
-python3 - >"$OUT/prewarm.log" 2>&1 <<'EOF'
+timeout 40 python3 - >"$OUT/prewarm.log" 2>&1 <<'EOF'
 import cupy
 from cupyflash.api import resolve_config
 from cupyflash.backward_api import _select
