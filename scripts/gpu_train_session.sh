@@ -14,24 +14,26 @@ export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
 left() { echo $((BUDGET - SECONDS)); }
 
 # the kernels the tests, the bench and the check launch (cfg=None's picks), compiled in parallel
-timeout 40 python3 - >"$OUT/prewarm.log" 2>&1 <<'EOF'
+cat >"$OUT/prewarm_train.py" <<'EOF'
 import cupy
 from cupyflash.api import resolve_config
 from cupyflash.backward_api import _select
 from cupyflash.config import DType
 from cupyflash.prewarm import prewarm_for_device
 
-dev = cupy.cuda.runtime.getDevice()
-cfgs = set()
-for dt in (DType.BF16, DType.FP16):
-    for d in (64, 128):
-        for causal in (False, True):
-            for s in (77, 128, 200, 256):
-                cfgs.add(resolve_config(None, dt, d, s, s, dev, causal))
-                cfgs.add(_select(dt, d, s, s, dev, causal))
-reports = prewarm_for_device(cfgs, dev, causal=(False, True), jobs=16)
-print("prewarm:", sum(len(r.results) for r in reports), "modules,", sum(len(r.failed) for r in reports), "failed")
+if __name__ == "__main__":  # compile workers are spawned: they re-import this file
+    dev = cupy.cuda.runtime.getDevice()
+    cfgs = set()
+    for dt in (DType.BF16, DType.FP16):
+        for d in (64, 128):
+            for causal in (False, True):
+                for s in (77, 128, 200, 256):
+                    cfgs.add(resolve_config(None, dt, d, s, s, dev, causal))
+                    cfgs.add(_select(dt, d, s, s, dev, causal))
+    reports = prewarm_for_device(cfgs, dev, causal=(False, True), jobs=16)
+    print("prewarm:", sum(len(r.results) for r in reports), "modules,", sum(len(r.failed) for r in reports), "failed")
 EOF
+timeout 40 python3 "$OUT/prewarm_train.py" >"$OUT/prewarm.log" 2>&1
 echo "prewarm exit $? at ${SECONDS}s: $(tail -n 1 "$OUT/prewarm.log")"
 
 timeout "$(( $(left) < 45 ? $(left) : 45 ))" python3 scripts/bench_frameworks.py --rounds 5 --calls 300 \

@@ -147,14 +147,17 @@ def torch_loss_fn(params: dict[str, Any], attend: Callable[..., Any], device: st
         for i in range(N_LAYER):
             p = lambda n: params[f"h{i}.{n}"]  # noqa: E731
             y = F.layer_norm(z, (d,), p("ln1_w"), p("ln1_b"))
-            qkv = (y @ p("qkv_w") + p("qkv_b")).view(x.shape[0], x.shape[1], 3, h, d // h)
-            q, k, v = qkv.unbind(2)  # (batch, seq, heads, d_head) views of the fused projection
+            # F.linear: autocast runs it, bias included, in bf16 (a separate `+ bias` would promote
+            # the product back to fp32)
+            qkv = F.linear(y, p("qkv_w").t(), p("qkv_b")).view(x.shape[0], x.shape[1], 3, h, d // h)
+            q, k, v = qkv.unbind(2)  # (batch, seq, heads, d_head) bf16 views of the fused projection
             a = attend(q, k, v).reshape(x.shape[0], x.shape[1], d)
-            z = z + (a @ p("proj_w") + p("proj_b"))
+            z = z + F.linear(a, p("proj_w").t(), p("proj_b"))
             y = F.layer_norm(z, (d,), p("ln2_w"), p("ln2_b"))
-            z = z + (F.gelu(y @ p("fc_w") + p("fc_b"), approximate="tanh") @ p("out_w") + p("out_b"))
+            m = F.gelu(F.linear(y, p("fc_w").t(), p("fc_b")), approximate="tanh")
+            z = z + F.linear(m, p("out_w").t(), p("out_b"))
         z = F.layer_norm(z, (d,), params["lnf_w"], params["lnf_b"])
-        return z @ params["head"]
+        return F.linear(z, params["head"].t())
 
     def loss_of(x: Any, y: Any) -> Any:
         with torch.autocast(device, dtype=torch.bfloat16):
@@ -321,10 +324,13 @@ def compare(test: dict[str, Any], ref: dict[str, Any], width: int, warmup_window
 
 def run_framework(label: str, impls: dict[str, Callable[..., Any]], train: Callable[..., dict[str, Any]],
                   pairs: list[tuple[str, str]], params0: dict[str, np.ndarray], tokens: np.ndarray,
-                  starts: np.ndarray, eval_starts: np.ndarray, width: int) -> dict[str, Any]:
+                  starts: np.ndarray, eval_starts: np.ndarray, width: int,
+                  save: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     runs = {}
     for name, attend in impls.items():
         runs[name] = train(name, attend, params0, tokens, starts, eval_starts)
+        if save is not None:  # what has run survives a later failure or time-out
+            save(label, {"runs": runs})
         print(f"[{label}] {name}: final window {windows(runs[name]['losses'], width)[-1]:.4f}, "
               f"eval {runs[name]['eval_loss']:.4f}, {runs[name]['seconds']:.1f} s", flush=True)
     warm = -(-WARMUP // width)
@@ -361,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
                   "vocab": len(vocab), "steps": args.steps, "lr": LR, "warmup": WARMUP},
         "rule": {"window": args.window, "abs": TOL_ABS, "rel": TOL_REL, "final_rel": FINAL_REL}}
     path = args.json or (os.environ.get("OUT") and str(Path(os.environ["OUT"]) / "train_check.json"))
+
+    def save(label: str, partial: dict[str, Any]) -> None:
+        if path:
+            Path(path).write_text(json.dumps(result | {label: partial}, indent=1))
+
     ok = True
     if not args.no_torch:
         import torch
@@ -370,17 +381,15 @@ def main(argv: list[str] | None = None) -> int:
         result["torch"] = run_framework("torch", torch_attention_impls(), train_torch,
                                         [("cupyflash", "sdpa_flash"), ("cupyflash", "sdpa_math"),
                                          ("sdpa_flash", "sdpa_math")],
-                                        params0, tokens, starts, eval_starts, args.window)
+                                        params0, tokens, starts, eval_starts, args.window, save)
         ok &= all(c["ok"] for pair, c in result["torch"]["checks"].items() if pair.startswith("cupyflash"))
-        if path:  # the torch half survives a JAX failure
-            Path(path).write_text(json.dumps(result, indent=1))
     if not args.no_jax:
         import jax
 
         result["jax_version"] = jax.__version__
         result["jax"] = run_framework("jax", jax_attention_impls(), train_jax,
                                       [("cupyflash", "dpa_xla"), ("cupyflash", "dpa_cudnn"), ("dpa_xla", "dpa_cudnn")],
-                                      params0, tokens, starts, eval_starts, args.window)
+                                      params0, tokens, starts, eval_starts, args.window, save)
         ok &= all(c["ok"] for pair, c in result["jax"]["checks"].items() if pair.startswith("cupyflash"))
     result["ok"] = bool(ok)
     if path:
