@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                                         [("cupyflash", "sdpa_flash"), ("cupyflash", "sdpa_math"),
                                          ("sdpa_flash", "sdpa_math")],
                                         params0, tokens, starts, eval_starts, args.window, save)
+        save("torch", result["torch"])  # with its windows and checks, before JAX starts
         ok &= all(c["ok"] for pair, c in result["torch"]["checks"].items() if pair.startswith("cupyflash"))
     if not args.no_jax:
         import jax
