@@ -31,10 +31,12 @@ has no autograd formula (it saves no lse).
 """
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import torch
 
+from . import op_launch
 from .config import DType
 from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
@@ -73,14 +75,104 @@ def _forward(*args: Any, **kwargs: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- CUDA kernels
+# The CUDA kernels keep their own launch plans, keyed by what the kernels' choices depend on
+# (shapes, strides, dtypes, devices, causal, scale): the first call of a signature goes through
+# cupyflash.forward / cupyflash.backward (full validation, their errors, the launch), later
+# calls read the pointers, allocate the outputs with torch and launch a pre-packed parameter
+# block on torch's current stream. No CuPy array, view or stream object is made per call.
+_BWD_POINTERS = struct.Struct("<12Q")     # backward: params.POINTER_FIELDS, in order
+_MAX_PLANS = 4096                         # a process cycling through more signatures rebuilds them
+_forward_plans: dict[tuple, "_ForwardPlan"] = {}
+_backward_plans: dict[tuple, "_BackwardPlan"] = {}
+_launch_kernel: Any = None                # cuLaunchKernel, bound with the first plan
+_get_device: Any = None                   # the calling thread's current CUDA device (CuPy's runtime)
+_raw_stream: Any = None                   # torch's current stream handle of a device
+
+
+def _bind_launch() -> None:
+    global _launch_kernel, _get_device, _raw_stream
+    from cupy.cuda.runtime import getDevice
+    from cupy_backends.cuda.api.driver import launchKernel
+
+    from .interop import _torch_current_stream
+
+    _launch_kernel, _get_device = launchKernel, getDevice
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _torch_current_stream
+
+
+class _ForwardPlan:
+    """A validated forward signature: its replayable launch and output shapes."""
+
+    __slots__ = ("fast", "device", "out_shape", "lse_shape")
+
+    def __init__(self, fast: Any, device: int, out_shape: tuple[int, ...], lse_shape: tuple[int, ...]) -> None:
+        self.fast, self.device, self.out_shape, self.lse_shape = fast, device, out_shape, lse_shape
+
+
+def _forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any) -> tuple:
+    # One flat tuple: hashing nested tuples costs more. torch.Size and stride() are tuples already.
+    return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
+            v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale)
+
+
+def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      softmax_scale: Any) -> None:
+    """Plan the signature of a call that `forward` has just run (so its arguments are valid)."""
+    if key in _forward_plans:  # planned already (this call was misaligned, or on another device)
+        return
+    if _launch_kernel is None:
+        _bind_launch()
+    views = [as_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
+    plan, sm90 = op_launch.plan_views(*views, causal, softmax_scale)
+    if not plan.launch:  # empty problems: forward allocates and returns, nothing to replay
+        return
+    if len(_forward_plans) >= _MAX_PLANS:
+        _forward_plans.clear()
+    fast = op_launch.make_launch(plan, sm90, plan.device)
+    _forward_plans[key] = _ForwardPlan(fast, plan.device, tuple(plan.out_shape), tuple(plan.lse_shape))
+
+
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any,
+                 with_lse: bool) -> Any:
+    """The CUDA kernels' body: (out) or (out, lse) for a replayed plan, else None."""
+    # _forward_key, inlined: a call frame is a visible share of this path
+    plan = _forward_plans.get((q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+                               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale))
+    if plan is None or _get_device() != plan.device:
+        return None
+    out = q.new_empty(plan.out_shape)  # q's dtype and device, contiguous, torch's allocator
+    q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+    if (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
+        return None  # misaligned this time: forward raises the proper error
+    if with_lse:
+        lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+        lse_ptr = lse.data_ptr()
+    else:
+        lse, lse_ptr = None, 0
+    stream = _raw_stream(plan.device)
+    fast = plan.fast
+    with fast.lock:  # cuLaunchKernel copies the parameters before it returns
+        fast.write_pointers(fast.buf, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+        _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
+    return (out, lse) if with_lse else out
+
+
 def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                     softmax_scale: float | None = None) -> torch.Tensor:
-    return _forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out = _run_forward(q, k, v, causal, softmax_scale, False)
+    if out is None:
+        out = _forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale)
+        _remember_forward(_forward_key(q, k, v, causal, softmax_scale), q, k, v, causal, softmax_scale)
+    return out
 
 
 def _attention_lse_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    result = _run_forward(q, k, v, causal, softmax_scale, True)
+    if result is None:
+        result = _forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+        _remember_forward(_forward_key(q, k, v, causal, softmax_scale), q, k, v, causal, softmax_scale)
+    return result
 
 
 def _refuse_host_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -117,12 +209,95 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
     return backward(*args, **kwargs)
 
 
+class _BackwardPlan:
+    """A validated backward signature: the launcher, the packed non-pointer parameters, the
+    layout of the fp32 workspace (one allocation holding lse2, dvec and, unless deterministic,
+    the dQ accumulator) and the grid sizes."""
+
+    __slots__ = ("launcher", "device", "tail", "workspace", "offsets", "sizes")
+
+    def __init__(self, launcher: Any, device: int, tail: bytes, workspace: int, offsets: tuple[int, int, int],
+                 sizes: tuple[int, ...]) -> None:
+        self.launcher, self.device, self.tail = launcher, device, tail
+        self.workspace, self.offsets, self.sizes = workspace, offsets, sizes
+
+
+def _backward_key(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, softmax_scale: Any, deterministic: bool) -> tuple:
+    return (dout.shape, dout.stride(), dout.dtype, dout.get_device(), q.shape, q.stride(), q.dtype, q.get_device(),
+            k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
+            out.shape, out.stride(), out.dtype, out.get_device(), lse.shape, lse.stride(), lse.dtype,
+            lse.get_device(), causal, softmax_scale, deterministic)
+
+
+def _remember_backward(key: tuple, tensors: tuple[torch.Tensor, ...], causal: bool, softmax_scale: Any,
+                       deterministic: bool) -> None:
+    """Plan the signature of a call that `backward` has just run (so its arguments are valid)."""
+    if key in _backward_plans:  # planned already (this call was misaligned, or on another device)
+        return
+    from .backward_api import _select
+    from .backward_validation import check_backward_args
+    from .families.backward_sm80.kernels import get_launcher
+    from .families.backward_sm80.params import POINTER_FIELDS
+
+    if _launch_kernel is None:
+        _bind_launch()
+    views = [as_view(x, name) for x, name in zip(tensors, ("dout", "q", "k", "v", "out", "lse"))]
+    plan = check_backward_args(None, *views, None, None, None, softmax_scale, causal, deterministic, select=_select)
+    if not plan.launch or _BWD_POINTERS.size != 8 * len(POINTER_FIELDS):
+        return  # nothing to replay (or a changed parameter ABI: the full path serves every call)
+    stats = -(-plan.batch * plan.n_heads * plan.seq_len_q_pad // 64) * 64  # floats, 256-byte aligned slices
+    accum = 0 if plan.deterministic else stats * plan.d_head
+    tail = plan.pack((0,) * len(POINTER_FIELDS))[_BWD_POINTERS.size:]
+    if len(_backward_plans) >= _MAX_PLANS:
+        _backward_plans.clear()
+    _backward_plans[key] = _BackwardPlan(
+        get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic), plan.device, tail,
+        2 * stats + accum, (0, stats, 2 * stats), (plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
+                                                  plan.seq_len_k))
+
+
+def _run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, softmax_scale: Any, deterministic: bool) -> Any:
+    """(dq, dk, dv) through a replayed plan, else None."""
+    plan = _backward_plans.get(_backward_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic))
+    if plan is None or _get_device() != plan.device:
+        return None
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr())
+    lse_ptr = lse.data_ptr()
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or lse_ptr & 3:
+        return None  # backward raises the proper error
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    # One fp32 scratch allocation from torch's caching allocator: stream-ordered on the current
+    # stream, so releasing it at return is safe (its reuse queues behind these kernels).
+    work = q.new_empty((plan.workspace,), dtype=torch.float32)
+    base = work.data_ptr()
+    lse2, dvec, accum = (base + 4 * off for off in plan.offsets)
+    if plan.workspace == plan.offsets[2]:
+        accum = 0  # deterministic: dQ is computed by its own pass, no accumulator
+    params = _BWD_POINTERS.pack(*ptrs, lse_ptr, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), accum, lse2,
+                                dvec) + plan.tail
+    plan.launcher.launch(params, *plan.sizes, _raw_stream(plan.device))
+    return dq, dk, dv
+
+
 def _attention_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None,
                              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                     deterministic=deterministic)
+    grads = _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    if grads is None:
+        grads = _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                          deterministic=deterministic)
+        _remember_backward(_backward_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic),
+                           (dout, q, k, v, out, lse), causal, softmax_scale, deterministic)
+    return grads
+
+
+def clear_plans() -> None:
+    """Forget every replayable launch (tests; or after a tuning table changed)."""
+    _forward_plans.clear()
+    _backward_plans.clear()
 
 
 def _attention_backward_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -230,6 +405,24 @@ torch.library.register_autograd(f"{NAMESPACE}::attention_forward_lse", _attentio
                                 setup_context=_setup_context, lib=_LIB)
 
 
+class _AttentionFunction(torch.autograd.Function):
+    """The same formula as the operator's registered autograd, for eager calls: the registered
+    one runs a Python autograd kernel inside the dispatcher and then re-dispatches, ~2.5x the
+    cost of this (measured on a CPU: 19 us vs 7.7 us per call around a no-op kernel); torch.compile
+    traces the registered one. The forward(ctx, ...) form: a separate setup_context costs
+    another ~17 us per call (functorch's custom_function_call)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch._C._AutoDispatchBelowAutograd():  # straight to the CUDA (or meta/fake) kernel
+            out, lse = attention_forward_lse(q, k, v, causal, softmax_scale)
+        _setup_context(ctx, (q, k, v, causal, softmax_scale), (out, lse))
+        return out, lse
+
+    backward = staticmethod(_attention_lse_backward)
+
+
 # ------------------------------------------------------------------------- public API
 attention_forward = torch.ops.cupyflash.attention_forward.default
 attention_forward_lse = torch.ops.cupyflash.attention_forward_lse.default
@@ -260,8 +453,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         # ints and numpy scalars become floats (the schema's type); anything else gets forward()'s
         # TypeError rather than the dispatcher's RuntimeError
         softmax_scale = check_softmax_scale(softmax_scale, 1)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # the lse variant saves what the backward needs
+        if torch.compiler.is_compiling():
+            result = attention_forward_lse(q, k, v, causal, softmax_scale)
+        else:
+            result = _AttentionFunction.apply(q, k, v, causal, softmax_scale)
+        return result if return_lse else result[0]
     if return_lse:
         return attention_forward_lse(q, k, v, causal, softmax_scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return attention_forward_lse(q, k, v, causal, softmax_scale)[0]  # saves the lse for backward
     return attention_forward(q, k, v, causal, softmax_scale)

@@ -2,7 +2,10 @@
 
 PyTorch: cupyflash.torch.attention (the `cupyflash::` operator defined with torch.library.Library),
 the same operator called as an OpOverload, the same body registered with torch.library.custom_op,
-plain cupyflash.forward, SDPA flash, and a bare cuLaunchKernel of the same kernel. Each is measured
+plain cupyflash.forward, torch.compile(fullgraph=True) of attention, SDPA flash, and a bare
+cuLaunchKernel of the same kernel; for training, attention with q requiring a gradient (the lse
+variant through autograd), the attention_forward_lse and attention_backward operators, and one
+forward + backward through autograd against SDPA flash's. Each is measured
 as host issue cost (calls queued behind a GPU spin, so only the host side counts) and as wall time
 of back-to-back calls, in interleaved rounds (medians).
 
@@ -15,6 +18,7 @@ launch from a command buffer).
 """
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import statistics
@@ -53,12 +57,26 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     op = torch.ops.cupyflash.attention_forward.default
     flash = lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])  # noqa: E731
+    # training: q requiring a gradient (autograd saves the lse), the backward operator on its own,
+    # and one forward + backward through autograd, against SDPA flash doing the same
+    qg = q.detach().clone().requires_grad_()
+    qgt = qt.detach().clone().requires_grad_()
+    dout = torch.randn_like(q)
+    fwd_out, fwd_lse = cft.attention_forward_lse(q, k, v, False, None)
+    bwd = torch.ops.cupyflash.attention_backward.default
+    compiled = torch.compile(lambda q, k, v: cft.attention(q, k, v), fullgraph=True)
     table: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "cupyflash.forward": (lambda: cupyflash.forward(None, q, k, v), contextlib.nullcontext),
         "cupyflash.torch.attention": (lambda: cft.attention(q, k, v), contextlib.nullcontext),
         "torch.ops.cupyflash.attention_forward": (lambda: op(q, k, v), contextlib.nullcontext),
         "custom_op (same body)": (lambda: custom_attention(q, k, v), contextlib.nullcontext),
+        "torch.compile(attention), fullgraph": (lambda: compiled(q, k, v), contextlib.nullcontext),
         "SDPA flash": (lambda: sdpa(qt, kt, vt), flash),
+        "attention, q.requires_grad (saves lse)": (lambda: cft.attention(qg, k, v), contextlib.nullcontext),
+        "attention_forward_lse op": (lambda: cft.attention_forward_lse(q, k, v, False, None), contextlib.nullcontext),
+        "attention_backward op": (lambda: bwd(dout, q, k, v, fwd_out, fwd_lse, False, None, False), contextlib.nullcontext),
+        "cupyflash fwd+bwd (autograd)": (lambda: cft.attention(qg, k, v).backward(dout), contextlib.nullcontext),
+        "SDPA flash fwd+bwd (autograd)": (lambda: sdpa(qgt, kt, vt).backward(dout.transpose(1, 2)), flash),
     }
     for name, (call, context) in table.items():
         with context():
@@ -68,7 +86,11 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
     err = (cft.attention(q, k, v).float() - ref.float()).abs().max().item()
     plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
     out = torch.empty_like(q)
-    launch_plans._POINTERS.pack_into(plan.buf, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    if plan.repack is None:  # the mma.sync family: pointers are the first parameter fields
+        launch_plans._POINTERS.pack_into(plan.buf, 0, *ptrs)
+    else:  # the Hopper family: TMA descriptors of these pointers
+        ctypes.memmove(plan.buf, plan.repack(*ptrs), plan.size)
     from cupy_backends.cuda.api.driver import launchKernel
 
     stream = torch.cuda.current_stream().cuda_stream

@@ -29,6 +29,8 @@ JAX_DTYPES = {DType.BF16: jnp.bfloat16, DType.FP16: jnp.float16}
 def _clear_caches():
     cfj._prepared.cache_clear()
     cfj._operation.cache_clear()
+    cfj._differentiable.cache_clear()
+    cfj._backward_operation.cache_clear()
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -301,6 +303,62 @@ def test_grad_runs_the_backward_callback(on_cpu, monkeypatch):
     for got, ref, x in zip(grads, want, (q, k, v)):
         assert got.shape == x.shape and got.dtype == x.dtype
         np.testing.assert_allclose(np.asarray(got, np.float64), ref, atol=5e-2, rtol=5e-2)
+
+
+def _reference_backward_launch(seen):
+    """A NumPy stand-in for the backward callback's launch (records each call's batch size)."""
+
+    def launch(callback, ctx, outs, dout, q, k, v, out, lse):
+        seen.append(np.asarray(q).shape[0])
+        grads = _numpy_grads(np.asarray(dout).astype(np.float32),
+                             *(np.asarray(x).astype(np.float32) for x in (q, k, v)),
+                             callback.softmax_scale, callback.causal)
+        for target, g in zip(outs, grads):
+            np.asarray(target)[...] = g.astype(np.asarray(target).dtype)
+
+    return launch
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0), (0, None, None)], ids=["all-mapped", "shared-kv"])
+def test_vmap_of_grad_is_one_backward_launch(on_cpu, monkeypatch, in_axes):
+    """jax.jit(jax.vmap(jax.grad(...))): per-entry gradients, the mapped axis folded into the batch
+    of the forward and of the backward (one launch each); an unmapped k/v gets per-entry dk/dv."""
+    seen = []
+    monkeypatch.setattr(cfj, "_backward_launch", _reference_backward_launch(seen))
+    q, k, v = _inputs(8, lead=(3,))
+    k, v = (x[0] if axis is None else x for x, axis in zip((k, v), in_axes[1:]))
+    w = jax.random.normal(jax.random.PRNGKey(4), q.shape[1:], jnp.float32)
+    loss = lambda q, k, v: (cfj.attention(q, k, v, causal=True).astype(jnp.float32) * w).sum()  # noqa: E731
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_axes))(q, k, v)
+    assert seen == [6]  # 3 mapped entries x batch 2, one backward call
+    assert on_cpu.plans[-1].out_shape == (6, 40, 4, 64)
+    for i in range(3):
+        ki, vi = (x if axis is None else x[i] for x, axis in zip((k, v), in_axes[1:]))
+        want = _numpy_grads(np.asarray(w), *(np.asarray(x, np.float32) for x in (q[i], ki, vi)), None, True)
+        for got, ref in zip(grads, want):
+            assert got.shape[0] == 3
+            np.testing.assert_allclose(np.asarray(got[i], np.float64), ref, atol=5e-2, rtol=5e-2)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_vmap_of_grad_on_the_gpu_matches_per_entry_grads():
+    """vmap(grad) through the batched backward against grad of each entry on its own (same
+    kernels: equal within fp32 atomics' ordering) and against float64 closed-form gradients."""
+    _clear_caches()
+    q, k, v = _inputs(12, q_shape=(2, 77, 8, 128), kv_shape=(2, 130, 2, 128), lead=(3,))
+    w = jax.random.normal(jax.random.PRNGKey(13), q.shape[1:], jnp.float32)
+    loss = lambda q, k, v: (cfj.attention(q, k, v, causal=True).astype(jnp.float32) * w).sum()  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    batched = jax.jit(jax.vmap(grad, in_axes=(0, None, 0)))(q, k[0], v)
+    for i in range(3):
+        single = jax.jit(grad)(q[i], k[0], v[i])
+        want = _numpy_grads(np.asarray(w), *(np.asarray(x, np.float32) for x in (q[i], k[0], v[i])), None, True)
+        for got, one, ref, name in zip(batched, single, want, ("dq", "dk", "dv")):
+            got = np.asarray(got[i], np.float64)
+            rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert rel <= 1e-2, (name, i, rel)
+            np.testing.assert_allclose(got, np.asarray(one, np.float64), atol=2e-2, rtol=2e-2)
 
 
 @needs_gpu

@@ -1,0 +1,152 @@
+"""Replayable forward launches for the framework operators (cupyflash.torch, cupyflash.jax).
+
+`forward`'s own fast path (launch_plans) covers calls without a log-sum-exp; the framework
+operators also need the lse variant (autograd saves it) and, in JAX, buffers whose pointers only
+exist inside XLA's callback. Both build, once per problem signature, a `FastLaunch` whose
+parameter block holds everything but five pointers (q, k, v, out, lse), for the kernel that
+`forward(cfg=None)` would run: the Hopper family where it applies (its TMA descriptors re-packed
+from each call's pointers), else the mma.sync family (five pointers written into the first five
+ForwardParams fields).
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import Any
+
+from . import launch_plans
+from .interop import TensorView
+from .validation import LaunchPlan
+
+__all__ = ["POINTERS", "OpLaunch", "address_offsets", "hopper_plan", "plan_views", "make_launch"]
+
+POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
+
+
+def hopper_plan(q: TensorView, k: TensorView, v: TensorView, causal: bool, softmax_scale: float | None,
+                device: int) -> tuple[Any, tuple[TensorView, ...]] | None:
+    """(Sm90Plan, views) when forward(cfg=None) would run the Hopper family on this problem
+    (sm_90 and a layout TMA takes), else None (the mma.sync plan)."""
+    from . import api
+
+    if not api._hopper_default(device):
+        return None
+    views = (q, k, v)
+    if api._hopper_reason(*views) is not None:
+        return None
+    from .families.forward_sm90.launch import plan_sm90
+
+    return plan_sm90(None, *views, None, softmax_scale, causal), views
+
+
+def plan_views(q: TensorView, k: TensorView, v: TensorView, causal: bool,
+               softmax_scale: float | None) -> tuple[LaunchPlan, Any]:
+    """forward(cfg=None)'s plan for validated views: (the mma.sync LaunchPlan, (Sm90Plan, views)
+    or None). Raises forward's TypeError/ValueError on bad arguments."""
+    from . import api
+
+    plan = api.plan_forward(None, q, k, v, None, softmax_scale, causal)
+    return plan, hopper_plan(q, k, v, plan.causal, softmax_scale, plan.device)
+
+
+class OpLaunch(launch_plans.FastLaunch):
+    """A FastLaunch plus `write_pointers(buf, q, k, v, o, lse)`, which puts one call's five
+    pointers into the parameter block (the operators' per-call step)."""
+
+    __slots__ = ("write_pointers",)
+
+
+def _write_leading(buf: Any, q: int, k: int, v: int, o: int, lse: int) -> None:
+    POINTERS.pack_into(buf, 0, q, k, v, o, lse)
+
+
+_WORD = struct.Struct("<Q")
+# Distinct, 16-byte aligned stand-in addresses with low and high bits set (never dereferenced:
+# they only go through cuTensorMapEncodeTiled).
+_PROBES = ((0x1_0000_0000, 0x2_0000_0100, 0x3_0000_0200, 0x4_0000_0300, 0x5_0000_0400),
+           (0x7F12_3456_7800, 0x7F00_0000_0010, 0x1_0000_0020, 0x2000_0000_0030, 0x40),
+           (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670),
+           (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000))
+
+
+def address_offsets(repack: Any, size: int) -> tuple[tuple[int, ...], bytes] | None:
+    """Where each of the five pointers lands in `repack`'s parameter block, if nothing else in the
+    block depends on them: ((q, k, v, o, lse byte offsets), template), else None.
+
+    The TMA descriptor format is opaque (CUtensorMap); this measures it instead of assuming it:
+    the block is encoded for several sets of addresses, each pointer must appear as one 8-byte word
+    holding exactly its value, and writing the words into the first block must give, byte for
+    byte, the block the driver encodes for every other set. Otherwise (another driver, another
+    format) the caller re-encodes per call."""
+    try:
+        blocks = [bytes(repack(*probe)) for probe in _PROBES]
+    except Exception:  # the driver refused a stand-in address: keep encoding per call
+        return None
+    if any(len(b) != size for b in blocks):
+        return None
+    offsets = []
+    for i in range(5):
+        found = [off for off in range(0, size - 7, 8)
+                 if all(_WORD.unpack_from(b, off)[0] == probe[i] for b, probe in zip(blocks[:2], _PROBES[:2]))]
+        if len(found) != 1:
+            return None
+        offsets.append(found[0])
+    template = blocks[0]
+    for block, probe in zip(blocks[1:], _PROBES[1:]):
+        patched = bytearray(template)
+        for off, ptr in zip(offsets, probe):
+            _WORD.pack_into(patched, off, ptr)
+        if bytes(patched) != block:
+            return None
+    return tuple(offsets), template
+
+
+def _address_writer(offsets: tuple[int, ...]) -> Any:
+    q_at, k_at, v_at, o_at, lse_at = offsets
+    pack = _WORD.pack_into
+
+    def write(buf: Any, q: int, k: int, v: int, o: int, lse: int) -> None:
+        pack(buf, q_at, q)
+        pack(buf, k_at, k)
+        pack(buf, v_at, v)
+        pack(buf, o_at, o)
+        pack(buf, lse_at, lse)
+
+    return write
+
+
+def _repack_writer(repack: Any, size: int) -> Any:
+    def write(buf: Any, q: int, k: int, v: int, o: int, lse: int) -> None:
+        ctypes.memmove(buf, repack(q, k, v, o, lse), size)
+
+    return write
+
+
+def make_launch(plan: LaunchPlan, sm90: Any, device: int) -> OpLaunch:
+    """The replayable launch of `plan` (or of the Hopper plan `sm90`) on `device`: kernel handle,
+    grid and every parameter but the five pointers packed.
+
+    The Hopper family's parameters embed the pointers in its TMA descriptors: when the driver's
+    encoding puts the address in one word of each descriptor and nothing else depends on it
+    (`address_offsets`, checked once per plan), a call writes five words, as for the mma.sync
+    family; else it re-encodes the descriptors (tma's cache) and copies the whole block."""
+    if sm90 is not None:
+        from .families.forward_sm90.launch import get_kernel, make_repack
+        from .families.forward_sm90.params import PARAMS_SIZE
+
+        hopper, views = sm90
+        cfg = hopper.cfg
+        kernel = get_kernel(cfg, device, hopper.base.causal)
+        repack = make_repack(hopper, *views)
+        found = address_offsets(repack, PARAMS_SIZE)
+        fast = OpLaunch(kernel.func_ptr, hopper.grid, cfg.n_threads, cfg.smem_bytes(), device,
+                        found[1] if found else bytes(PARAMS_SIZE), hopper.base.out_shape, None, None, repack)
+        fast.write_pointers = _address_writer(found[0]) if found else _repack_writer(repack, PARAMS_SIZE)
+        return fast
+    from .registry import get_registry
+
+    kernel = get_registry().get(plan.cfg, device, plan.causal)
+    fast = OpLaunch(kernel.func_ptr, plan.grid, plan.block, plan.smem_bytes, device, plan.pack(0, 0, 0, 0, 0),
+                    plan.out_shape, None, None)
+    fast.write_pointers = _write_leading
+    return fast
