@@ -141,19 +141,32 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     return result
 
 
+def driver_calls() -> tuple[Callable[..., None], Callable[[], int]]:
+    """(cuLaunchKernel, current device) as CuPy binds them: imported on the first remembered plan,
+    so that importing a fast-path module costs nothing (every fast path shares this)."""
+    from cupy_backends.cuda.api.driver import launchKernel
+    from cupy.cuda.runtime import getDevice
+
+    return launchKernel, getDevice
+
+
+def store(table: dict, key: tuple, plan: Any, max_plans: int = _MAX_PLANS) -> None:
+    """Put `plan` under `key` in a fast-path plan table, marking which pointer accessor its array
+    type takes; a table that reached `max_plans` starts over (a process cycling through more
+    shapes than that just rebuilds them)."""
+    if len(table) >= max_plans:
+        table.clear()
+    plan.is_torch = _kind(key[0]) == _TORCH
+    table[key] = plan
+
+
 def remember(key: tuple | None, plan: FastLaunch) -> None:
     global _launch_kernel, _get_device
     if key is None:
         return
     if _launch_kernel is None:
-        from cupy_backends.cuda.api.driver import launchKernel
-        from cupy.cuda.runtime import getDevice
-
-        _launch_kernel, _get_device = launchKernel, getDevice
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    plan.is_torch = _kind(key[0]) == _TORCH
-    _plans[key] = plan
+        _launch_kernel, _get_device = driver_calls()
+    store(_plans, key, plan)
 
 
 def clear() -> None:

@@ -16,11 +16,10 @@ import ctypes
 import threading
 from typing import Any, Callable
 
-from .launch_plans import _TORCH, _kind, _kinds  # one array-type classifier for every fast path
+from .launch_plans import _TORCH, _kind, _kinds, driver_calls, store  # shared by every fast path
 
 __all__ = ["VarlenLaunch", "signature", "lookup", "remember", "clear"]
 
-_MAX_PLANS = 4096
 _plans: dict[tuple, "VarlenLaunch"] = {}
 _launch_kernel: Callable[..., None] | None = None
 _get_device: Callable[[], int] | None = None
@@ -104,14 +103,8 @@ def remember(key: tuple | None, plan: VarlenLaunch) -> None:
     if key is None:
         return
     if _launch_kernel is None:
-        from cupy_backends.cuda.api.driver import launchKernel
-        from cupy.cuda.runtime import getDevice
-
-        _launch_kernel, _get_device = launchKernel, getDevice
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    plan.is_torch = _kind(key[0]) == _TORCH
-    _plans[key] = plan
+        _launch_kernel, _get_device = driver_calls()
+    store(_plans, key, plan)
 
 
 def clear() -> None:
