@@ -60,21 +60,44 @@ def _parse(text: str) -> DecodeKernelConfig | None:
         raise ValueError(f"cfg: {exc}") from None
 
 
-@functools.lru_cache(maxsize=256)
-def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
-    cfg = decode_sets.default_config(dtype, d_head, rows_total, paged)
+def _fit_smem(cfg: DecodeKernelConfig, smem_limit: int) -> DecodeKernelConfig:
     while cfg.smem_bytes() > smem_limit and cfg.stages > 1:  # smaller GPUs (sm_86: 99 KB per CTA)
         cfg = cfg.replace(stages=cfg.stages - 1)
     return cfg
 
 
+@functools.lru_cache(maxsize=256)
+def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
+    return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged), smem_limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, causal: bool, max_keys: int, device: int,
+                smem_limit: int) -> DecodeKernelConfig:
+    """The tuning table's config for this device and cache length (fitted to the packed rows and
+    the device's shared memory), else the heuristic default."""
+    from .tuning import tuned_config
+
+    tuned = tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
+    if tuned is not None:
+        fitted = decode_sets.fit_to_rows(tuned, rows_total)
+        if fitted is not None:
+            fitted = _fit_smem(fitted, smem_limit)
+            if fitted.smem_bytes() <= smem_limit:
+                return fitted
+    return _default_for(dtype, d_head, rows_total, paged, smem_limit)
+
+
 def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1024) -> DecodeKernelConfig:
     """The config to launch: `cfg` itself (object or short form, checked against the inputs), or
-    the library's choice for None / 'auto'."""
+    the library's choice for None / 'auto': the device's tuning table entry for the cache length
+    (`python -m cupyflash autotune --family decode`; an H100 table ships with the package), else
+    the heuristic default."""
     if isinstance(cfg, str):
         cfg = _parse(cfg)
     if cfg is None:
-        return _default_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, smem_limit)
+        return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, plan.causal and plan.seq_q > 1,
+                           plan.max_keys, plan.device, smem_limit)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:
@@ -90,8 +113,9 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
 def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) -> int:
     """The library's split count for this problem on a GPU of `num_sms` SMs."""
     row_tiles = -(-plan.rows_total // cfg.rows)
+    head_blocks = -(-plan.n_kv_heads // cfg.heads)
     target = num_sms if plan.paged else num_sms / 2  # see families/decode/splits.py
-    return choose_num_splits(plan.batch, plan.n_kv_heads, row_tiles, plan.max_keys, target, cfg.B_c * cfg.n_warps)
+    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, target, cfg.B_c * cfg.team)
 
 
 def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:
@@ -211,10 +235,10 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and workspace is None and check_indices is None and return_lse is False
+    if (stream is None and workspace is None and check_indices is None
             and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
         key = kvcache_plans.signature(cfg, num_splits, softmax_scale, causal, q, k_cache, v_cache, cache_seqlens,
-                                      block_table, k_new, v_new, out)
+                                      block_table, k_new, v_new, out, return_lse)
         result = kvcache_plans.lookup(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
         if result is not None:
             return result
@@ -255,6 +279,8 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     ws_floats = -(-ws_bytes // 4)
     device = plan.device
+    lse_shape = plan.lse_shape if plan.want_lse else None
+    allocate_lse = None
     if q.framework == TORCH:
         import torch
 
@@ -265,9 +291,12 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
     else:
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
         allocate_ws = functools.partial(_cupy.empty, (ws_floats,), dtype=_cupy.float32)
+        if lse_shape is not None:
+            allocate_lse = functools.partial(_cupy.empty, lse_shape, dtype=_cupy.float32)
         current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
     return kvcache_plans.KVCacheLaunch(heads, device, params, plan.out_shape, ws_floats,
-                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current)
+                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current,
+                                       lse_shape, allocate_lse)
 
 
 def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorView, k: TensorView, v: TensorView,
@@ -281,8 +310,9 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
     kernels = _get_registry().get_all(cfg, plan.device, variant=(plan.causal, plan.paged))
     _prefer_shared_memory(kernels.values())
     row_tiles = -(-plan.rows_total // cfg.rows)
-    if plan.n_kv_heads * row_tiles > 65535:
-        raise ValueError(f"q: {plan.n_kv_heads} KV heads x {row_tiles} row tiles exceed the CUDA grid limit 65535")
+    head_blocks = -(-plan.n_kv_heads // cfg.heads)
+    if head_blocks * row_tiles > 65535:
+        raise ValueError(f"q: {head_blocks} KV head blocks x {row_tiles} row tiles exceed the CUDA grid limit 65535")
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     keep = None
     ws_ptr = 0
@@ -303,7 +333,7 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
     if plan.seq_new:
         chunks = plan.seq_new * plan.n_kv_heads * (plan.d_head // 8)
         heads.append((kernels["append"], (-(-chunks // APPEND_THREADS), plan.batch, 1), APPEND_THREADS, 0))
-    heads.append((kernels["attention"], (splits, plan.n_kv_heads * row_tiles, plan.batch), cfg.n_threads,
+    heads.append((kernels["attention"], (splits, head_blocks * row_tiles, plan.batch), cfg.n_threads,
                   cfg.smem_bytes()))
     if splits > 1:
         heads.append((kernels["combine"], (-(-plan.total_rows // 4), 1, 1), COMBINE_THREADS, 0))

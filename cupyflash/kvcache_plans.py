@@ -7,7 +7,7 @@ signature read the pointers, check their alignment, allocate the output (and the
 workspace) and launch: no views, no validation, no config lookup, no split heuristic.
 
 Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
-without return_lse, workspace=, stream= or the index check; everything else takes the full path.
+without workspace=, stream= or the index check; everything else takes the full path.
 """
 from __future__ import annotations
 
@@ -35,15 +35,18 @@ _get_device: Callable[[], int] | None = None
 class KVCacheLaunch:
     """The validated launches of one signature, replayable with new pointers."""
 
-    __slots__ = ("heads", "device", "out_shape", "ws_floats", "ws_lse_offset", "allocate", "allocate_ws",
-                 "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
+    __slots__ = ("heads", "device", "out_shape", "lse_shape", "ws_floats", "ws_lse_offset", "allocate",
+                 "allocate_ws", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
 
     def __init__(self, heads: list[tuple], device: int, params: bytes, out_shape: tuple[int, ...],
                  ws_floats: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
-                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int]) -> None:
+                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int],
+                 lse_shape: tuple[int, ...] | None = None, allocate_lse: Callable[[], Any] | None = None) -> None:
         self.heads = heads                  # per kernel: cuLaunchKernel's arguments up to the stream
         self.device = device
         self.out_shape = out_shape
+        self.lse_shape = lse_shape          # (batch, n_heads, seq_q) with return_lse, else None
+        self.allocate_lse = allocate_lse    # CuPy: () -> lse; torch: None (q.new_empty)
         self.ws_floats = ws_floats          # split workspace in fp32 elements (0: one split)
         self.ws_lse_offset = ws_lse_offset  # bytes from ws_o to ws_lse
         self.allocate = allocate            # CuPy: () -> output; torch: None (q.new_empty)
@@ -57,7 +60,8 @@ class KVCacheLaunch:
 
 
 def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,
-              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any) -> tuple | None:
+              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
+              return_lse: bool = False) -> tuple | None:
     """The plan key, or None when these arguments cannot take the fast path."""
     if not (cfg is None or type(cfg) is str or type(cfg) is DecodeKernelConfig):
         return None
@@ -65,12 +69,12 @@ def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any
         return None
     if not (softmax_scale is None or type(softmax_scale) is float):
         return None
-    if causal is not True and causal is not False:
+    if (causal is not True and causal is not False) or (return_lse is not True and return_lse is not False):
         return None
     cls = type(q)
     kind = _kinds.get(cls) or _kind(cls)
     arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
-    key: list = [cls, cfg, num_splits, softmax_scale, causal]
+    key: list = [cls, cfg, num_splits, softmax_scale, causal, return_lse]
     if kind == _TORCH:
         for x in arrays:
             if x is None:
@@ -94,8 +98,9 @@ def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any
 
 def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
            k_new: Any, v_new: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output, or None (no plan, or a pointer
-    that breaks an alignment rule this time: the full path then raises the proper error)."""
+    """Launch through the plan for `key` and return the output (with return_lse: (output, lse)),
+    or None (no plan, or a pointer that breaks an alignment rule this time: the full path then
+    raises the proper error)."""
     plan = _plans.get(key) if key is not None else None
     if plan is None or _get_device() != plan.device:
         return None
@@ -108,6 +113,8 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
         o_ptr = result.data_ptr()
         ws = q.new_empty((plan.ws_floats,), dtype=_torch_float32()) if plan.ws_floats else None
         ws_ptr = ws.data_ptr() if ws is not None else 0
+        lse = q.new_empty(plan.lse_shape, dtype=_torch_float32()) if plan.lse_shape is not None else None
+        lse_ptr = lse.data_ptr() if lse is not None else 0
     else:
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
         t_ptr = block_table.data.ptr if block_table is not None else 0
@@ -117,15 +124,18 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
         o_ptr = result.data.ptr
         ws = plan.allocate_ws() if plan.ws_floats else None
         ws_ptr = ws.data.ptr if ws is not None else 0
+        lse = plan.allocate_lse() if plan.lse_shape is not None else None
+        lse_ptr = lse.data.ptr if lse is not None else 0
     if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
         return None
     stream = plan.current_stream()
     ws_lse = ws_ptr + plan.ws_lse_offset if ws_ptr else 0
     with plan.lock:
-        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, 0, ws_ptr, ws_lse, s_ptr, t_ptr)
+        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse, s_ptr,
+                            t_ptr)
         for head in plan.heads:
             _launch_kernel(*head, stream, plan.argv_ptr, 0)
-    return result
+    return result if lse is None else (result, lse)
 
 
 _float32 = None

@@ -19,6 +19,7 @@ def _configs():
     picks.add(config_sets.default_config(DType.FP16, 64, 64))  # a 64-row tile
     picks.add(config_sets.default_config(DType.BF16, 256, 16, paged=True))  # 8 single-slot warps
     picks.update({tune[0], tune[-1]})
+    picks.update(c for c in tune if c.heads == 8 and c.d_head == 128 and c.dtype is DType.BF16)  # 1-3 stages
     return sorted(picks)
 
 
