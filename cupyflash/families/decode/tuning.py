@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import numpy as np
+
 from ...benchmarking import REL_L2_TOLERANCE, poison, random_inputs, rotation_sets
 from ...config import DType
 from .config import DecodeKernelConfig
@@ -61,7 +63,7 @@ class DecodeTuningProblem:
             q = random_inputs((batch, self.seq_q, TUNING_HEADS, d_head), dtype, seed=base)
             k = random_inputs(kv_shape, dtype, seed=base + 1)
             v = random_inputs(kv_shape, dtype, seed=base + 2)
-            perm = cupy.random.default_rng(base + 3).permutation(n_pages).astype(cupy.int32)
+            perm = cupy.asarray(np.random.default_rng(base + 3).permutation(n_pages).astype(np.int32))
             page_shape = (n_pages, TUNING_PAGE_SIZE, TUNING_KV_HEADS, d_head)
             k_pages, v_pages = cupy.empty_like(k).reshape(page_shape), cupy.empty_like(v).reshape(page_shape)
             # logical page j of the batch lives in physical page perm[j] (bit copies: no bf16 math)
