@@ -316,20 +316,53 @@ def overhead_us(torch) -> dict:
         "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        enable_gqa=True),
     }
-    res = {}
-    for name, fn in cases.items():
+    for fn in cases.values():  # compile, plan and warm every case first
         fn()
-        times = []
-        for _ in range(7):
+    torch.cuda.synchronize()
+    # Rounds over all cases (not one case after the other), so drift of the host's speed
+    # spreads over every case; median of the rounds.
+    times: dict = {name: [] for name in cases}
+    for _ in range(9):
+        for name, fn in cases.items():
             torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)
+            torch.cuda._sleep(40_000_000)  # the GPU stays busy: the loop below measures the host
             t0 = time.perf_counter()
             for _ in range(100):
                 fn()
-            times.append((time.perf_counter() - t0) * 1e6 / 100)
-        torch.cuda.synchronize()
-        res[name] = statistics.median(times)
-    return res
+            times[name].append((time.perf_counter() - t0) * 1e6 / 100)
+    torch.cuda.synchronize()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def profile_calls(torch, n: int = 3000, top: int = 18) -> str:
+    """cProfile of `n` fast-path calls (paged cache, k_new, 4 splits, return_lse: every launch
+    and allocation), sorted by own time: where the host time of a call goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupyflash
+
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kp = torch.randn(16, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(1, 16)
+    kn = torch.randn(1, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((1,), 200, dtype=torch.int32, device="cuda")
+
+    def call():
+        return cupyflash.forward_kvcache(q, kp, kp, cache_seqlens=lens, block_table=table, k_new=kn, v_new=kn,
+                                         num_splits=4, return_lse=True)
+    call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 def sweep(torch, picks, dtypes, log, splits=(None, 8, 16, 32, 64, 128)) -> list[dict]:
@@ -387,6 +420,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tune", action="store_true", help="sweep the decode tune set (bf16) instead")
     ap.add_argument("--sweep", action="store_true", help="time tune-set configs x num_splits on --rows instead")
     ap.add_argument("--splits", default="auto,8,16,32,64,128", help="--sweep: split counts (auto = library rule)")
+    ap.add_argument("--overhead", action="store_true", help="only the per-call host overhead lines and a profile")
     args = ap.parse_args(argv)
 
     import torch
@@ -408,6 +442,14 @@ def main(argv=None) -> int:
         results = tune(torch, rows, configs_for, log)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "tune": results}, f, indent=1)
+        return 0
+
+    if args.overhead:
+        meta["overhead_us"] = overhead_us(torch)
+        log(f"per-call host overhead (us): {json.dumps(meta['overhead_us'], indent=1)}")
+        log(profile_calls(torch))
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta}, f, indent=1)
         return 0
 
     if args.sweep:
