@@ -29,10 +29,16 @@ def prewarmed_cache():
     from cupyflash.prewarm import prewarm
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    configs = sorted({default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
-                      for paged in (False, True)})
+    from cupyflash.families.decode.config import DecodeKernelConfig
+
+    configs = {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
+               for paged in (False, True)}
+    # the several-heads-per-CTA cases and the tune/progression picks, so no test compiles alone
+    configs |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2]) for c in HEADS_CASES
+                for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
+    configs |= set(_tune_and_progression_picks())
     variants = [(c, p) for c in (False, True) for p in (False, True)]
-    report = prewarm(configs, [arch], variants=variants, progress=None)
+    report = prewarm(sorted(configs), [arch], variants=variants, progress=None)
     assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
 
 
@@ -209,15 +215,18 @@ def test_softmax_scale_and_cfg_short_form(rng):
     p.check(out, scale=0.05)
 
 
-@pytest.mark.parametrize("cfg_index", range(6))
-def test_tune_and_progression_configs(cfg_index, rng):
-    """A spread of the tune and progression sets (each knob's code path) on one paged problem."""
+def _tune_and_progression_picks():
     from cupyflash.families.decode.config_sets import get_kernel_configs
 
     tune = [c for c in get_kernel_configs("tune") if c.dtype is DType.BF16 and c.d_head == 128]
     prog = [c for c in get_kernel_configs("prog") if c.dtype is DType.BF16]
-    picks = [prog[0], prog[1], tune[0], tune[len(tune) // 2], tune[-1], prog[-1]]
-    cfg = picks[cfg_index]
+    return [prog[0], prog[1], tune[0], tune[len(tune) // 2], tune[-1], prog[-1]]
+
+
+@pytest.mark.parametrize("cfg_index", range(6))
+def test_tune_and_progression_configs(cfg_index, rng):
+    """A spread of the tune and progression sets (each knob's code path) on one paged problem."""
+    cfg = _tune_and_progression_picks()[cfg_index]
     p = Problem(rng, DType.BF16, 128, 2, 2, 16, 4, [333, 1900], 16)
     out = p.run(cfg=cfg, num_splits=3)
     p.check(out, context=str(cfg))
