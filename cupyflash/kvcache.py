@@ -266,16 +266,17 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         ov = allocate_output(qv, plan.out_shape)
     lv = allocate_lse(qv, plan.lse_shape) if plan.want_lse else None
     if not plan.empty:
-        launches = _launch(plan, config, splits, qv, kv, vv, sv, bv, knv, vnv, ov, lv, workspace, stream_ptr)
+        launch = _launch(plan, config, splits, qv, kv, vv, sv, bv, knv, vnv, ov, lv, workspace, stream_ptr)
         if key is not None:
-            kvcache_plans.remember(key, _fast_launch(plan, splits, qv, *launches))
+            kvcache_plans.remember(key, launch)
     result = out if out is not None else wrap_output(ov)
     return (result, wrap_output(lv)) if plan.want_lse else result
 
 
 def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, params: bytes
                  ) -> kvcache_plans.KVCacheLaunch:
-    """The replayable form of a validated call, for later calls with the same signature."""
+    """The launches of a validated call, replayable with new pointers by later calls with the
+    same signature. On sm_90+ the second and third kernels are programmatic dependent launches."""
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     ws_floats = -(-ws_bytes // 4)
     device = plan.device
@@ -294,16 +295,26 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
         if lse_shape is not None:
             allocate_lse = functools.partial(_cupy.empty, lse_shape, dtype=_cupy.float32)
         current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
-    return kvcache_plans.KVCacheLaunch(heads, device, params, plan.out_shape, ws_floats,
+    launches = kvcache_plans.build_launches(heads, _pdl_capable(device))
+    return kvcache_plans.KVCacheLaunch(launches, device, params, plan.out_shape, ws_floats,
                                        splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current,
                                        lse_shape, allocate_lse)
 
 
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: int) -> bool:
+    """Programmatic dependent launch needs sm_90 (griddepcontrol) and cuLaunchKernelEx."""
+    from .device import compute_capability
+    from .kvcache_pdl import available
+
+    return compute_capability(device) >= 90 and available()
+
+
 def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorView, k: TensorView, v: TensorView,
             seqlens: TensorView, table: TensorView | None, k_new: TensorView | None, v_new: TensorView | None,
-            o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> tuple[list, bytes]:
-    """Launch append (with k_new), attention and combine (with splits); return the launches'
-    cuLaunchKernel heads and the packed parameters, for the fast path."""
+            o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> kvcache_plans.KVCacheLaunch:
+    """Launch append (with k_new), attention and combine (with splits); return the launches with
+    their packed parameters, which the fast path replays with new pointers."""
     global _get_registry
     if _get_registry is None:
         from .registry import get_registry as _get_registry
@@ -337,9 +348,10 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
                   cfg.smem_bytes()))
     if splits > 1:
         heads.append((kernels["combine"], (-(-plan.total_rows // 4), 1, 1), COMBINE_THREADS, 0))
+    launch = _fast_launch(plan, splits, q, [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads],
+                          params)
     # cuLaunchKernel uses the calling thread's current context: make it the arrays' device.
     with _cupy.cuda.Device(plan.device):
-        for kernel, grid, block, smem in heads:
-            kernel.launch(grid, block, smem, stream_ptr, params)
+        launch.run(stream_ptr)
     del keep  # the framework allocator keeps stream order: freeing after enqueueing is safe
-    return [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads], params
+    return launch

@@ -12,6 +12,7 @@ without workspace=, stream= or the index check; everything else takes the full p
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from .families.decode.config import DecodeKernelConfig
 from .launch_plans import _CUPY, _TORCH, _kind, _kinds  # one array-type classifier for both fast paths
 from .families.decode.params import DECODE_PARAMS
 
-__all__ = ["KVCacheLaunch", "signature", "lookup", "remember", "clear"]
+__all__ = ["KVCacheLaunch", "build_launches", "signature", "lookup", "remember", "clear"]
 
 # q, k_cache, v_cache, k_new, v_new, o, lse, ws_o, ws_lse, cache_seqlens, block_table: the first
 # eleven DecodeParams fields
@@ -32,17 +33,40 @@ _launch_kernel: Callable[..., None] | None = None
 _get_device: Callable[[], int] | None = None
 
 
+def build_launches(heads: list[tuple], pdl: bool) -> list[Callable[[int, int, int], None]]:
+    """One callable (stream, kernel_params_address, 0) per kernel from cuLaunchKernel's leading
+    arguments (function, grid, block, shared memory). With `pdl`, every kernel after the first
+    is launched as a programmatic dependent of the one before it (cupyflash.kvcache_pdl)."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        _launch_kernel = launchKernel
+    from .kvcache_pdl import PDLLaunch
+
+    out: list[Callable[[int, int, int], None]] = []
+    for i, head in enumerate(heads):
+        plain = functools.partial(_launch_kernel, *head)
+        if pdl and i > 0:
+            func, gx, gy, gz, bx, _, _, smem = head
+            out.append(PDLLaunch(func, (gx, gy, gz), bx, smem, plain))
+        else:
+            out.append(plain)
+    return out
+
+
 class KVCacheLaunch:
     """The validated launches of one signature, replayable with new pointers."""
 
-    __slots__ = ("heads", "device", "out_shape", "lse_shape", "ws_floats", "ws_lse_offset", "allocate",
+    __slots__ = ("launches", "device", "out_shape", "lse_shape", "ws_floats", "ws_lse_offset", "allocate",
                  "allocate_ws", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
 
-    def __init__(self, heads: list[tuple], device: int, params: bytes, out_shape: tuple[int, ...],
+    def __init__(self, launches: list[Callable[[int, int, int], None]], device: int, params: bytes,
+                 out_shape: tuple[int, ...],
                  ws_floats: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
                  allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int],
                  lse_shape: tuple[int, ...] | None = None, allocate_lse: Callable[[], Any] | None = None) -> None:
-        self.heads = heads                  # per kernel: cuLaunchKernel's arguments up to the stream
+        self.launches = launches            # per kernel: (stream, argv address, 0) -> launch (build_launches)
         self.device = device
         self.out_shape = out_shape
         self.lse_shape = lse_shape          # (batch, n_heads, seq_q) with return_lse, else None
@@ -57,6 +81,12 @@ class KVCacheLaunch:
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()
+
+    def run(self, stream: int) -> None:
+        """Launch every kernel on `stream` with the parameters as packed now."""
+        with self.lock:
+            for launch in self.launches:
+                launch(stream, self.argv_ptr, 0)
 
 
 def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,
@@ -133,8 +163,8 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
     with plan.lock:
         _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse, s_ptr,
                             t_ptr)
-        for head in plan.heads:
-            _launch_kernel(*head, stream, plan.argv_ptr, 0)
+        for launch in plan.launches:
+            launch(stream, plan.argv_ptr, 0)
     return result if lse is None else (result, lse)
 
 
@@ -151,14 +181,13 @@ def _torch_float32():
 
 
 def remember(key: tuple | None, plan: KVCacheLaunch) -> None:
-    global _launch_kernel, _get_device
+    global _get_device
     if key is None:
         return
-    if _launch_kernel is None:
+    if _get_device is None:
         from cupy.cuda.runtime import getDevice
-        from cupy_backends.cuda.api.driver import launchKernel
 
-        _launch_kernel, _get_device = launchKernel, getDevice
+        _get_device = getDevice
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     plan.is_torch = _kind(key[0]) == _TORCH

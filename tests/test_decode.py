@@ -281,3 +281,34 @@ def test_workspace_bytes():
 
     assert workspace_bytes(2, 1, 32, 128, 1) == 0
     assert workspace_bytes(2, 4, 32, 128, 8) == 8 * 2 * 4 * 32 * 129 * 4
+
+
+# ----------------------------------------------------------------------------- programmatic dependent launch
+def test_pdl_structs_match_the_driver_layout():
+    import ctypes
+
+    from cupyflash.kvcache_pdl import _LaunchAttribute, _LaunchConfig
+
+    # CUlaunchAttribute: int id, 4 bytes of padding, a 64-byte union; CUlaunchConfig: seven
+    # unsigned ints, then hStream, attrs (8-byte aligned) and numAttrs
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert (_LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset, _LaunchConfig.numAttrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(_LaunchConfig) == 56
+
+
+def test_pdl_launch_falls_back_to_the_ordinary_launch_when_off():
+    from cupyflash import kvcache_pdl
+
+    calls = []
+    launch = kvcache_pdl.PDLLaunch(1234, (3, 2, 1), 128, 0, lambda *args: calls.append(args))
+    saved = dict(kvcache_pdl._state)
+    try:
+        kvcache_pdl.disable("test")
+        assert not kvcache_pdl.available()
+        launch(77, 88, 0)
+    finally:
+        kvcache_pdl._state.clear()
+        kvcache_pdl._state.update(saved)
+    assert calls == [(77, 88, 0)]
+    assert (launch.config.gridDimX, launch.config.gridDimY, launch.config.blockDimX) == (3, 2, 128)
+    assert launch.attr.id == 6 and launch.attr.value == 1  # programmatic stream serialization on

@@ -441,6 +441,8 @@ CF_DEVICE unsigned char* DecodeCTA<Cfg, CAUSAL, PAGED>::smem_generic() {
 
 template <class Cfg, bool CAUSAL, bool PAGED>
 __global__ void __launch_bounds__(Cfg::N_THREADS, 1) decode_attention_kernel(const __grid_constant__ DecodeParams params) {
+    pdl_launch_dependents();    // the combine kernel may launch (it waits for this grid's results)
+    pdl_wait_for_predecessor();  // the append kernel's rows are in the cache
     DecodeCTA<Cfg, CAUSAL, PAGED> cta(params, cf_decode_smem);
     cta.run();
 }

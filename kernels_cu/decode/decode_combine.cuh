@@ -9,6 +9,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_consta
     constexpr int D = Cfg::D;
     constexpr int PER_LANE = D / 32;  // 2, 4 or 8 consecutive elements
     __shared__ float weights[4][CF_DECODE_MAX_SPLITS];
+    pdl_wait_for_predecessor();  // every split's partial rows are written
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row = blockIdx.x * 4 + warp;
     if (row >= p.total_rows) return;  // warp-uniform; no CTA barrier follows
@@ -101,6 +102,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_consta
 template <class Cfg, bool CAUSAL, bool PAGED>
 __global__ void __launch_bounds__(128) decode_append_kernel(const __grid_constant__ DecodeParams p) {
     constexpr int CPR = Cfg::CHUNKS_PER_ROW;
+    pdl_launch_dependents();  // the attention kernel may launch; it waits for these rows
     const int idx = blockIdx.x * 128 + threadIdx.x;
     if (idx >= p.seq_new * p.n_kv_heads * CPR) return;
     const int batch = blockIdx.y;
