@@ -312,3 +312,18 @@ def test_pdl_launch_falls_back_to_the_ordinary_launch_when_off():
     assert calls == [(77, 88, 0)]
     assert (launch.config.gridDimX, launch.config.gridDimY, launch.config.blockDimX) == (3, 2, 128)
     assert launch.attr.id == 6 and launch.attr.value == 1  # programmatic stream serialization on
+
+
+def test_decode_tuning_table_round_trip():
+    from cupyflash.tuning import TuningTable
+
+    table = TuningTable(match="H100", family="decode")
+    tuned = cfg(n_warps=8, stages=2)
+    table.set(tuned, 8192, 1.5, 0.2, batch=8)
+    table.set(cfg(stages=2, heads=4, n_warps=8), 131072, 1.0, 0.4)
+    again = TuningTable.from_dict(table.to_dict())
+    assert again.family == "decode" and len(again) == 2
+    # a cache of 4k keys takes the smallest bucket, 200k the largest at or below it
+    assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 4096) == tuned
+    assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 200_000).heads == 4
+    assert again.lookup("NVIDIA A100-SXM4-80GB", BF16, 128, 8192) is None
