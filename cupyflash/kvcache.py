@@ -2,7 +2,9 @@
 
 One call launches up to three kernels of the decode family on one stream: `append` (k_new/v_new
 into the cache, when given), `attention` (split-KV, GQA-packed) and `combine` (only with more
-than one split). Nothing in a call reads device memory on the host, synchronises, or allocates
+than one split); on sm_90 the second and third are programmatic dependent launches (their
+grids start while the one before still runs and wait for its results: cupyflash.kvcache_pdl).
+Nothing in a call reads device memory on the host, synchronises, or allocates
 except the output (when `out` is None), the log-sum-exp (return_lse=True) and the split
 workspace (more than one split and no `workspace` given), all through the caller's framework
 allocator, whose sizes depend on the shapes only. So a call can be captured in a CUDA graph
