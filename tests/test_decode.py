@@ -327,3 +327,15 @@ def test_decode_tuning_table_round_trip():
     assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 4096) == tuned
     assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 200_000).heads == 4
     assert again.lookup("NVIDIA A100-SXM4-80GB", BF16, 128, 8192) is None
+
+
+def test_decode_tuning_problem_has_every_protocol_method():
+    """autotune calls these on the problem (families.base.TuningProblem); a missing one would
+    only show on a GPU."""
+    from cupyflash.families.base import TuningProblem
+    from cupyflash.families.decode import DECODE
+    from cupyflash.families.decode.tuning import DecodeTuningProblem
+
+    for name in ("skip_reason", "check", "timed_call", "close"):
+        assert name in TuningProblem.__dict__ and callable(getattr(DecodeTuningProblem, name, None)), name
+    assert type(DECODE).tuning_problem is not type(DECODE).__mro__[1].tuning_problem

@@ -79,20 +79,6 @@ class DecodeTuningProblem:
                                      "kv_heads": TUNING_KV_HEADS, "page_size": TUNING_PAGE_SIZE}
         _prewarm_paged(dtype, d_head, causal)
 
-
-def _prewarm_paged(dtype: DType, d_head: int, causal: bool) -> None:
-    """Compile the tune set's paged variant in parallel (autotune prewarms the contiguous one);
-    otherwise each would compile on its first timed call, one after another. Cached kernels cost
-    a cache lookup only, so later buckets pay nothing."""
-    import cupy
-
-    from ...prewarm import prewarm
-    from . import DECODE
-
-    configs = DECODE.tune_candidates(dtype, d_head)
-    arch = DECODE.arch_for_device(cupy.cuda.runtime.getDevice())
-    prewarm(configs, [arch], progress=None, variants=[DECODE.variant(causal=causal, paged=True)])
-
     def skip_reason(self, cfg: DecodeKernelConfig) -> str | None:
         from ...kvcache import _device_limits
         import cupy
@@ -157,3 +143,17 @@ def _prewarm_paged(dtype: DType, d_head: int, causal: bool) -> None:
 
         self.sets.clear()
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def _prewarm_paged(dtype: DType, d_head: int, causal: bool) -> None:
+    """Compile the tune set's paged variant in parallel (autotune prewarms the contiguous one);
+    otherwise each would compile on its first timed call, one after another. Cached kernels cost
+    a cache lookup only, so later buckets pay nothing."""
+    import cupy
+
+    from ...prewarm import prewarm
+    from . import DECODE
+
+    configs = DECODE.tune_candidates(dtype, d_head)
+    arch = DECODE.arch_for_device(cupy.cuda.runtime.getDevice())
+    prewarm(configs, [arch], progress=None, variants=[DECODE.variant(causal=causal, paged=True)])
