@@ -2,7 +2,9 @@
 
 One call launches up to three kernels of the decode family on one stream: `append` (k_new/v_new
 into the cache, when given), `attention` (split-KV, GQA-packed) and `combine` (only with more
-than one split). Nothing in a call reads device memory on the host, synchronises, or allocates
+than one split); on sm_90 the second and third are programmatic dependent launches (their
+grids start while the one before still runs and wait for its results: cupyflash.kvcache_pdl).
+Nothing in a call reads device memory on the host, synchronises, or allocates
 except the output (when `out` is None), the log-sum-exp (return_lse=True) and the split
 workspace (more than one split and no `workspace` given), all through the caller's framework
 allocator, whose sizes depend on the shapes only. So a call can be captured in a CUDA graph
@@ -60,21 +62,44 @@ def _parse(text: str) -> DecodeKernelConfig | None:
         raise ValueError(f"cfg: {exc}") from None
 
 
-@functools.lru_cache(maxsize=256)
-def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
-    cfg = decode_sets.default_config(dtype, d_head, rows_total, paged)
+def _fit_smem(cfg: DecodeKernelConfig, smem_limit: int) -> DecodeKernelConfig:
     while cfg.smem_bytes() > smem_limit and cfg.stages > 1:  # smaller GPUs (sm_86: 99 KB per CTA)
         cfg = cfg.replace(stages=cfg.stages - 1)
     return cfg
 
 
+@functools.lru_cache(maxsize=256)
+def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
+    return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged), smem_limit)
+
+
+@functools.lru_cache(maxsize=1024)
+def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, causal: bool, max_keys: int, device: int,
+                smem_limit: int) -> DecodeKernelConfig:
+    """The tuning table's config for this device and cache length (fitted to the packed rows and
+    the device's shared memory), else the heuristic default."""
+    from .tuning import tuned_config
+
+    tuned = tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
+    if tuned is not None:
+        fitted = decode_sets.fit_to_rows(tuned, rows_total)
+        if fitted is not None:
+            fitted = _fit_smem(fitted, smem_limit)
+            if fitted.smem_bytes() <= smem_limit:
+                return fitted
+    return _default_for(dtype, d_head, rows_total, paged, smem_limit)
+
+
 def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1024) -> DecodeKernelConfig:
     """The config to launch: `cfg` itself (object or short form, checked against the inputs), or
-    the library's choice for None / 'auto'."""
+    the library's choice for None / 'auto': the device's tuning table entry for the cache length
+    (`python -m cupyflash autotune --family decode`; an H100 table ships with the package), else
+    the heuristic default."""
     if isinstance(cfg, str):
         cfg = _parse(cfg)
     if cfg is None:
-        return _default_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, smem_limit)
+        return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, plan.causal and plan.seq_q > 1,
+                           plan.max_keys, plan.device, smem_limit)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:
@@ -90,8 +115,9 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
 def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) -> int:
     """The library's split count for this problem on a GPU of `num_sms` SMs."""
     row_tiles = -(-plan.rows_total // cfg.rows)
+    head_blocks = -(-plan.n_kv_heads // cfg.heads)
     target = num_sms if plan.paged else num_sms / 2  # see families/decode/splits.py
-    return choose_num_splits(plan.batch, plan.n_kv_heads, row_tiles, plan.max_keys, target, cfg.B_c * cfg.n_warps)
+    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, target, cfg.B_c * cfg.team)
 
 
 def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:
@@ -211,10 +237,10 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and workspace is None and check_indices is None and return_lse is False
+    if (stream is None and workspace is None and check_indices is None
             and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
         key = kvcache_plans.signature(cfg, num_splits, softmax_scale, causal, q, k_cache, v_cache, cache_seqlens,
-                                      block_table, k_new, v_new, out)
+                                      block_table, k_new, v_new, out, return_lse)
         result = kvcache_plans.lookup(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
         if result is not None:
             return result
@@ -242,19 +268,22 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         ov = allocate_output(qv, plan.out_shape)
     lv = allocate_lse(qv, plan.lse_shape) if plan.want_lse else None
     if not plan.empty:
-        launches = _launch(plan, config, splits, qv, kv, vv, sv, bv, knv, vnv, ov, lv, workspace, stream_ptr)
+        launch = _launch(plan, config, splits, qv, kv, vv, sv, bv, knv, vnv, ov, lv, workspace, stream_ptr)
         if key is not None:
-            kvcache_plans.remember(key, _fast_launch(plan, splits, qv, *launches))
+            kvcache_plans.remember(key, launch)
     result = out if out is not None else wrap_output(ov)
     return (result, wrap_output(lv)) if plan.want_lse else result
 
 
 def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, params: bytes
                  ) -> kvcache_plans.KVCacheLaunch:
-    """The replayable form of a validated call, for later calls with the same signature."""
+    """The launches of a validated call, replayable with new pointers by later calls with the
+    same signature. On sm_90+ the second and third kernels are programmatic dependent launches."""
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     ws_floats = -(-ws_bytes // 4)
     device = plan.device
+    lse_shape = plan.lse_shape if plan.want_lse else None
+    allocate_lse = None
     if q.framework == TORCH:
         import torch
 
@@ -265,24 +294,38 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
     else:
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
         allocate_ws = functools.partial(_cupy.empty, (ws_floats,), dtype=_cupy.float32)
+        if lse_shape is not None:
+            allocate_lse = functools.partial(_cupy.empty, lse_shape, dtype=_cupy.float32)
         current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
-    return kvcache_plans.KVCacheLaunch(heads, device, params, plan.out_shape, ws_floats,
-                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current)
+    launches = kvcache_plans.build_launches(heads, _pdl_capable(device))
+    return kvcache_plans.KVCacheLaunch(launches, device, params, plan.out_shape, ws_floats,
+                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current,
+                                       lse_shape, allocate_lse)
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device: int) -> bool:
+    """Programmatic dependent launch needs sm_90 (griddepcontrol) and cuLaunchKernelEx."""
+    from .device import compute_capability
+    from .kvcache_pdl import available
+
+    return compute_capability(device) >= 90 and available()
 
 
 def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorView, k: TensorView, v: TensorView,
             seqlens: TensorView, table: TensorView | None, k_new: TensorView | None, v_new: TensorView | None,
-            o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> tuple[list, bytes]:
-    """Launch append (with k_new), attention and combine (with splits); return the launches'
-    cuLaunchKernel heads and the packed parameters, for the fast path."""
+            o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> kvcache_plans.KVCacheLaunch:
+    """Launch append (with k_new), attention and combine (with splits); return the launches with
+    their packed parameters, which the fast path replays with new pointers."""
     global _get_registry
     if _get_registry is None:
         from .registry import get_registry as _get_registry
     kernels = _get_registry().get_all(cfg, plan.device, variant=(plan.causal, plan.paged))
     _prefer_shared_memory(kernels.values())
     row_tiles = -(-plan.rows_total // cfg.rows)
-    if plan.n_kv_heads * row_tiles > 65535:
-        raise ValueError(f"q: {plan.n_kv_heads} KV heads x {row_tiles} row tiles exceed the CUDA grid limit 65535")
+    head_blocks = -(-plan.n_kv_heads // cfg.heads)
+    if head_blocks * row_tiles > 65535:
+        raise ValueError(f"q: {head_blocks} KV head blocks x {row_tiles} row tiles exceed the CUDA grid limit 65535")
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     keep = None
     ws_ptr = 0
@@ -303,13 +346,14 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
     if plan.seq_new:
         chunks = plan.seq_new * plan.n_kv_heads * (plan.d_head // 8)
         heads.append((kernels["append"], (-(-chunks // APPEND_THREADS), plan.batch, 1), APPEND_THREADS, 0))
-    heads.append((kernels["attention"], (splits, plan.n_kv_heads * row_tiles, plan.batch), cfg.n_threads,
+    heads.append((kernels["attention"], (splits, head_blocks * row_tiles, plan.batch), cfg.n_threads,
                   cfg.smem_bytes()))
     if splits > 1:
         heads.append((kernels["combine"], (-(-plan.total_rows // 4), 1, 1), COMBINE_THREADS, 0))
+    launch = _fast_launch(plan, splits, q, [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads],
+                          params)
     # cuLaunchKernel uses the calling thread's current context: make it the arrays' device.
     with _cupy.cuda.Device(plan.device):
-        for kernel, grid, block, smem in heads:
-            kernel.launch(grid, block, smem, stream_ptr, params)
+        launch.run(stream_ptr)
     del keep  # the framework allocator keeps stream order: freeing after enqueueing is safe
-    return [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads], params
+    return launch

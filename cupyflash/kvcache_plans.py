@@ -7,11 +7,12 @@ signature read the pointers, check their alignment, allocate the output (and the
 workspace) and launch: no views, no validation, no config lookup, no split heuristic.
 
 Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
-without return_lse, workspace=, stream= or the index check; everything else takes the full path.
+without workspace=, stream= or the index check; everything else takes the full path.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Any, Callable
@@ -20,7 +21,7 @@ from .families.decode.config import DecodeKernelConfig
 from .launch_plans import _CUPY, _TORCH, _kind, _kinds  # one array-type classifier for both fast paths
 from .families.decode.params import DECODE_PARAMS
 
-__all__ = ["KVCacheLaunch", "signature", "lookup", "remember", "clear"]
+__all__ = ["KVCacheLaunch", "build_launches", "signature", "lookup", "remember", "clear"]
 
 # q, k_cache, v_cache, k_new, v_new, o, lse, ws_o, ws_lse, cache_seqlens, block_table: the first
 # eleven DecodeParams fields
@@ -32,18 +33,44 @@ _launch_kernel: Callable[..., None] | None = None
 _get_device: Callable[[], int] | None = None
 
 
+def build_launches(heads: list[tuple], pdl: bool) -> list[Callable[[int, int, int], None]]:
+    """One callable (stream, kernel_params_address, 0) per kernel from cuLaunchKernel's leading
+    arguments (function, grid, block, shared memory). With `pdl`, every kernel after the first
+    is launched as a programmatic dependent of the one before it (cupyflash.kvcache_pdl)."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        _launch_kernel = launchKernel
+    from .kvcache_pdl import PDLLaunch
+
+    out: list[Callable[[int, int, int], None]] = []
+    for i, head in enumerate(heads):
+        plain = functools.partial(_launch_kernel, *head)
+        if pdl and i > 0:
+            func, gx, gy, gz, bx, _, _, smem = head
+            out.append(PDLLaunch(func, (gx, gy, gz), bx, smem, plain))
+        else:
+            out.append(plain)
+    return out
+
+
 class KVCacheLaunch:
     """The validated launches of one signature, replayable with new pointers."""
 
-    __slots__ = ("heads", "device", "out_shape", "ws_floats", "ws_lse_offset", "allocate", "allocate_ws",
-                 "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
+    __slots__ = ("launches", "device", "out_shape", "lse_shape", "ws_floats", "ws_lse_offset", "allocate",
+                 "allocate_ws", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
 
-    def __init__(self, heads: list[tuple], device: int, params: bytes, out_shape: tuple[int, ...],
+    def __init__(self, launches: list[Callable[[int, int, int], None]], device: int, params: bytes,
+                 out_shape: tuple[int, ...],
                  ws_floats: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
-                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int]) -> None:
-        self.heads = heads                  # per kernel: cuLaunchKernel's arguments up to the stream
+                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int],
+                 lse_shape: tuple[int, ...] | None = None, allocate_lse: Callable[[], Any] | None = None) -> None:
+        self.launches = launches            # per kernel: (stream, argv address, 0) -> launch (build_launches)
         self.device = device
         self.out_shape = out_shape
+        self.lse_shape = lse_shape          # (batch, n_heads, seq_q) with return_lse, else None
+        self.allocate_lse = allocate_lse    # CuPy: () -> lse; torch: None (q.new_empty)
         self.ws_floats = ws_floats          # split workspace in fp32 elements (0: one split)
         self.ws_lse_offset = ws_lse_offset  # bytes from ws_o to ws_lse
         self.allocate = allocate            # CuPy: () -> output; torch: None (q.new_empty)
@@ -55,9 +82,16 @@ class KVCacheLaunch:
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()
 
+    def run(self, stream: int) -> None:
+        """Launch every kernel on `stream` with the parameters as packed now."""
+        with self.lock:
+            for launch in self.launches:
+                launch(stream, self.argv_ptr, 0)
+
 
 def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,
-              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any) -> tuple | None:
+              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
+              return_lse: bool = False) -> tuple | None:
     """The plan key, or None when these arguments cannot take the fast path."""
     if not (cfg is None or type(cfg) is str or type(cfg) is DecodeKernelConfig):
         return None
@@ -65,12 +99,12 @@ def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any
         return None
     if not (softmax_scale is None or type(softmax_scale) is float):
         return None
-    if causal is not True and causal is not False:
+    if (causal is not True and causal is not False) or (return_lse is not True and return_lse is not False):
         return None
     cls = type(q)
     kind = _kinds.get(cls) or _kind(cls)
     arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
-    key: list = [cls, cfg, num_splits, softmax_scale, causal]
+    key: list = [cls, cfg, num_splits, softmax_scale, causal, return_lse]
     if kind == _TORCH:
         for x in arrays:
             if x is None:
@@ -94,8 +128,9 @@ def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any
 
 def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
            k_new: Any, v_new: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output, or None (no plan, or a pointer
-    that breaks an alignment rule this time: the full path then raises the proper error)."""
+    """Launch through the plan for `key` and return the output (with return_lse: (output, lse)),
+    or None (no plan, or a pointer that breaks an alignment rule this time: the full path then
+    raises the proper error)."""
     plan = _plans.get(key) if key is not None else None
     if plan is None or _get_device() != plan.device:
         return None
@@ -108,6 +143,8 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
         o_ptr = result.data_ptr()
         ws = q.new_empty((plan.ws_floats,), dtype=_torch_float32()) if plan.ws_floats else None
         ws_ptr = ws.data_ptr() if ws is not None else 0
+        lse = q.new_empty(plan.lse_shape, dtype=_torch_float32()) if plan.lse_shape is not None else None
+        lse_ptr = lse.data_ptr() if lse is not None else 0
     else:
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
         t_ptr = block_table.data.ptr if block_table is not None else 0
@@ -117,15 +154,18 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
         o_ptr = result.data.ptr
         ws = plan.allocate_ws() if plan.ws_floats else None
         ws_ptr = ws.data.ptr if ws is not None else 0
+        lse = plan.allocate_lse() if plan.lse_shape is not None else None
+        lse_ptr = lse.data.ptr if lse is not None else 0
     if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
         return None
     stream = plan.current_stream()
     ws_lse = ws_ptr + plan.ws_lse_offset if ws_ptr else 0
     with plan.lock:
-        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, 0, ws_ptr, ws_lse, s_ptr, t_ptr)
-        for head in plan.heads:
-            _launch_kernel(*head, stream, plan.argv_ptr, 0)
-    return result
+        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse, s_ptr,
+                            t_ptr)
+        for launch in plan.launches:
+            launch(stream, plan.argv_ptr, 0)
+    return result if lse is None else (result, lse)
 
 
 _float32 = None
@@ -141,14 +181,13 @@ def _torch_float32():
 
 
 def remember(key: tuple | None, plan: KVCacheLaunch) -> None:
-    global _launch_kernel, _get_device
+    global _get_device
     if key is None:
         return
-    if _launch_kernel is None:
+    if _get_device is None:
         from cupy.cuda.runtime import getDevice
-        from cupy_backends.cuda.api.driver import launchKernel
 
-        _launch_kernel, _get_device = launchKernel, getDevice
+        _get_device = getDevice
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     plan.is_torch = _kind(key[0]) == _TORCH

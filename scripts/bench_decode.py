@@ -5,6 +5,7 @@ flash_attn3_jax wheel, d_head 128, when installed) and the bandwidth limit (K an
 
     python scripts/bench_decode.py --out docs/bench_decode_h100.json [--dtypes bf16,fp16] [--quick]
     python scripts/bench_decode.py --tune --out tune.json     # sweep the decode tune set instead
+    python scripts/bench_decode.py --sweep --rows 0,6 --out sweep.json  # configs x num_splits per row
 
 Timing: CUDA events around each call, all calls of a sample queued behind a GPU spin so the
 events measure GPU time only (not Python); median over the samples. Inputs rotate over enough
@@ -289,32 +290,109 @@ def tune(torch, rows, configs_for, log) -> list[dict]:
 
 
 def overhead_us(torch) -> dict:
-    """Host cost of one forward_kvcache call with a cached kernel (bursts queued behind a spin)."""
+    """Host cost of one forward_kvcache call with a cached kernel (bursts queued behind a spin):
+    'cupyflash' (contiguous, out given, one split: one launch), then with a paged cache, with
+    k_new/v_new (append launch), with return_lse, with 4 splits (combine launch) and with no
+    `out` (allocation), and SDPA's for scale."""
     import cupyflash
 
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
     k = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
+    kp, vp = k.view(16, 16, 2, 128), v.view(16, 16, 2, 128)
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(1, 16)
+    kn = torch.randn(1, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((1,), 200, dtype=torch.int32, device="cuda")
     out = torch.empty_like(q)
     F = torch.nn.functional
-    call = lambda: cupyflash.forward_kvcache(q, k, v, cache_seqlens=lens, out=out, num_splits=1)  # noqa: E731
-    sdpa = lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # noqa: E731
-                                                  enable_gqa=True)
-    res = {}
-    for name, fn in (("cupyflash", call), ("sdpa", sdpa)):
+    fk = cupyflash.forward_kvcache
+    cases = {
+        "cupyflash": lambda: fk(q, k, v, cache_seqlens=lens, out=out, num_splits=1),
+        "cupyflash_paged": lambda: fk(q, kp, vp, cache_seqlens=lens, block_table=table, out=out, num_splits=1),
+        "cupyflash_k_new": lambda: fk(q, k, v, cache_seqlens=lens, k_new=kn, v_new=kn, out=out, num_splits=1),
+        "cupyflash_lse": lambda: fk(q, k, v, cache_seqlens=lens, out=out, num_splits=1, return_lse=True),
+        "cupyflash_splits4": lambda: fk(q, k, v, cache_seqlens=lens, out=out, num_splits=4),
+        "cupyflash_no_out": lambda: fk(q, k, v, cache_seqlens=lens, num_splits=1),
+        "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       enable_gqa=True),
+    }
+    for fn in cases.values():  # compile, plan and warm every case first
         fn()
-        times = []
-        for _ in range(7):
+    torch.cuda.synchronize()
+    # Rounds over all cases (not one case after the other), so drift of the host's speed
+    # spreads over every case; median of the rounds.
+    times: dict = {name: [] for name in cases}
+    for _ in range(9):
+        for name, fn in cases.items():
             torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)
+            torch.cuda._sleep(40_000_000)  # the GPU stays busy: the loop below measures the host
             t0 = time.perf_counter()
             for _ in range(100):
                 fn()
-            times.append((time.perf_counter() - t0) * 1e6 / 100)
-        torch.cuda.synchronize()
-        res[name] = statistics.median(times)
-    return res
+            times[name].append((time.perf_counter() - t0) * 1e6 / 100)
+    torch.cuda.synchronize()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def profile_calls(torch, n: int = 3000, top: int = 18) -> str:
+    """cProfile of `n` fast-path calls (paged cache, k_new, 4 splits, return_lse: every launch
+    and allocation), sorted by own time: where the host time of a call goes."""
+    import cProfile
+    import io
+    import pstats
+
+    import cupyflash
+
+    q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kp = torch.randn(16, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(1, 16)
+    kn = torch.randn(1, 1, 2, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((1,), 200, dtype=torch.int32, device="cuda")
+
+    def call():
+        return cupyflash.forward_kvcache(q, kp, kp, cache_seqlens=lens, block_table=table, k_new=kn, v_new=kn,
+                                         num_splits=4, return_lse=True)
+    call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def sweep(torch, picks, dtypes, log, splits=(None, 8, 16, 32, 64, 128)) -> list[dict]:
+    """Time the tune set's configs of each row's (dtype, d_head), contiguous and paged, at each
+    split count (None: the library's rule); also the library's own choice (cfg None)."""
+    from cupyflash.config import DType
+    from cupyflash.families.decode.config_sets import autotune_configs
+
+    results = []
+    for dtype in dtypes:
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        for d, batch, seq_q, keys, causal in picks:
+            p = Problem(torch, dt, d, batch, seq_q, keys, causal)
+            p.build_pages()
+            configs = [None] + autotune_configs([DType.parse(dtype)], [d])
+            for cfg in configs:
+                for ns in splits:
+                    entry = {"dtype": dtype, "d_head": d, "batch": batch, "seq_q": seq_q, "keys": keys,
+                             "config": cfg.short_form() if cfg is not None else "auto", "num_splits": ns}
+                    for paged in (False, True):
+                        try:
+                            entry["paged" if paged else "contig"] = gpu_time_us(
+                                torch, cupyflash_call(p, paged, cfg, ns), p.n_sets, 10)
+                        except Exception as exc:
+                            entry["error"] = str(exc)[:200]
+                    log(json.dumps(entry))
+                    results.append(entry)
+            del p
+            torch.cuda.empty_cache()
+    return results
 
 
 def format_table(rows: list[Row]) -> str:
@@ -340,6 +418,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fa3", action="store_true")
     ap.add_argument("--rows", default="", help="comma-separated row indices of the table (default all)")
     ap.add_argument("--tune", action="store_true", help="sweep the decode tune set (bf16) instead")
+    ap.add_argument("--sweep", action="store_true", help="time tune-set configs x num_splits on --rows instead")
+    ap.add_argument("--splits", default="auto,8,16,32,64,128", help="--sweep: split counts (auto = library rule)")
+    ap.add_argument("--overhead", action="store_true", help="only the per-call host overhead lines and a profile")
     args = ap.parse_args(argv)
 
     import torch
@@ -361,6 +442,22 @@ def main(argv=None) -> int:
         results = tune(torch, rows, configs_for, log)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "tune": results}, f, indent=1)
+        return 0
+
+    if args.overhead:
+        meta["overhead_us"] = overhead_us(torch)
+        log(f"per-call host overhead (us): {json.dumps(meta['overhead_us'], indent=1)}")
+        log(profile_calls(torch))
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta}, f, indent=1)
+        return 0
+
+    if args.sweep:
+        picks = [TABLE_ROWS[int(i)] for i in args.rows.split(",")] if args.rows else TABLE_ROWS
+        splits = tuple(None if s == "auto" else int(s) for s in args.splits.split(","))
+        results = sweep(torch, picks, args.dtypes.split(","), log, splits)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "sweep": results}, f, indent=1)
         return 0
 
     fa3 = None

@@ -23,7 +23,9 @@ def main() -> int:
         (DType.FP16, 64, 2, 4, 16, 4, [15, 70], 32, 2, 1),
         (DType.BF16, 256, 2, 16, 8, 8, [5, 100], 16, 0, 4),
         (DType.BF16, 128, 2, 16, 16, 2, [40, 200], None, 3, 5),  # 128 rows: 4 row tiles
+        (DType.FP16, 128, 2, 1, 24, 6, [33, 250], 16, 1, 3),     # 4 KV heads per CTA, a partial block
     ]
+    heads4 = "decode (FP16, 128, 16, 16, 8): stages_2+heads_4"
     for dt, d, b, sq, h, hk, lens, ps, new, splits in cases:
         npdt = dt.numpy_dtype
         cap = max(lens) + new
@@ -43,7 +45,8 @@ def main() -> int:
             kw["k_new"] = cp.asarray(rng.standard_normal((b, new, hk, d), dtype=np.float32).astype(npdt))
             kw["v_new"] = cp.asarray(rng.standard_normal((b, new, hk, d), dtype=np.float32).astype(npdt))
         out, lse = cupyflash.forward_kvcache(q, kc, vc, cache_seqlens=cp.asarray(np.array(lens, np.int32)),
-                                             num_splits=splits, return_lse=True, **kw)
+                                             num_splits=splits, return_lse=True,
+                                             cfg=heads4 if hk == 6 else None, **kw)
         cp.cuda.Device().synchronize()
         print("ok", dt.name, d, b, sq, h, hk, lens, ps, new, splits, bool(cp.isfinite(lse).any()))
     return 0

@@ -8,6 +8,7 @@ from cupyflash.compiler import compile_module
 from cupyflash.config import DType
 from cupyflash.families import get_family
 from cupyflash.families.decode import config_sets
+from cupyflash.families.decode.config import DecodeKernelConfig
 from cupyflash.render import render_family_source
 
 pytestmark = pytest.mark.compile
@@ -19,6 +20,7 @@ def _configs():
     picks.add(config_sets.default_config(DType.FP16, 64, 64))  # a 64-row tile
     picks.add(config_sets.default_config(DType.BF16, 256, 16, paged=True))  # 8 single-slot warps
     picks.update({tune[0], tune[-1]})
+    picks.update(DecodeKernelConfig(DType.BF16, 128, 16, 16, 8, st, False, 8) for st in (1, 2, 3))  # heads 8
     return sorted(picks)
 
 

@@ -70,7 +70,30 @@ def test_config_is_ordered_hashable_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.stages = 4  # type: ignore[misc]
     assert [f.name for f in dataclasses.fields(DecodeKernelConfig)] == [
-        "dtype", "d_head", "rows", "B_c", "n_warps", "stages", "evict_first"]
+        "dtype", "d_head", "rows", "B_c", "n_warps", "stages", "evict_first", "heads"]
+
+
+def test_heads_per_cta_short_form_rules_and_shared_memory():
+    c = cfg(n_warps=8, stages=2, heads=8)
+    assert c.short_form() == "decode (BF16, 128, 16, 16, 8): stages_2+heads_8" and c.team == 1
+    assert DecodeKernelConfig.parse(c.short_form()) == c
+    assert DecodeKernelConfig.parse("decode (BF16, 128, 16, 16, 8): stages_2+evict_first+heads_4").heads == 4
+    with pytest.raises(ValueError, match="heads in"):
+        cfg(heads=3)
+    with pytest.raises(ValueError, match="multiple of heads"):
+        cfg(n_warps=2, heads=4)
+    with pytest.raises(ValueError):
+        DecodeKernelConfig.parse("decode (BF16, 128, 16, 16, 8): stages_2+heads_8+evict_first")
+    # eight Q tiles of 16 x 128 x 2, then 8 warps x 2 stages x 8 KB
+    assert c.smem_bytes() == 8 * 4096 + 8 * 2 * 8192
+
+
+def test_fit_to_rows_keeps_the_tuned_knobs():
+    tuned = cfg(n_warps=8, stages=3, heads=8)
+    assert config_sets.fit_to_rows(tuned, 4) == tuned
+    tall = config_sets.fit_to_rows(tuned, 64)  # 32 rows at d128 (register budget), a shorter ring
+    assert tall.rows == 32 and (tall.n_warps, tall.heads) == (8, 8) and tall.smem_bytes() <= 227 * 1024
+    assert config_sets.fit_to_rows(cfg(d_head=64, B_c=32), 64).B_c == 16  # 64 x (64 + 32) / 32 > 160
 
 
 def test_shared_memory_formula():
@@ -127,6 +150,15 @@ def test_num_splits_aims_at_the_target():
     for batch in (1, 2, 3, 8, 16, 32, 64):
         for keys in (0, 1, 1000, 8192, 131072):
             assert 1 <= choose_num_splits(batch, 8, 1, keys, 66, 64) <= MAX_SPLITS
+
+
+def test_tuning_batch_streams_the_same_bytes_per_bucket():
+    from cupyflash.families.decode.tuning import TUNING_KV_BYTES, tuning_batch
+
+    assert tuning_batch(131072, 128) == 1 and tuning_batch(8192, 128) == 8 and tuning_batch(1024, 64) == 128
+    assert tuning_batch(1 << 20, 256) == 1
+    for seq in (1024, 8192, 32768):
+        assert 2 * tuning_batch(seq, 128) * seq * 8 * 128 * 2 == TUNING_KV_BYTES
 
 
 def test_paged_defaults_use_many_single_slot_warps():
@@ -249,3 +281,61 @@ def test_workspace_bytes():
 
     assert workspace_bytes(2, 1, 32, 128, 1) == 0
     assert workspace_bytes(2, 4, 32, 128, 8) == 8 * 2 * 4 * 32 * 129 * 4
+
+
+# ----------------------------------------------------------------------------- programmatic dependent launch
+def test_pdl_structs_match_the_driver_layout():
+    import ctypes
+
+    from cupyflash.kvcache_pdl import _LaunchAttribute, _LaunchConfig
+
+    # CUlaunchAttribute: int id, 4 bytes of padding, a 64-byte union; CUlaunchConfig: seven
+    # unsigned ints, then hStream, attrs (8-byte aligned) and numAttrs
+    assert ctypes.sizeof(_LaunchAttribute) == 72 and _LaunchAttribute.value.offset == 8
+    assert (_LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset, _LaunchConfig.numAttrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(_LaunchConfig) == 56
+
+
+def test_pdl_launch_falls_back_to_the_ordinary_launch_when_off():
+    from cupyflash import kvcache_pdl
+
+    calls = []
+    launch = kvcache_pdl.PDLLaunch(1234, (3, 2, 1), 128, 0, lambda *args: calls.append(args))
+    saved = dict(kvcache_pdl._state)
+    try:
+        kvcache_pdl.disable("test")
+        assert not kvcache_pdl.available()
+        launch(77, 88, 0)
+    finally:
+        kvcache_pdl._state.clear()
+        kvcache_pdl._state.update(saved)
+    assert calls == [(77, 88, 0)]
+    assert (launch.config.gridDimX, launch.config.gridDimY, launch.config.blockDimX) == (3, 2, 128)
+    assert launch.attr.id == 6 and launch.attr.value == 1  # programmatic stream serialization on
+
+
+def test_decode_tuning_table_round_trip():
+    from cupyflash.tuning import TuningTable
+
+    table = TuningTable(match="H100", family="decode")
+    tuned = cfg(n_warps=8, stages=2)
+    table.set(tuned, 8192, 1.5, 0.2, batch=8)
+    table.set(cfg(stages=2, heads=4, n_warps=8), 131072, 1.0, 0.4)
+    again = TuningTable.from_dict(table.to_dict())
+    assert again.family == "decode" and len(again) == 2
+    # a cache of 4k keys takes the smallest bucket, 200k the largest at or below it
+    assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 4096) == tuned
+    assert again.lookup("NVIDIA H100 80GB HBM3", BF16, 128, 200_000).heads == 4
+    assert again.lookup("NVIDIA A100-SXM4-80GB", BF16, 128, 8192) is None
+
+
+def test_decode_tuning_problem_has_every_protocol_method():
+    """autotune calls these on the problem (families.base.TuningProblem); a missing one would
+    only show on a GPU."""
+    from cupyflash.families.base import TuningProblem
+    from cupyflash.families.decode import DECODE
+    from cupyflash.families.decode.tuning import DecodeTuningProblem
+
+    for name in ("skip_reason", "check", "timed_call", "close"):
+        assert name in TuningProblem.__dict__ and callable(getattr(DecodeTuningProblem, name, None)), name
+    assert type(DECODE).tuning_problem is not type(DECODE).__mro__[1].tuning_problem

@@ -29,10 +29,16 @@ def prewarmed_cache():
     from cupyflash.prewarm import prewarm
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    configs = sorted({default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
-                      for paged in (False, True)})
+    from cupyflash.families.decode.config import DecodeKernelConfig
+
+    configs = {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
+               for paged in (False, True)}
+    # the several-heads-per-CTA cases and the tune/progression picks, so no test compiles alone
+    configs |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2]) for c in HEADS_CASES
+                for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
+    configs |= set(_tune_and_progression_picks())
     variants = [(c, p) for c in (False, True) for p in (False, True)]
-    report = prewarm(configs, [arch], variants=variants, progress=None)
+    report = prewarm(sorted(configs), [arch], variants=variants, progress=None)
     assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
 
 
@@ -209,15 +215,18 @@ def test_softmax_scale_and_cfg_short_form(rng):
     p.check(out, scale=0.05)
 
 
-@pytest.mark.parametrize("cfg_index", range(6))
-def test_tune_and_progression_configs(cfg_index, rng):
-    """A spread of the tune and progression sets (each knob's code path) on one paged problem."""
+def _tune_and_progression_picks():
     from cupyflash.families.decode.config_sets import get_kernel_configs
 
     tune = [c for c in get_kernel_configs("tune") if c.dtype is DType.BF16 and c.d_head == 128]
     prog = [c for c in get_kernel_configs("prog") if c.dtype is DType.BF16]
-    picks = [prog[0], prog[1], tune[0], tune[len(tune) // 2], tune[-1], prog[-1]]
-    cfg = picks[cfg_index]
+    return [prog[0], prog[1], tune[0], tune[len(tune) // 2], tune[-1], prog[-1]]
+
+
+@pytest.mark.parametrize("cfg_index", range(6))
+def test_tune_and_progression_configs(cfg_index, rng):
+    """A spread of the tune and progression sets (each knob's code path) on one paged problem."""
+    cfg = _tune_and_progression_picks()[cfg_index]
     p = Problem(rng, DType.BF16, 128, 2, 2, 16, 4, [333, 1900], 16)
     out = p.run(cfg=cfg, num_splits=3)
     p.check(out, context=str(cfg))
@@ -273,3 +282,46 @@ def test_index_check_is_opt_in(rng):
     out = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, cache_seqlens=p.cache_seqlens,
                                     block_table=p.block_table, check_indices=True)
     p.check(out)
+
+
+# (n_heads, n_kv, heads per CTA, n_warps, stages, page size): whole and partial head blocks, teams
+# of 1 and 2 warps, contiguous and paged
+HEADS_CASES = [(32, 8, 8, 8, 2, 16), (32, 8, 8, 8, 1, None), (16, 2, 4, 8, 2, 16), (24, 6, 4, 8, 1, None),
+               (8, 1, 8, 8, 3, 32), (12, 3, 2, 4, 2, 16)]
+
+
+@pytest.mark.parametrize("case", HEADS_CASES, ids=[f"h{c[0]}/{c[1]}-heads{c[2]}-w{c[3]}-s{c[4]}-p{c[5]}"
+                                                   for c in HEADS_CASES])
+def test_several_kv_heads_per_cta(case, rng):
+    from cupyflash.families.decode.config import DecodeKernelConfig
+
+    h, hk, heads, warps, stages, ps = case
+    for dt, d, sq in ((DType.BF16, 128, 1), (DType.FP16, 64, 4)):
+        cfg = DecodeKernelConfig(dt, d, 16, 16, warps, stages, False, heads)
+        p = Problem(rng, dt, d, 3, sq, h, hk, [0, 37, 1500], ps, seq_new=1)
+        for ns in (1, 3, None):
+            out, lse = p.run(cfg=cfg, num_splits=ns, return_lse=True)
+            p.check(out, lse, context=f"{cfg} num_splits={ns}")
+            if p.seq_new:  # appended once (checked above); later calls attend to the cache as it is now
+                p.k_logical, p.v_logical = p.logical_from_pages() if ps else (p.k_cache, p.v_cache)
+                p.k_new = p.v_new = None
+                p.lengths = p.lengths + 1
+                p.cache_seqlens = cp.asarray(p.lengths)
+                p.seq_new = 0
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fast_path_returns_the_same_lse(paged, rng):
+    """The second call of a signature takes the per-signature fast path, return_lse included."""
+    torch = pytest.importorskip("torch")
+    p = Problem(rng, DType.FP16, 128, 2, 1, 16, 4, [100, 3000], 16 if paged else None)
+    tq, tk, tv = (torch.from_dlpack(x) for x in (p.q, p.k_cache, p.v_cache))
+    lens = torch.from_dlpack(p.cache_seqlens)
+    table = torch.from_dlpack(p.block_table) if paged else None
+    results = [cupyflash.forward_kvcache(tq, tk, tv, cache_seqlens=lens, block_table=table, return_lse=True,
+                                         num_splits=4) for _ in range(3)]
+    torch.cuda.synchronize()
+    for out, lse in results:
+        assert lse.dtype == torch.float32 and tuple(lse.shape) == (2, 16, 1)
+        p.check(cp.from_dlpack(out), cp.from_dlpack(lse))
+    assert results[1][1].data_ptr() != results[2][1].data_ptr()  # a fresh lse per call

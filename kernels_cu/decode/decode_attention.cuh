@@ -1,12 +1,13 @@
 // Split-KV decode attention (flash-decoding) with GQA packing and an optional page table.
 //
-// Grid (num_splits, n_kv_heads * row_tiles, batch). A CTA reads the keys of its split of one KV
-// head once for every query row of the head's group: rows r = t * group + g (query position t,
-// group member g) form the M dimension of mma.m16n8k16, so a GQA group of 4 with one query
-// costs the same K/V traffic as a single head. Warp w takes the split's steps of B_c keys
-// w, w + n_warps, ...; each warp keeps its own cp.async ring of STAGES slots and its own online
-// softmax (so the loop has only warp-level synchronisation), and the warps' states merge at the
-// end through shared memory. One split writes O directly; several write fp32 partial rows plus
+// Grid (num_splits, head_blocks * row_tiles, batch), head_blocks = ceil(n_kv_heads / HEADS). A
+// CTA reads the keys of its split of HEADS KV heads once for every query row of each head's
+// group: rows r = t * group + g (query position t, group member g) form the M dimension of
+// mma.m16n8k16, so a GQA group of 4 with one query costs the same K/V traffic as a single head.
+// Warp w serves head slot w % HEADS and, within that slot's team of TEAM warps, takes the split's
+// steps of B_c keys w / HEADS, w / HEADS + TEAM, ...; each warp keeps its own cp.async ring of
+// STAGES slots and its own online softmax (so the loop has only warp-level synchronisation), and
+// a team's states merge at the end through shared memory. One split writes O directly; several write fp32 partial rows plus
 // their log-sum-exp to a workspace that decode_combine_kernel merges.
 #pragma once
 
@@ -18,7 +19,9 @@ struct DecodeCTA {
 
     const DecodeParams& p;
     const int tid, lane, warp;
-    const int batch, kv_head, row_tile, split;
+    const int slot_head, team_warp;  // head slot (warp % HEADS) and index within its team
+    const int batch, head_block, kv_head, row_tile, split;
+    bool head_valid;           // kv_head < n_kv_heads (the last head block may be partial)
     int seqlen_k;              // keys of the sequence (cache + appended)
     int key_begin, key_end;    // this CTA's keys: [key_begin, key_end)
     int my_steps;              // warp steps this warp processes
@@ -39,8 +42,11 @@ struct DecodeCTA {
           tid(threadIdx.x),
           lane(threadIdx.x & 31),
           warp(threadIdx.x >> 5),
+          slot_head((threadIdx.x >> 5) % Cfg::HEADS),
+          team_warp((threadIdx.x >> 5) / Cfg::HEADS),
           batch(blockIdx.z),
-          kv_head(blockIdx.y / params.row_tiles),
+          head_block(blockIdx.y / params.row_tiles),
+          kv_head(blockIdx.y / params.row_tiles * Cfg::HEADS + (threadIdx.x >> 5) % Cfg::HEADS),
           row_tile(blockIdx.y % params.row_tiles),
           split(blockIdx.x) {
         seqlen_k = decode_seqlen_k(p, batch);
@@ -56,17 +62,19 @@ struct DecodeCTA {
         key_begin = min(limit, split * per_split);
         key_end = min(limit, key_begin + per_split);
         const int steps = (key_end - key_begin + Cfg::BC - 1) / Cfg::BC;
-        my_steps = steps > warp ? (steps - 1 - warp) / Cfg::N_WARPS + 1 : 0;
+        head_valid = kv_head < p.n_kv_heads;
+        my_steps = head_valid && steps > team_warp ? (steps - 1 - team_warp) / Cfg::TEAM + 1 : 0;
 
         const long long k_off = PAGED ? 0 : batch * p.k_batch_stride;
         const long long v_off = PAGED ? 0 : batch * p.v_batch_stride;
-        k_base = static_cast<const u16*>(p.k_cache) + k_off + kv_head * p.k_head_stride;
-        v_base = static_cast<const u16*>(p.v_cache) + v_off + kv_head * p.v_head_stride;
+        const int head = head_valid ? kv_head : 0;  // a warp of a missing head loads nothing
+        k_base = static_cast<const u16*>(p.k_cache) + k_off + head * p.k_head_stride;
+        v_base = static_cast<const u16*>(p.v_cache) + v_off + head * p.v_head_stride;
         if constexpr (Cfg::EVICT_FIRST) policy = l2_evict_first_policy();
 
         const u32 base = shared_address(smem);
-        q_tile.base = base;
-        k_tile0.base = base + QTile::BYTES + warp * Cfg::WARP_BYTES;
+        q_tile.base = base + slot_head * QTile::BYTES;
+        k_tile0.base = base + Cfg::Q_BYTES + warp * Cfg::WARP_BYTES;
         v_tile0.base = k_tile0.base + KVTile::BYTES;
         q_frag = a_fragment_cursor(q_tile, 0, lane);
         k_frag = b_fragment_cursor(k_tile0, lane);
@@ -92,20 +100,26 @@ struct DecodeCTA {
     }
 
     // First key of this warp's k-th step.
-    CF_DEVICE int step_key(int k) const { return key_begin + (warp + k * Cfg::N_WARPS) * Cfg::BC; }
+    CF_DEVICE int step_key(int k) const { return key_begin + (team_warp + k * Cfg::TEAM) * Cfg::BC; }
 
     // ---- loads ----
+    // The Q tiles of all head slots (rows of heads past n_kv_heads and past the group are zeros).
     CF_DEVICE void load_q() {
         constexpr int CHUNKS = Cfg::ROWS * Cfg::CHUNKS_PER_ROW;
         const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride;
-        for (int idx = tid; idx < CHUNKS; idx += Cfg::N_THREADS) {
-            const int row = idx / Cfg::CHUNKS_PER_ROW, chunk = idx % Cfg::CHUNKS_PER_ROW;
+        const u32 base = q_tile.base - slot_head * QTile::BYTES;
+        for (int idx = tid; idx < Cfg::HEADS * CHUNKS; idx += Cfg::N_THREADS) {
+            const int hs = idx / CHUNKS, rest = idx % CHUNKS;
+            const int row = rest / Cfg::CHUNKS_PER_ROW, chunk = rest % Cfg::CHUNKS_PER_ROW;
             const int packed = row_tile * Cfg::ROWS + row;
-            const bool valid = packed < p.rows_total;
+            const int kvh = head_block * Cfg::HEADS + hs;
+            const bool valid = packed < p.rows_total && kvh < p.n_kv_heads;
             const int t = packed / p.group;
-            const int head = kv_head * p.group + (packed - t * p.group);
+            const int head = kvh * p.group + (packed - t * p.group);
             const u16* src = q + t * p.q_seq_stride + head * p.q_head_stride + chunk * 8;
-            cp_async_16(q_tile.lane_address(row, chunk), valid ? src : q, valid);
+            QTile tile;
+            tile.base = base + hs * QTile::BYTES;
+            cp_async_16(tile.lane_address(row, chunk), valid ? src : q, valid);
         }
     }
 
@@ -309,12 +323,13 @@ struct DecodeCTA {
         float row_sum[Cfg::M_TILES][2];
         softmax.finish(row_sum);
         __syncthreads();  // every warp is done with its K/V ring, which the merge area reuses
-        float* merge = reinterpret_cast<float*>(smem_generic() + QTile::BYTES);
+        constexpr int H = Cfg::HEADS, TEAM = Cfg::TEAM;
+        float* merge = reinterpret_cast<float*>(smem_generic() + Cfg::Q_BYTES);
         float* warp_max_rows = merge;                          // [N_WARPS][ROWS]
         float* warp_sum_rows = merge + Cfg::N_WARPS * ROWS;     // [N_WARPS][ROWS]
-        float* final_max = merge + 2 * Cfg::N_WARPS * ROWS;     // [ROWS]
-        float* final_sum = final_max + ROWS;                    // [ROWS]
-        float* slices = final_sum + ROWS;                       // [N_WARPS][ROWS][O_STRIDE]
+        float* final_max = merge + 2 * Cfg::N_WARPS * ROWS;     // [HEADS][ROWS]
+        float* final_sum = final_max + H * ROWS;                // [HEADS][ROWS]
+        float* slices = final_sum + H * ROWS;                   // [N_WARPS][ROWS][O_STRIDE]
         if ((lane & 3) == 0) {
 #pragma unroll
             for (int m = 0; m < Cfg::M_TILES; ++m)
@@ -327,23 +342,25 @@ struct DecodeCTA {
         }
         __syncthreads();
 
-        for (int r = tid; r < ROWS; r += Cfg::N_THREADS) {
+        // Warp w of head slot hs is hs + H * j (team member j); team members j < active took
+        // steps (they are handed out round-robin from member 0).
+        for (int hr = tid; hr < H * ROWS; hr += Cfg::N_THREADS) {
+            const int hs = hr / ROWS, r = hr % ROWS;
             float mx = CF_NEG_INF;
 #pragma unroll
-            for (int w = 0; w < Cfg::N_WARPS; ++w) mx = fmaxf(mx, warp_max_rows[w * ROWS + r]);
+            for (int j = 0; j < TEAM; ++j) mx = fmaxf(mx, warp_max_rows[(hs + H * j) * ROWS + r]);
             float total = 0.f;
             if (mx != CF_NEG_INF) {
 #pragma unroll
-                for (int w = 0; w < Cfg::N_WARPS; ++w)
-                    total += warp_sum_rows[w * ROWS + r] *
-                             fast_exp2((warp_max_rows[w * ROWS + r] - mx) * p.softmax_scale_log2);
+                for (int j = 0; j < TEAM; ++j)
+                    total += warp_sum_rows[(hs + H * j) * ROWS + r] *
+                             fast_exp2((warp_max_rows[(hs + H * j) * ROWS + r] - mx) * p.softmax_scale_log2);
             }
-            final_max[r] = mx;
-            final_sum[r] = total;
+            final_max[hr] = mx;
+            final_sum[hr] = total;
         }
-        // Warps w < active took steps (they are handed out round-robin from warp 0).
-        const int active = min(Cfg::N_WARPS, (key_end - key_begin + Cfg::BC - 1) / Cfg::BC);
-        if (warp < active) {
+        const int active = min(TEAM, (key_end - key_begin + Cfg::BC - 1) / Cfg::BC);
+        if (team_warp < active) {
             float* slice = slices + warp * ROWS * Cfg::O_STRIDE;
 #pragma unroll
             for (int m = 0; m < Cfg::M_TILES; ++m)
@@ -352,7 +369,7 @@ struct DecodeCTA {
                     const int row = 16 * m + 8 * h + (lane >> 2);
                     float mx = CF_NEG_INF;
 #pragma unroll
-                    for (int w = 0; w < Cfg::N_WARPS; ++w) mx = fmaxf(mx, warp_max_rows[w * ROWS + row]);
+                    for (int j = 0; j < TEAM; ++j) mx = fmaxf(mx, warp_max_rows[(slot_head + H * j) * ROWS + row]);
                     const float mine = softmax.row_max[m][h];
                     const float scale = mine == CF_NEG_INF ? 0.f : fast_exp2((mine - mx) * p.softmax_scale_log2);
                     float* dst = slice + row * Cfg::O_STRIDE + 2 * (lane & 3);
@@ -367,17 +384,19 @@ struct DecodeCTA {
         // 8 output elements per thread and pass: rows of the tile that are real (packed row <
         // rows_total), to O (one split) or to the split's fp32 partial rows.
         constexpr int CPR = Cfg::CHUNKS_PER_ROW;
-        for (int idx = tid; idx < ROWS * CPR; idx += Cfg::N_THREADS) {
-            const int row = idx / CPR, chunk = idx % CPR;
+        for (int idx = tid; idx < H * ROWS * CPR; idx += Cfg::N_THREADS) {
+            const int hs = idx / (ROWS * CPR), rest = idx % (ROWS * CPR);
+            const int row = rest / CPR, chunk = rest % CPR;
             const int packed = row_tile * ROWS + row;
-            if (packed >= p.rows_total) continue;
+            const int kvh = head_block * H + hs;
+            if (packed >= p.rows_total || kvh >= p.n_kv_heads) continue;
             const int t = packed / p.group;
-            const int head = kv_head * p.group + (packed - t * p.group);
-            const float total = final_sum[row];
+            const int head = kvh * p.group + (packed - t * p.group);
+            const float total = final_sum[hs * ROWS + row];
             const float inv = total > 0.f ? 1.f / total : 0.f;
             float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
-            for (int w = 0; w < active; ++w) {
-                const float* src = slices + (w * ROWS + row) * Cfg::O_STRIDE + chunk * 8;
+            for (int j = 0; j < active; ++j) {
+                const float* src = slices + ((hs + H * j) * ROWS + row) * Cfg::O_STRIDE + chunk * 8;
                 const float4 a = *reinterpret_cast<const float4*>(src);
                 const float4 b = *reinterpret_cast<const float4*>(src + 4);
                 x0.x += a.x; x0.y += a.y; x0.z += a.z; x0.w += a.w;
@@ -400,7 +419,7 @@ struct DecodeCTA {
                 *reinterpret_cast<float4*>(dst + 4) = make_float4(x1.x * inv, x1.y * inv, x1.z * inv, x1.w * inv);
             }
             if (chunk == 0) {
-                const float lse = total > 0.f ? final_max[row] * p.softmax_scale + __logf(total) : CF_NEG_INF;
+                const float lse = total > 0.f ? final_max[hs * ROWS + row] * p.softmax_scale + __logf(total) : CF_NEG_INF;
                 if (p.num_splits == 1) {
                     if (p.lse != nullptr) p.lse[((long long)batch * p.n_heads + head) * p.seq_q + t] = lse;
                 } else {
@@ -422,6 +441,8 @@ CF_DEVICE unsigned char* DecodeCTA<Cfg, CAUSAL, PAGED>::smem_generic() {
 
 template <class Cfg, bool CAUSAL, bool PAGED>
 __global__ void __launch_bounds__(Cfg::N_THREADS, 1) decode_attention_kernel(const __grid_constant__ DecodeParams params) {
+    pdl_launch_dependents();    // the combine kernel may launch (it waits for this grid's results)
+    pdl_wait_for_predecessor();  // the append kernel's rows are in the cache
     DecodeCTA<Cfg, CAUSAL, PAGED> cta(params, cf_decode_smem);
     cta.run();
 }

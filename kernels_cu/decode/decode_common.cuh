@@ -1,10 +1,12 @@
 // Decode family: the static configuration and the helpers its three kernels share.
 //
-// Geometry (see decode_attention.cuh): a CTA owns one KV head of one sequence, ROWS packed query
-// rows (the GQA group's query heads x seq_q, row r = t * group + g) and one split of the keys.
-// Each warp streams its own interleaved share of that split's keys through its own cp.async ring
-// of STAGES slots, so the main loop needs no CTA barrier; the warps' partial softmax states merge
-// once at the end through shared memory.
+// Geometry (see decode_attention.cuh): a CTA owns HEADS consecutive KV heads of one sequence,
+// ROWS packed query rows per head (the GQA group's query heads x seq_q, row r = t * group + g)
+// and one split of the keys. Warp w serves head slot w % HEADS; the N_WARPS / HEADS warps of a
+// slot (its team) stream interleaved shares of the split's keys, each through its own cp.async
+// ring of STAGES slots, so the main loop needs no CTA barrier; a team's partial softmax states
+// merge once at the end through shared memory. With HEADS > 1 the CTA reads every head's rows
+// of a key range (in a paged cache: all of a page) at about the same time.
 #pragma once
 
 template <DecodeKernelConfig C>
@@ -18,6 +20,8 @@ struct StaticDecodeKernelConfig {
     static constexpr int N_THREADS = 32 * C.n_warps;
     static constexpr int STAGES = C.stages;      // cp.async ring depth per warp (1 = no prefetch)
     static constexpr bool EVICT_FIRST = C.evict_first;
+    static constexpr int HEADS = C.heads;        // KV heads per CTA
+    static constexpr int TEAM = C.n_warps / C.heads;  // warps per head
 
     static constexpr int M_TILES = ROWS / 16;
     static constexpr int S_N_TILES = BC / 8;     // n-tiles of S (keys of one warp step)
@@ -38,13 +42,15 @@ struct StaticDecodeKernelConfig {
     // max and sum, and each warp's fp32 output rows, padded by 8 floats so that the float2
     // stores of the accumulator layout (8 rows x 4 lanes) hit 32 different banks.
     static constexpr int O_STRIDE = D + 8;
-    static constexpr int MERGE_BYTES = (2 * N_WARPS * ROWS + 2 * ROWS) * 4 + N_WARPS * ROWS * O_STRIDE * 4;
-    static constexpr int SMEM_BYTES = QTile::BYTES + (KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES);
+    static constexpr int MERGE_BYTES = (2 * N_WARPS * ROWS + 2 * HEADS * ROWS) * 4 + N_WARPS * ROWS * O_STRIDE * 4;
+    static constexpr int Q_BYTES = HEADS * QTile::BYTES;  // one Q tile per head slot
+    static constexpr int SMEM_BYTES = Q_BYTES + (KV_BYTES > MERGE_BYTES ? KV_BYTES : MERGE_BYTES);
 
     static_assert(ROWS % 16 == 0 && BC % 16 == 0, "whole m16n8k16 tiles");
     static_assert(32 % CHUNKS_PER_ROW == 0 && BC % ROWS_PER_PASS == 0, "a warp copies whole rows per pass");
     static_assert(16 % ROWS_PER_PASS == 0, "a copy pass never straddles a 16-key sub-block");
     static_assert(SUB_BLOCKS <= 32, "one lane per sub-block holds its page index");
+    static_assert(N_WARPS % HEADS == 0, "every head slot has a whole team of warps");
 };
 
 // Largest split count the combine kernel merges (its per-warp weight table).
@@ -61,6 +67,23 @@ CF_DEVICE u64 l2_evict_first_policy() {
 CF_DEVICE void cp_async_16_hinted(u32 dst, const void* src, bool valid, u64 policy) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0), "l"(policy));
+}
+
+// Programmatic dependent launch (sm_90+; see cupyflash/kvcache_pdl.py). A kernel launched as a
+// programmatic dependent waits here until the kernel before it on the stream has completed and
+// its writes are visible; without that launch attribute (and before sm_90) both are no-ops.
+CF_DEVICE void pdl_wait_for_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's grid launch as soon as every CTA of this one has started, so its
+// launch overlaps this grid's run (it still waits for this grid's results before using them).
+CF_DEVICE void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 CF_DEVICE float warp_max(float x) {

@@ -58,5 +58,11 @@ class DecodeFamily(KernelFamily):
     def progression_configs(self, dtype: DType, d_head: int) -> list[DecodeKernelConfig]:
         return config_sets.progression_configs(dtype, d_head)
 
+    def tuning_problem(self, dtype: DType, d_head: int, seq: int, causal: bool, l2_bytes: int):
+        """One decode step at `seq` keys per sequence, contiguous plus paged (see tuning.py)."""
+        from .tuning import DecodeTuningProblem
+
+        return DecodeTuningProblem(dtype, d_head, seq, causal, l2_bytes)
+
 
 DECODE = DecodeFamily()

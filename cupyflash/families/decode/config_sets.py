@@ -5,11 +5,11 @@ import functools
 import itertools
 
 from ...config import DType
-from .config import (B_C_VALUES, DECODE_D_HEADS, N_WARPS_VALUES, ROWS_VALUES, STAGES_VALUES,
+from .config import (B_C_VALUES, DECODE_D_HEADS, HEADS_VALUES, N_WARPS_VALUES, ROWS_VALUES, STAGES_VALUES,
                      TILE_REGISTER_BUDGET, DecodeKernelConfig)
 
 __all__ = ["KERNEL_SET_KEYS", "all_configs", "autotune_configs", "progression_configs", "default_config",
-           "rows_for", "get_kernel_configs", "should_autotune"]
+           "fit_to_rows", "rows_for", "get_kernel_configs", "should_autotune"]
 
 KERNEL_SET_KEYS = ("all", "tune", "prog")
 
@@ -40,23 +40,32 @@ def _valid(**fields) -> DecodeKernelConfig | None:
 def all_configs() -> tuple[DecodeKernelConfig, ...]:
     """Every valid combination of the field values."""
     out = []
-    for dtype, d, rows, bc, w, st, ev in itertools.product(DType, DECODE_D_HEADS, ROWS_VALUES, B_C_VALUES,
-                                                            N_WARPS_VALUES, STAGES_VALUES, (False, True)):
-        cfg = _valid(dtype=dtype, d_head=d, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+    for dtype, d, rows, bc, w, st, ev, h in itertools.product(DType, DECODE_D_HEADS, ROWS_VALUES, B_C_VALUES,
+                                                               N_WARPS_VALUES, STAGES_VALUES, (False, True),
+                                                               HEADS_VALUES):
+        cfg = _valid(dtype=dtype, d_head=d, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, heads=h)
         if cfg is not None:
             out.append(cfg)
     return tuple(sorted(out))
 
 
 def should_autotune(cfg: DecodeKernelConfig) -> bool:
-    """The tuning set: 16-row tiles (a GQA group of up to 16 rows, the serving case), 2-8 warps,
-    and either 2-4 stages with enough bytes in flight per CTA to cover HBM latency ((stages - 1)
-    * n_warps slots of at least 16 KB together) or 8 single-slot warps (paged caches); no more
-    than 192 KB of shared memory (a bigger ring only lowers the CTAs per SM)."""
-    in_flight = (cfg.stages - 1) * cfg.n_warps * cfg.stage_bytes()
-    many_warps = cfg.stages == 1 and cfg.n_warps == 8  # the paged caches' shape (see _PAGED_DEFAULTS)
-    return (cfg.rows == 16 and cfg.n_warps >= 2 and (cfg.stages >= 2 and in_flight >= 16 * 1024 or many_warps)
-            and cfg.smem_bytes() <= 192 * 1024)
+    """The tuning set: 16-row tiles (a GQA group of up to 16 rows, the serving case), steps of
+    16 or 32 keys, no evict-first hint (it moved no row by more than 1%, NOTES.md), and either
+    - one head per CTA with 4 or 8 warps and 2-4 stages holding at least 16 KB in flight per CTA
+      ((stages - 1) * n_warps slots; less cannot cover HBM latency), or 8 single-slot warps; or
+    and no more than 224 KB of shared memory (one CTA per SM at most). Several KV heads per CTA
+    (heads > 1) are left out: on the H100 they lost at batch 1, 8k keys, at every split count
+    (d128: 25-57 us against 21.4; d64: 19-50 against 16.0; NOTES.md)."""
+    if cfg.rows != 16 or cfg.B_c > 32 or cfg.evict_first:
+        return False
+    if cfg.heads == 1:
+        in_flight = (cfg.stages - 1) * cfg.n_warps * cfg.stage_bytes()
+        many_warps = cfg.stages == 1 and cfg.n_warps == 8  # the paged caches' shape (see _PAGED_DEFAULTS)
+        shape_ok = cfg.n_warps >= 4 and (cfg.stages >= 2 and in_flight >= 16 * 1024 or many_warps)
+    else:
+        shape_ok = False
+    return shape_ok and cfg.smem_bytes() <= 224 * 1024
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=DECODE_D_HEADS) -> list[DecodeKernelConfig]:
@@ -77,6 +86,23 @@ def rows_for(d_head: int, packed_rows: int) -> int:
         if r >= packed_rows:
             return r
     return allowed[-1]
+
+
+def fit_to_rows(cfg: DecodeKernelConfig, packed_rows: int) -> DecodeKernelConfig | None:
+    """`cfg` (a tuned 16-row config) with the tile height for `packed_rows` rows: fewer keys per
+    step where taller tiles exceed the register budget, a shorter ring where the merge area
+    outgrows shared memory; None if nothing valid remains."""
+    rows = rows_for(cfg.d_head, packed_rows)
+    bc, st = cfg.B_c, cfg.stages
+    while rows * (cfg.d_head + bc) // 32 > TILE_REGISTER_BUDGET and bc > min(B_C_VALUES):
+        bc //= 2
+    while st >= 1:
+        fitted = _valid(dtype=cfg.dtype, d_head=cfg.d_head, rows=rows, B_c=bc, n_warps=cfg.n_warps, stages=st,
+                        evict_first=cfg.evict_first, heads=cfg.heads)
+        if fitted is not None:
+            return fitted
+        st -= 1
+    return None
 
 
 def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool = False) -> DecodeKernelConfig:
