@@ -11,7 +11,7 @@ from cupyflash.config import DType
 from cupyflash.families.decode.config import DecodeKernelConfig
 from cupyflash.families.decode import config_sets
 from cupyflash.families.decode.splits import MAX_SPLITS, choose_num_splits
-from cupyflash.interop import CUPY, TensorView, contiguous_strides
+from fake_views import ints, view
 from cupyflash.kvcache_checks import check_index_values, check_kvcache_args, check_num_splits
 
 BF16 = DType.BF16
@@ -175,22 +175,6 @@ def test_check_num_splits():
 
 
 # ----------------------------------------------------------------------------- argument checks
-_PTR = [1 << 20]
-
-
-def view(shape, dtype=BF16, raw=None, strides=None, device=0, ptr=None):
-    if ptr is None:
-        _PTR[0] += 1 << 20
-        ptr = _PTR[0]
-    raw = raw if raw is not None else (dtype.numpy_dtype if dtype is not None else np.dtype(np.int32))
-    return TensorView(ptr, tuple(shape), tuple(strides or contiguous_strides(tuple(shape))), dtype, raw,
-                      device, CUPY, None)
-
-
-def ints(shape, **kw):
-    return view(shape, dtype=None, raw=np.dtype(np.int32), **kw)
-
-
 def args(paged=False, **over):
     a = dict(q=view((2, 1, 32, 128)), k_cache=view((2, 1024, 8, 128)), v_cache=view((2, 1024, 8, 128)),
              cache_seqlens=ints((2,)), block_table=None, k_new=None, v_new=None, out=None)

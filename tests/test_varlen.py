@@ -9,25 +9,11 @@ from cupyflash.config import DType
 from cupyflash.families.forward_sm80 import FORWARD_SM80
 from cupyflash.families.forward_sm80.config_sets import default_config
 from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, param_names
-from cupyflash.interop import CUPY, TensorView, contiguous_strides
+from fake_views import ints, view
 from cupyflash.varlen import pack_varlen_sm80
 from cupyflash.varlen_checks import check_index_values, check_varlen_args
 
 BF16 = DType.BF16
-_PTR = [1 << 20]
-
-
-def view(shape, dtype=BF16, raw=None, strides=None, device=0, ptr=None):
-    if ptr is None:
-        _PTR[0] += 1 << 20
-        ptr = _PTR[0]
-    raw = raw if raw is not None else (dtype.numpy_dtype if dtype is not None else np.dtype(np.int32))
-    return TensorView(ptr, tuple(shape), tuple(strides or contiguous_strides(tuple(shape))), dtype, raw,
-                      device, CUPY, None)
-
-
-def ints(shape, **kw):
-    return view(shape, dtype=None, raw=kw.pop("raw", np.dtype(np.int32)), **kw)
 
 
 def args(**over):
