@@ -80,6 +80,8 @@ def _check_packed(view: TensorView, name: str) -> tuple[int, int]:
     if len(view.shape) != 3:
         raise ValueError(f"{name}: expected 3 dimensions (total_tokens, heads, d_head), got shape {tuple(view.shape)}")
     strides, shape = view.strides, view.shape
+    if not (shape[0] and shape[1] and shape[2]):
+        return strides[0], strides[1]  # no elements: nothing is read or written (CuPy reports zero strides)
     if strides[2] != 1 and shape[2] > 1:
         raise ValueError(f"{name}: the last dimension (d_head) must be contiguous (stride 1), got strides "
                          f"{tuple(strides)} (in elements)")

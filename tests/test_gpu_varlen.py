@@ -205,3 +205,13 @@ def test_repeated_calls_take_the_fast_path(rng, family):
         out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, cfg=cfg)
         assert key in varlen_plans._plans
         check_per_sequence(dtype, q, k, v, out, hq, hk, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_without_keys(rng, causal):
+    """No key in any sequence (k and v have zero tokens): every query row gets 0, lse -inf."""
+    dtype = DType.BF16
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, [5, 0, 40], [0, 0, 0], 4, 2, 128)
+    assert k.shape[0] == 0
+    out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 40, 0, causal=causal, return_lse=True)
+    check_per_sequence(dtype, q, k, v, out, hq, hk, causal, lse)

@@ -80,6 +80,10 @@ def test_empty_problems():
     assert check(q=view((0, 16, 128))).empty
     assert check(max_seqlen_q=0).empty
     assert not check(max_seqlen_k=0).empty  # queries over no keys: output 0, lse -inf
+    # a batch with no keys at all: CuPy gives size-0 arrays zero strides
+    empty_kv = view((0, 4, 128), strides=(0, 0, 0))
+    p = check(k=empty_kv, v=view((0, 4, 128), strides=(0, 0, 0)), max_seqlen_k=0)
+    assert p.total_k == 0 and not p.empty
 
 
 def test_index_check_on_host_copies():
