@@ -74,6 +74,10 @@ def select_rows(rows_arg: str, d_heads_arg: str) -> list[tuple]:
     return picks
 
 
+def keys_text(keys: int) -> str:
+    return f"{keys // 1024}k" if keys >= 1024 and keys % 1024 == 0 else str(keys)
+
+
 def kv_bytes(d_head: int, batch: int, keys: int) -> int:
     return bd.Row("bf16", d_head, batch, 1, keys, False).kv_bytes  # fp16 and bf16: 2 bytes an element
 
@@ -121,7 +125,7 @@ def measure_row(torch: Any, fa3: Any, fa3_reason: str | None, dtype: str, row: t
     limit_us = kv_bytes(d, batch, keys) / bd.COPY_RATE * 1e6
     point = {"dtype": dtype, "d_head": d, "batch": batch, "seq_q": seq_q, "keys": keys, "causal": causal,
              "kv_bytes": kv_bytes(d, batch, keys), "limit_us": limit_us,
-             "point": f"{dtype} d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys // 1024}k"}
+             "point": f"{dtype} d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys_text(keys)}"}
     records = []
 
     def record(name: str, check: Callable[[], float], time_us: Callable[[], float]) -> dict:
@@ -218,7 +222,7 @@ def format_report(records: list[dict], meta: dict) -> str:
         vb = s["vs_best_peer"]
         bw = s["bandwidth_fraction"]
         pc = s["paged_over_contig"]
-        rows.append([dtype, str(d), str(batch), f"{seq_q}{' causal' if causal else ''}", f"{keys // 1024}k"] + cells +
+        rows.append([dtype, str(d), str(batch), f"{seq_q}{' causal' if causal else ''}", keys_text(keys)] + cells +
                     [fmt(s["limit_us"]),
                      f"{fmt(vb, 2)} {verdict(vb, 1.0, at_most=True)}" if vb else "-",
                      (f"{100 * bw:.0f}% " + (verdict(bw, BANDWIDTH_TARGET) if s["bandwidth_target"] else "(<64 MiB)"))
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
     if plot_path:
         summary = data["summary"]
-        groups = [f"{k[0]} d{k[1]} b{k[2]} q{k[3]} {k[4] // 1024}k" for k in (s["key"] for s in summary)]
+        groups = [f"{k[0]} d{k[1]} b{k[2]} q{k[3]} {keys_text(k[4])}" for k in (s["key"] for s in summary)]
         series = {c: [s["us"][c] for s in summary] for c in COLUMNS}
         series["limit (3.0 TB/s)"] = [s["limit_us"] for s in summary]
         why = bar_plot(groups, series, plot_path, "microseconds (log)", f"decode, {meta['gpu']}, {meta['date']}",
