@@ -8,7 +8,8 @@ with its config sweeps).
 Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only the backward is
 timed: cupyflash.backward(dout, q, k, v, out, lse) (the library's choice of config) on the output
 and lse of cupyflash.forward; SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
-output (backend forced, retain_graph). Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
+output (backend forced, retain_graph); FlashAttention-3 (flash_attn3_jax, d_head 128, when the wheel
+is installed): the jitted vjp function of flash_mha, timed with the host clock. Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
 half when causal). Every implementation's (dq, dk, dv) is checked once, before it is timed,
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
 each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls.
@@ -28,7 +29,7 @@ from bench_mode_common import Skip, bar_plot, check_then_time, collect_failures,
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
-IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn")
+IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn", "fa3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,8 +83,26 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
     return worst
 
 
+def fa3_backward(torch: Any, jax: Any, q: Any, k: Any, v: Any, do: Any, causal: bool) -> Callable[[], tuple]:
+    """FlashAttention-3's backward alone: jax.vjp of flash_attn3_jax.flash_mha once (the forward
+    and its residuals), then the jitted vjp function (a pytree, so jit takes it as an argument)."""
+    if jax is None:
+        raise Skip("jax is not importable")
+    try:
+        from flash_attn3_jax import flash_mha
+    except Exception as exc:
+        raise Skip(f"flash_attn3_jax is not importable ({type(exc).__name__}: {exc})") from None
+    if q.shape[-1] != 128:
+        raise Skip(f"the flash-attn3-jax wheel is built for d_head 128, not {q.shape[-1]}")
+    torch.cuda.synchronize()  # JAX reads the tensors on its own stream
+    qj, kj, vj, doj = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
+    _, vjp_fn = jax.vjp(lambda a, b, c: flash_mha(a, b, c, is_causal=causal), qj, kj, vj)
+    bwd = jax.jit(lambda fn, g: fn(g))
+    return lambda: bwd(vjp_fn, doj)
+
+
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
-                  reps: int) -> list[dict]:
+                  reps: int, jax: Any = None) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -118,15 +137,27 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
     runs["cupyflash"] = cupyflash_run
     runs["sdpa_flash"] = lambda: sdpa_run("FLASH_ATTENTION")
     runs["sdpa_cudnn"] = lambda: sdpa_run("CUDNN_ATTENTION")
+    runs["fa3"] = lambda: fa3_backward(torch, jax, q, k, v, do, causal)
     records = []
     for name, make in runs.items():
         holder: dict[str, Callable] = {}
 
-        def check(make: Callable = make) -> float:
+        def check(make: Callable = make, name: str = name) -> float:
             holder["fn"] = make()
-            return grads_rel_l2(torch, refs, holder["fn"]())
+            grads = holder["fn"]()
+            if name == "fa3":  # JAX arrays, computed on JAX's stream
+                grads = [torch.from_dlpack(g.block_until_ready()) for g in grads]
+            return grads_rel_l2(torch, refs, grads)
 
-        rec = check_then_time(name, check, lambda: bb.time_events(torch, holder["fn"], warmup, reps) * 1e3, tol)
+        def time_us(name: str = name) -> float:
+            if name == "fa3":  # not on torch's stream: host clock over batches of calls
+                from bench_impls import JAX_BATCH, time_host
+
+                return time_host(lambda _i: holder["fn"](), lambda g: g[0].block_until_ready(), 1, warmup,
+                                 max(5, reps // 2), JAX_BATCH).median_ms * 1e3
+            return bb.time_events(torch, holder["fn"], warmup, reps) * 1e3
+
+        rec = check_then_time(name, check, time_us, tol)
         holder.clear()
         torch.cuda.synchronize()
         rec.update(point)
@@ -145,17 +176,18 @@ def target_flash(seq: int) -> float | None:
 
 
 def format_report(records: list[dict]) -> str:
-    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["cf/flash", "target", "cf/cuDNN"]
+    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["cf/flash", "target", "cf/cuDNN", "cf/FA3"]
     rows = []
     for key in dict.fromkeys((r["dtype"], r["d_head"], r["causal"], r["seq"]) for r in records):
         got = {r["impl"]: r for r in records if (r["dtype"], r["d_head"], r["causal"], r["seq"]) == key}
         tf = {n: got[n]["tflops"] if n in got and got[n]["status"] == "ok" else None for n in IMPLS}
         cells = [fmt(tf[n], 0) if tf[n] is not None else (got[n]["status"].upper() if n in got else "-") for n in IMPLS]
         r_fl, r_cu = ratio(tf["cupyflash"], tf["sdpa_flash"]), ratio(tf["cupyflash"], tf["sdpa_cudnn"])
+        r_fa3 = ratio(tf["cupyflash"], tf["fa3"])
         tgt = target_flash(key[3])
         rows.append([key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])] + cells +
                     [fmt(r_fl, 2) + ("x" if r_fl else ""), f"{verdict(r_fl, tgt)}>={tgt:.2f}" if tgt else "-",
-                     fmt(r_cu, 2) + ("x" if r_cu else "")])
+                     fmt(r_cu, 2) + ("x" if r_cu else ""), fmt(r_fa3, 2) + ("x" if r_fa3 else "")])
     notes = list(dict.fromkeys(f"  {r['impl']} {r['point']}: {r['status']}: {r['reason']}"
                                for r in records if r["status"] != "ok"))
     return "\n".join(["backward: TFLOP/s (2.5x forward FLOPs, half if causal), median of CUDA-event timings",
@@ -190,7 +222,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
 
     from bench_report import write_json
 
-    meta = host._meta(torch, None)
+    jax, jax_reason = host._import_jax(["fa3"])
+    meta = host._meta(torch, jax)
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     data: dict[str, Any] = {"mode": "backward", "meta": meta, "args": vars(args), "records": [], "complete": False}
     print(f"bench backward: {meta['gpu']} | {meta['date']}", flush=True)
@@ -198,7 +231,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         for dtype in dtypes:
             for seq, batch in grid(seqs):
                 for causal in causals:
-                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps)
+                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
     failures = collect_failures(data["records"])

@@ -17,7 +17,8 @@ Each implementation's output is checked once, before it is timed, against a floa
 is poisoned with NaN for that check. Times: median of --samples CUDA-event timings of calls
 queued behind a GPU spin (FA3: host clock over batches of calls), inputs rotated past L2.
 Targets (issue 10, printed beside the figures, never a failure): latency <= the fastest peer of
-the row; >= 85% of 3.0 TB/s where K/V exceed 64 MiB; paged within 1.05x of contiguous.
+the row; >= 85% of 3.0 TB/s where K/V exceed 64 MiB; paged within 1.05x of contiguous; the
+per-call host cost of forward_kvcache <= 15 us (bench_decode.overhead_us; --no-overhead skips it).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ PEERS = ("sdpa_flash", "sdpa_cudnn", "fa3")  # the target's "fastest peer": FA3 
 BANDWIDTH_TARGET = 0.85
 BANDWIDTH_MIN_BYTES = 64 << 20
 PAGED_TARGET = 1.05
+OVERHEAD_TARGET_US = 15.0
 FA3_SPLITS = (1, 4, 16, 32)
 FA3_PAGED_SPLITS = (1, 4, 16)
 QUICK_SPLITS = (1, 16)
@@ -52,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=40, help="CUDA-event samples per measurement (median reported)")
     p.add_argument("--quick", action="store_true", help=f"FA3 at num_splits {QUICK_SPLITS} only, 15 samples")
     p.add_argument("--no-fa3", action="store_true", help="leave FlashAttention-3 out")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the per-call host cost of forward_kvcache (bench_decode.overhead_us)")
     p.add_argument("--json", default="bench_decode.json")
     p.add_argument("--plot", default=None, help="PNG (default: the --json path with .png; '' for none)")
     return p
@@ -238,6 +242,15 @@ def format_report(records: list[dict], meta: dict) -> str:
                       "contiguous"] + (["not reported:"] + notes if notes else []))
 
 
+def format_overhead(o: dict) -> str:
+    """bench_decode.overhead_us's figures beside issue 10's target (<= 15 us per call)."""
+    if "cupyflash" not in o:
+        return f"per-call host cost: not measured ({o.get('error')})"
+    return (f"per-call host cost (1x1x8x128 bf16 query, 256-row cache, cached kernel, calls queued behind a GPU "
+            f"spin): forward_kvcache {o['cupyflash']:.1f} us ({verdict(o['cupyflash'], OVERHEAD_TARGET_US, at_most=True)}"
+            f" <= {OVERHEAD_TARGET_US:.0f} us), SDPA {o['sdpa']:.1f} us")
+
+
 def main(argv: list[str] | None = None, host: Any = None) -> int:
     """Exit codes as bench.py: 0 measured, 1 cupyflash refused or raised, 2 nothing measured."""
     args = build_parser().parse_args(argv)
@@ -276,12 +289,19 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
             data["records"] += measure_row(torch, fa3, fa3_reason, dtype, row, samples, splits, paged_splits)
             torch.cuda.empty_cache()  # the row's tensors are gone with measure_row's frame
             write_json(args.json, data)
+    if not args.no_overhead:
+        try:
+            data["overhead_us"] = bd.overhead_us(torch)
+        except Exception as exc:  # reported, not fatal
+            data["overhead_us"] = {"error": f"{type(exc).__name__}: {exc}"}
     failures = collect_failures(data["records"])
     data.update(complete=True, failures=failures, summary=row_summary(data["records"]))
     write_json(args.json, data)
     print()
     print(f"== {meta['gpu']} | {meta['date']} | " + " | ".join(f"{k} {v}" for k, v in meta["versions"].items() if v))
     print(format_report(data["records"], meta))
+    if "overhead_us" in data:
+        print(format_overhead(data["overhead_us"]))
     plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
     if plot_path:
         summary = data["summary"]

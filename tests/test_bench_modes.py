@@ -223,8 +223,8 @@ def test_backward_report_targets():
                                               rec("sdpa_cudnn", 500.0), rec("cupyflash", 200.0, seq=512),
                                               rec("sdpa_flash", 250.0, seq=512)])
     at_4k, at_512 = _table_rows(text)
-    assert at_4k[4:] == ["330", "300", "500", "1.10x", "ok>=1.00", "0.66x"]
-    assert at_512[4:] == ["200", "250", "-", "0.80x", "-", "-"]  # no target below S = 1k
+    assert at_4k[4:] == ["330", "300", "500", "-", "1.10x", "ok>=1.00", "0.66x", "-"]
+    assert at_512[4:] == ["200", "250", "-", "-", "0.80x", "-", "-", "-"]  # no target below S = 1k
     assert bench_mode_backward.target_flash(1024) == 1.0 and bench_mode_backward.target_flash(512) is None
     assert bench_mode_backward.grid((1024, 32768)) == [(1024, 16), (32768, 1)]
 
@@ -325,3 +325,10 @@ def test_varlen_sdpa_on_a_jagged_nested_tensor_passes_the_per_sequence_check():
     assert varlen.rel_l2_per_sequence(torch, p, dense) < 1e-5
     dense[3:43] = torch.roll(dense[3:43], 1, dims=0)  # sequence 1's rows out of place
     assert varlen.rel_l2_per_sequence(torch, p, dense) > 0.1
+
+
+def test_decode_overhead_line():
+    line = bench_mode_decode.format_overhead({"cupyflash": 11.0, "sdpa": 20.0})
+    assert "forward_kvcache 11.0 us (ok <= 15 us)" in line and "SDPA 20.0 us" in line
+    assert "MISS" in bench_mode_decode.format_overhead({"cupyflash": 16.0, "sdpa": 20.0})
+    assert "not measured" in bench_mode_decode.format_overhead({"error": "boom"})
