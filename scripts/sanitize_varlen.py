@@ -1,6 +1,8 @@
 """Small forward_varlen launches for compute-sanitizer (memcheck / racecheck): packed ragged
 batches with empty sequences (first, middle and last), sequences shorter and longer than a tile,
-seq_q != seq_k per sequence (causal rows that see no key), GQA/MQA, d_head 64/128/256, fp16/bf16.
+seq_q != seq_k per sequence (causal rows that see no key), a batch with no keys at all, GQA/MQA,
+d_head 64/128/256, fp16/bf16; each with cfg=None (on sm_90 the Hopper family) and with the
+mma.sync family's default config, causal off and on.
 
     python scripts/sanitize_varlen.py                      # plainly first: fills the kernel cache
     compute-sanitizer --tool memcheck python scripts/sanitize_varlen.py
@@ -32,7 +34,9 @@ CASES = [  # dtype, d_head, heads, kv_heads, query lengths, key lengths
     (DType.BF16, 128, 4, 4, [0, 77, 1, 130, 0, 64], [0, 77, 1, 130, 0, 64]),  # self-attention, empty ones
     (DType.FP16, 64, 4, 1, [5, 0, 200, 33], [130, 64, 3, 0]),                 # MQA, S_q != S_k, keys-only, queries-only
     (DType.BF16, 256, 4, 2, [257, 0, 129], [257, 0, 129]),                     # GQA, one row past a tile
+    (DType.FP16, 128, 2, 2, [3, 0, 2], [0, 0, 0]),                             # no keys at all: out 0, lse -inf
 ]
+FAMILIES = ("auto", "forward_sm80")  # cfg=None (the Hopper family on sm_90), and the mma.sync family's default
 
 
 def cu_seqlens(lengths: list[int]) -> np.ndarray:
@@ -40,14 +44,25 @@ def cu_seqlens(lengths: list[int]) -> np.ndarray:
 
 
 def launches(rng: np.random.Generator) -> Iterator[Launch]:
+    """Each case, causal off and on, with cfg=None and with forward_sm80's default config, so both
+    forward families' varlen variants run."""
     for case in CASES:
-        for causal in (False, True):
-            dt, d, h, hk, lq, lk = case
-            label = f"{dt.name} d{d} H={h}/{hk} lens_q={lq} lens_k={lk} causal={int(causal)}"
-            yield Launch("varlen", label, functools.partial(_once, case, causal, rng))
+        for family in FAMILIES:
+            for causal in (False, True):
+                dt, d, h, hk, lq, lk = case
+                label = f"{dt.name} d{d} H={h}/{hk} lens_q={lq} lens_k={lk} causal={int(causal)} cfg={family}"
+                yield Launch("varlen", label, functools.partial(_once, case, causal, family, rng))
 
 
-def _once(case: tuple, causal: bool, rng: np.random.Generator) -> tuple[bool, str]:
+def _config(family: str, dtype: DType, d_head: int):
+    if family == "auto":
+        return None
+    from cupyflash.families.forward_sm80.config_sets import default_config
+
+    return default_config(dtype, d_head)
+
+
+def _once(case: tuple, causal: bool, family: str, rng: np.random.Generator) -> tuple[bool, str]:
     import cupy as cp
 
     import cupyflash
@@ -60,7 +75,7 @@ def _once(case: tuple, causal: bool, rng: np.random.Generator) -> tuple[bool, st
     q, k, v = (cp.asarray(x) for x in (host_q, host_k, host_v))
     out = cp.asarray(np.full(host_q.shape, np.nan, dtype=npdt))
     got, lse = cupyflash.forward_varlen(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k),
-                                        causal=causal, return_lse=True, out=out)
+                                        causal=causal, return_lse=True, out=out, cfg=_config(family, dt, d))
     cp.cuda.runtime.deviceSynchronize()
     host_out, host_lse = cp.asnumpy(got), cp.asnumpy(lse)
     if host_lse.shape != (h, host_q.shape[0]):
