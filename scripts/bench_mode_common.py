@@ -87,24 +87,27 @@ def bar_plot(groups: Sequence[str], series: dict[str, Sequence[float | None]], p
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"matplotlib is not importable ({exc})"
-    names = [n for n, vals in series.items() if any(v is not None for v in vals)]
-    if not groups or not names:
-        return "no successful measurements to plot"
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) * max(1, len(names)) * 0.45 + 2), 4.5))
-    for i, name in enumerate(names):
-        xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
-        ys = [v if v is not None else math.nan for v in series[name]]  # a missing bar, not a zero
-        ax.bar(xs, ys, width, label=name)
-    ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None
+    try:  # a plot that fails must not cost the run its table and JSON
+        names = [n for n, vals in series.items() if any(v is not None for v in vals)]
+        if not groups or not names:
+            return "no successful measurements to plot"
+        width = 0.8 / len(names)
+        fig, ax = plt.subplots(figsize=(min(28.0, max(6.0, 0.22 * len(groups) * len(names) + 2)), 4.5))
+        for i, name in enumerate(names):
+            xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
+            ys = [v if v is not None else math.nan for v in series[name]]  # a missing bar, not a zero
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(groups)), groups, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return None
+    except Exception as exc:
+        return f"plotting failed ({type(exc).__name__}: {exc})"

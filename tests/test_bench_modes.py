@@ -332,3 +332,16 @@ def test_decode_overhead_line():
     assert "forward_kvcache 11.0 us (ok <= 15 us)" in line and "SDPA 20.0 us" in line
     assert "MISS" in bench_mode_decode.format_overhead({"cupyflash": 16.0, "sdpa": 20.0})
     assert "not measured" in bench_mode_decode.format_overhead({"error": "boom"})
+
+
+def test_bar_plot_writes_png_or_says_why(tmp_path):
+    path = tmp_path / "p.png"
+    why = common.bar_plot(["bf16 d128", "fp16 d128"], {"cupyflash": [500.0, None], "fa3": [None, None]}, path,
+                          "TFLOP/s", "fixture", log_y=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert why.startswith("matplotlib is not importable")
+        return
+    assert why is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert common.bar_plot(["a"], {"x": [None]}, tmp_path / "q.png", "y", "t") == "no successful measurements to plot"
