@@ -33,7 +33,7 @@ def test_parse_families():
 
 def test_bad_arguments_exit_2(capsys):
     assert sanitize_check.main(["--family", "decodes"]) == 2
-    assert sanitize_check.main(["--d-heads", "80"]) == 2
+    assert sanitize_check.main(["--family", "decode,all,varlen"]) == 2  # varlen comes with --varlen
     assert "--family" in capsys.readouterr().err
 
 
