@@ -6,7 +6,7 @@
     compute-sanitizer --tool racecheck python scripts/sanitize_check.py --family decode
     python scripts/sanitize_check.py                             # forward_sm80 alone, as before
 
---family (comma-separated, or 'all'): forward_sm80 (forward() with one explicit mma.sync config
+--family (comma-separated, run in the order given; or 'all'): forward_sm80 (forward() with one explicit mma.sync config
 per head dim: the first config of get_kernel_configs('all') with that d_head; --pick default the
 library's default config instead, --pick both the two of them; three shapes: ragged lengths,
 S_q < S_k and S_q > S_k so that causal leaves rows with no visible key, MHA / GQA / MQA, all
@@ -16,7 +16,7 @@ with the reason on a GPU that is not compute capability 9.0), decode (forward_kv
 scripts/sanitize_decode.py's cases: contiguous and paged caches, lengths 0 and page boundaries,
 several splits for the combine kernel, k_new appended), backward_sm80 (scripts/sanitize_backward.py:
 default configs of d_head 64 and 128, atomic and deterministic dQ). --varlen adds forward_varlen
-on scripts/sanitize_varlen.py's ragged batches, empty sequences included.
+on scripts/sanitize_varlen.py's ragged batches, empty sequences included (also as --family varlen).
 
 Inputs and NaN-poisoned outputs are uploaded from the host, results copied back, and float64
 references computed on the host. CuPy's memory pool is turned off, so every array is its own
@@ -150,18 +150,17 @@ def _d_heads(text: str) -> list[int]:
 
 
 def parse_families(text: str, varlen: bool) -> list[str]:
-    """'all' or a comma-separated list of FAMILIES -> the families to run, in FAMILIES order, with
-    'varlen' appended when --varlen is given; ValueError naming --family otherwise."""
+    """'all' or a comma-separated list of FAMILIES (and 'varlen') -> the families to run, in the
+    order given ('all' expands to FAMILIES in place), with 'varlen' appended when --varlen is given;
+    ValueError naming --family otherwise."""
     names = [x.strip() for x in text.split(",") if x.strip()]
     if not names:
         raise ValueError("--family: expected a family name or 'all'")
-    unknown = sorted(set(names) - set(FAMILIES) - {"all"})
+    unknown = sorted(set(names) - set(FAMILIES) - {"all", "varlen"})
     if unknown:
-        raise ValueError(f"--family: unknown {unknown}; expected 'all' or from {list(FAMILIES)}")
-    if "all" in names:
-        names = list(FAMILIES)
-    picked = [f for f in FAMILIES if f in names]
-    return picked + (["varlen"] if varlen else [])
+        raise ValueError(f"--family: unknown {unknown}; expected 'all' or from {list(FAMILIES) + ['varlen']}")
+    picked = [f for n in names for f in (FAMILIES if n == "all" else (n,))]
+    return list(dict.fromkeys(picked + (["varlen"] if varlen else [])))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--family", default="forward_sm80",
-                   help=f"comma-separated from {', '.join(FAMILIES)}, or 'all' (default forward_sm80)")
+                   help=f"comma-separated from {', '.join(FAMILIES)}, varlen, or 'all' (run in the order given; "
+                        "default forward_sm80)")
     p.add_argument("--varlen", action="store_true", help="also forward_varlen's shapes (empty sequences included)")
     p.add_argument("--d-heads", default=",".join(map(str, SUPPORTED_D_HEADS)),
                    help=f"forward_sm80: comma-separated head dims (default all: {SUPPORTED_D_HEADS})")

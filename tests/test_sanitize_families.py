@@ -24,8 +24,9 @@ import sanitize_varlen  # noqa: E402
 
 def test_parse_families():
     assert sanitize_check.parse_families("all", varlen=False) == list(sanitize_check.FAMILIES)
-    assert sanitize_check.parse_families("decode,forward_sm80", varlen=False) == ["forward_sm80", "decode"]
+    assert sanitize_check.parse_families("decode,forward_sm80", varlen=False) == ["decode", "forward_sm80"]
     assert sanitize_check.parse_families("backward_sm80", varlen=True) == ["backward_sm80", "varlen"]
+    assert sanitize_check.parse_families("varlen,all", varlen=True) == ["varlen", *sanitize_check.FAMILIES]
     for bad in ("", "forward", "all,nope"):
         with pytest.raises(ValueError, match="--family"):
             sanitize_check.parse_families(bad, varlen=False)
@@ -33,7 +34,7 @@ def test_parse_families():
 
 def test_bad_arguments_exit_2(capsys):
     assert sanitize_check.main(["--family", "decodes"]) == 2
-    assert sanitize_check.main(["--family", "decode,all,varlen"]) == 2  # varlen comes with --varlen
+    assert sanitize_check.main(["--family", "decode,sm90"]) == 2
     assert "--family" in capsys.readouterr().err
 
 
