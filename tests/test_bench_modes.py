@@ -197,7 +197,7 @@ def _drec(impl, us, status="ok", keys=8192, batch=1, d=128, seq_q=1, causal=Fals
             "causal": causal, "kv_bytes": kv, "limit_us": kv / 3.0e12 * 1e6, "point": "p"}
 
 
-def test_decode_report_targets():
+def test_decode_report_targets(tmp_path):
     big = dict(keys=4096, batch=32)  # 536 MB of K/V: the bandwidth target applies
     recs = [_drec("cupyflash", 200.0, **big), _drec("cupyflash_paged16", 230.0, **big),
             _drec("sdpa_flash", 215.0, **big), _drec("sdpa_cudnn", 191.0, **big), _drec("fa3", 197.0, **big),
@@ -212,6 +212,8 @@ def test_decode_report_targets():
     big_row, small_row = _table_rows(text)
     assert big_row[-4:] == ["179.0", "1.05 MISS", "89% ok", "1.15 MISS"]
     assert small_row[-3:] == ["0.74 ok", "56% (<64 MiB)", "1.02 ok"] and small_row[9] == "SKIPPED"
+    why = bench_mode_decode.plot(summary, tmp_path / "d.png", "fixture")
+    assert why is None or why.startswith("matplotlib is not importable")
 
 
 def test_backward_report_targets():
