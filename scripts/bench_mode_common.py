@@ -14,8 +14,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bench_impls import Skip  # one Skip for every mode: "cannot run here", with the reason
 
-__all__ = ["Skip", "check_then_time", "verdict", "ratio", "format_table", "fmt", "bar_plot", "mode_exit_code",
-           "collect_failures"]
+__all__ = ["Skip", "check_then_time", "verdict", "ratio", "format_table", "fmt", "bar_plot", "collect_failures"]
 
 
 def check_then_time(impl: str, check: Callable[[], float], time_us: Callable[[], float], tol: float) -> dict:
@@ -70,10 +69,6 @@ def collect_failures(records: Iterable[dict], prefix: str = "cupyflash") -> list
     """cupyflash records that were refused by the check or raised: what makes a mode exit 1."""
     return [f"{r.get('point', '')} {r['impl']}: {r['status']}: {r.get('reason')}".strip()
             for r in records if r["impl"].startswith(prefix) and r["status"] in ("refused", "error")]
-
-
-def mode_exit_code(failures: list[str]) -> int:
-    return 1 if failures else 0
 
 
 def bar_plot(groups: Sequence[str], series: dict[str, Sequence[float | None]], path: str | os.PathLike,

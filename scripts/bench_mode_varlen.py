@@ -17,7 +17,9 @@ FLOPs = sum over sequences of 4 * L_q * L_k * heads * d_head; causal counts only
 (query, key) pairs, bottom-right aligned: L_q*L_k - n(n-1)/2 with n = min(L_q, L_k). Each
 implementation's output is checked once, before it is timed, per sequence against a float64
 reference (spot rows of the first and last head; SPEC §5 relative L2 bound on every sequence).
-Times: median of --iters CUDA-event timings (FA3: host clock over batches of jitted calls).
+Times: median of --iters CUDA-event timings (FA3: host clock over batches of jitted calls); a
+call's events bracket whatever it makes the GPU wait for, so SDPA's nested-tensor path is timed
+with its host-side work between kernels, as a caller pays it.
 Targets (issue 10, printed beside the figures, never a failure): cupyflash faster than SDPA
 flash on the nested batch; on the H100 at least as fast as FA3's varlen forward.
 """

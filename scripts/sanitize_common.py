@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-__all__ = ["Launch", "run_launches", "reference", "check", "rel_l2", "REL_L2_BOUND", "LSE_BOUND"]
+__all__ = ["Launch", "Summary", "run_launches", "reference", "check", "rel_l2", "REL_L2_BOUND", "LSE_BOUND"]
 
 REL_L2_BOUND = 2e-2
 LSE_BOUND = 1e-2
