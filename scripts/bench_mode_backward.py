@@ -1,6 +1,6 @@
 """bench.py --mode backward: issue 12's backward table, built from scripts/bench_backward.py's
-FLOP count, timer and grid constants (imported, not copied: that script keeps working on its own,
-with its config sweeps).
+FLOP count, timers, FA3 backward and grid constants (imported, not copied: that script keeps
+working on its own, with its config sweeps and rounds).
 
     python scripts/bench.py --mode backward [--dtypes bf16,fp16] [--d-heads 128,64] [--seqs 1k,4k,16k]
                             [--causal both|yes|no] [--warmup 3] [--reps 10] [--json bench_backward.json]
@@ -9,7 +9,8 @@ Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only t
 timed: cupyflash.backward(dout, q, k, v, out, lse) (the library's choice of config) on the output
 and lse of cupyflash.forward; SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
 output (backend forced, retain_graph); FlashAttention-3 (flash_attn3_jax, d_head 128, when the wheel
-is installed): the jitted vjp function of flash_mha, timed with the host clock. Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
+is installed): bench_backward.fa3_backward (the jitted VJP of flash_mha), timed with its host clock
+(bench_backward.time_host). Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
 half when causal). Every implementation's (dq, dk, dv) is checked once, before it is timed,
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
 each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls.
@@ -83,24 +84,6 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
     return worst
 
 
-def fa3_backward(torch: Any, jax: Any, q: Any, k: Any, v: Any, do: Any, causal: bool) -> Callable[[], tuple]:
-    """FlashAttention-3's backward alone: jax.vjp of flash_attn3_jax.flash_mha once (the forward
-    and its residuals), then the jitted vjp function (a pytree, so jit takes it as an argument)."""
-    if jax is None:
-        raise Skip("jax is not importable")
-    try:
-        from flash_attn3_jax import flash_mha
-    except Exception as exc:
-        raise Skip(f"flash_attn3_jax is not importable ({type(exc).__name__}: {exc})") from None
-    if q.shape[-1] != 128:
-        raise Skip(f"the flash-attn3-jax wheel is built for d_head 128, not {q.shape[-1]}")
-    torch.cuda.synchronize()  # JAX reads the tensors on its own stream
-    qj, kj, vj, doj = (jax.dlpack.from_dlpack(x) for x in (q, k, v, do))
-    _, vjp_fn = jax.vjp(lambda a, b, c: flash_mha(a, b, c, is_causal=causal), qj, kj, vj)
-    bwd = jax.jit(lambda fn, g: fn(g))
-    return lambda: bwd(vjp_fn, doj)
-
-
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
                   reps: int, jax: Any = None) -> list[dict]:
     import cupyflash
@@ -137,7 +120,18 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
     runs["cupyflash"] = cupyflash_run
     runs["sdpa_flash"] = lambda: sdpa_run("FLASH_ATTENTION")
     runs["sdpa_cudnn"] = lambda: sdpa_run("CUDNN_ATTENTION")
-    runs["fa3"] = lambda: fa3_backward(torch, jax, q, k, v, do, causal)
+    fa3: dict[str, Callable] = {}
+
+    def fa3_run() -> Callable[[], tuple]:
+        if jax is None:
+            raise Skip("jax is not importable")
+        try:  # bench_backward's FA3 backward: the jitted VJP of flash_mha, and how to block on it
+            fa3["run"], fa3["block"] = bb.fa3_backward(torch, q, k, v, do, causal)
+        except Exception as exc:  # not installed, d_head not 128, JAX without a GPU
+            raise Skip(f"FA3 backward: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        return fa3["run"]
+
+    runs["fa3"] = fa3_run
     records = []
     for name, make in runs.items():
         holder: dict[str, Callable] = {}
@@ -151,10 +145,7 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
 
         def time_us(name: str = name) -> float:
             if name == "fa3":  # not on torch's stream: host clock over batches of calls
-                from bench_impls import JAX_BATCH, time_host
-
-                return time_host(lambda _i: holder["fn"](), lambda g: g[0].block_until_ready(), 1, warmup,
-                                 max(5, reps // 2), JAX_BATCH).median_ms * 1e3
+                return bb.time_host(fa3["run"], fa3["block"], warmup, reps) * 1e3
             return bb.time_events(torch, holder["fn"], warmup, reps) * 1e3
 
         rec = check_then_time(name, check, time_us, tol)

@@ -333,6 +333,8 @@ def test_decode_overhead_line():
     line = bench_mode_decode.format_overhead({"cupyflash": 11.0, "sdpa": 20.0})
     assert "forward_kvcache 11.0 us (ok <= 15 us)" in line and "SDPA 20.0 us" in line
     assert "MISS" in bench_mode_decode.format_overhead({"cupyflash": 16.0, "sdpa": 20.0})
+    assert "; paged 12.5, splits4 14.0 us;" in bench_mode_decode.format_overhead(
+        {"cupyflash": 11.0, "cupyflash_paged": 12.5, "cupyflash_splits4": 14.0, "sdpa": 20.0})
     assert "not measured" in bench_mode_decode.format_overhead({"error": "boom"})
 
 
