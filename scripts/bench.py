@@ -1,6 +1,13 @@
 #!/usr/bin/env python
 """Benchmark cupyflash against its peers on the SPEC §6 grid, in one process, on the same inputs.
 
+    python scripts/bench.py [--mode forward|decode|varlen|backward] ...
+    python scripts/bench.py --mode M --help          # each mode's own options
+
+Modes: forward (the default; described below), decode (issue 10's KV-cache table against SDPA,
+FA3 and the bandwidth limit: bench_mode_decode.py), varlen (a ragged packed batch against SDPA on
+nested tensors and FA3: bench_mode_varlen.py), backward (issue 12's table: bench_mode_backward.py).
+
     python scripts/bench.py [--dtypes bf16,fp16] [--d-heads 128] [--seqs 512,1k,...,16k]
                             [--causal] [--configs SHORT_FORM ...] [--all-tune] [--progression]
                             [--iters 50] [--json bench_results.json] [--plot PNG]
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import importlib
 import os
 import platform
 import sys
@@ -53,6 +61,7 @@ from cupyflash.families import DEFAULT_FAMILY, FAMILIES, get_family, parse_confi
 import bench_report as report  # noqa: E402
 
 GRID_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+MODES = ("forward", "decode", "varlen", "backward")
 PROGRESSION_SEQS = (4096,)
 
 
@@ -60,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[2:]))
+    p.add_argument("--mode", choices=MODES, default="forward",
+                   help="forward (default: the options below), decode, varlen or backward "
+                        "(`--mode M --help` lists each mode's options)")
     p.add_argument("--seqs", default=None, help="sequence lengths (default 512,1k,2k,4k,8k,16k; 'k' = 1024)")
     p.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16,fp16")
     p.add_argument("--d-heads", default="128", help="comma-separated head dimensions, e.g. 64,128")
@@ -253,7 +265,19 @@ def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls
     return out
 
 
+def split_mode(argv: list[str]) -> tuple[str, list[str]]:
+    """(mode, the other arguments): --mode is peeled off first, so each mode parses its own options."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--mode", choices=MODES, default="forward")
+    known, rest = pre.parse_known_args(argv)
+    return known.mode, rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    mode, rest = split_mode(argv)
+    if mode != "forward":  # the other modes live in bench_mode_<mode>.py and use this module's helpers
+        return importlib.import_module(f"bench_mode_{mode}").main(rest, host=sys.modules[__name__])
     args = build_parser().parse_args(argv)
     try:
         dtypes = parse_dtypes(args.dtypes)

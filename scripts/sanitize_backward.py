@@ -9,14 +9,16 @@ Default configs for d_head 64 and 128 (bf16) plus --configs, shapes with tails, 
 GQA and MQA, causal off and on, atomic and deterministic dQ. CuPy's memory pool is off, so every
 array is its own exact-size cudaMalloc and memcheck sees any overrun. Loose check (the accuracy
 test is tests/test_gpu_backward.py): gradients finite and within 3e-2 relative L2 of a float64
-host reference. Exit 0 when all pass, 1 when any fails, 2 without a GPU.
+host reference; dq/dk/dv are NaN-poisoned before the call. Exit 0 when all pass, 1 when any
+fails, 2 without a GPU. `sanitize_check.py --family backward_sm80` runs the same launches.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -29,6 +31,7 @@ from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
 from cupyflash.families.backward_sm80.config import BackwardKernelConfig  # noqa: E402
 from cupyflash.families.backward_sm80.config_sets import default_config  # noqa: E402
+from sanitize_common import Launch, run_launches  # noqa: E402
 
 SHAPES = ((1, 77, 200, 4, 1),   # MQA, S_q < S_k
           (1, 130, 63, 4, 2),   # GQA, S_q > S_k: causal rows 0..66 see no key
@@ -65,7 +68,53 @@ def reference(q, k, v, do, causal: bool):
     return dq, dk, dv
 
 
+def pick_configs(d_heads: str, extra: str = "") -> list[BackwardKernelConfig]:
+    """The bf16 default config of each head dim in `d_heads` ('64,128'), then the '|'-separated
+    short forms in `extra`."""
+    configs = [default_config(DType.BF16, int(d)) for d in d_heads.split(",") if d.strip()]
+    return configs + [BackwardKernelConfig.parse(s) for s in extra.split("|") if s.strip()]
+
+
+def launches(configs: list[BackwardKernelConfig], shapes: tuple, rng: np.random.Generator) -> Iterator[Launch]:
+    """One launch per (config, shape, causal, deterministic): a forward for out/lse, then the
+    backward checked against the float64 host reference."""
+    for cfg in configs:
+        for shape in shapes:
+            for causal in (False, True):
+                for det in (False, True):
+                    batch, sq, sk, h, hk = shape
+                    label = f"{cfg} B={batch} S_q={sq} S_k={sk} H={h}/{hk} causal={int(causal)} det={int(det)}"
+                    yield Launch("backward_sm80", label, functools.partial(_once, cfg, shape, causal, det, rng))
+
+
+def _once(cfg: BackwardKernelConfig, shape: tuple, causal: bool, det: bool,
+          rng: np.random.Generator) -> tuple[bool, str]:
+    import cupy as cp
+
+    import cupyflash
+
+    batch, sq, sk, h, hk = shape
+    npd = cfg.dtype.numpy_dtype
+    hq, hdo = (rng.standard_normal((batch, sq, h, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
+    hkk, hv = (rng.standard_normal((batch, sk, hk, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
+    q, k, v, do = (cp.asarray(x) for x in (hq, hkk, hv, hdo))
+    out, lse = cupyflash.forward(forward_default(cfg.dtype, cfg.d_head), q, k, v, causal=causal, return_lse=True)
+    grads = tuple(cp.asarray(np.full(x.shape, np.nan, dtype=npd)) for x in (hq, hkk, hv))  # poisoned
+    cupyflash.backward(do, q, k, v, out, lse, causal=causal, deterministic=det, cfg=cfg,
+                       dq=grads[0], dk=grads[1], dv=grads[2])
+    cp.cuda.runtime.deviceSynchronize()
+    ref = reference(hq, hkk, hv, hdo, causal)
+    figs, ok = [], True
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        g = cp.asnumpy(g).astype(np.float64)
+        rel = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
+        ok = ok and bool(np.isfinite(g).all()) and rel <= REL_L2_BOUND
+        figs.append(f"{name} {rel:.1e}")
+    return ok, " ".join(figs)
+
+
 def main(argv=None) -> int:
+    """Thin wrapper: the same launches run by `sanitize_check.py --family backward_sm80`."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="", help="extra short forms, '|'-separated")
     ap.add_argument("--d-heads", default="64,128", help="default configs (bf16) of these head dims")
@@ -79,46 +128,12 @@ def main(argv=None) -> int:
         return 2
     import cupy as cp
 
-    import cupyflash
-
-    configs = [default_config(DType.BF16, int(d)) for d in args.d_heads.split(",") if d.strip()]
-    configs += [BackwardKernelConfig.parse(s) for s in args.configs.split("|") if s.strip()]
     cp.cuda.set_allocator(None)
-    rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    runs, failures = 0, []
-    for cfg in configs:
-        npd = cfg.dtype.numpy_dtype
-        for batch, sq, sk, h, hk in SHAPES[:args.max_shapes]:
-            hq, hdo = (rng.standard_normal((batch, sq, h, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
-            hkk, hv = (rng.standard_normal((batch, sk, hk, cfg.d_head), dtype=np.float32).astype(npd) for _ in range(2))
-            q, k, v, do = (cp.asarray(x) for x in (hq, hkk, hv, hdo))
-            for causal in (False, True):
-                ref = reference(hq, hkk, hv, hdo, causal)
-                out, lse = cupyflash.forward(forward_default(cfg.dtype, cfg.d_head), q, k, v, causal=causal,
-                                             return_lse=True)
-                for det in (False, True):
-                    label = f"{cfg} B={batch} S_q={sq} S_k={sk} H={h}/{hk} causal={int(causal)} det={int(det)}"
-                    runs += 1
-                    try:
-                        grads = cupyflash.backward(do, q, k, v, out, lse, causal=causal, deterministic=det, cfg=cfg)
-                        cp.cuda.runtime.deviceSynchronize()
-                        figs = []
-                        ok = True
-                        for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
-                            g = cp.asnumpy(g).astype(np.float64)
-                            rel = float(np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30))
-                            ok = ok and bool(np.isfinite(g).all()) and rel <= REL_L2_BOUND
-                            figs.append(f"{name} {rel:.1e}")
-                        figures = " ".join(figs)
-                    except Exception as exc:
-                        ok, figures = False, f"{type(exc).__name__}: {exc}"
-                    print(f"{'ok  ' if ok else 'FAIL'} {label}: {figures}", flush=True)
-                    if not ok:
-                        failures.append(label)
-    print(f"sanitize_backward: {runs} backward calls, {runs - len(failures)} ok, {len(failures)} failed "
-          f"in {time.perf_counter() - t0:.1f} s")
-    return 1 if failures else 0
+    done = run_launches(launches(pick_configs(args.d_heads, args.configs), SHAPES[:args.max_shapes],
+                                 np.random.default_rng(args.seed)), lambda line: print(line, flush=True))
+    print(f"sanitize_backward: {done.runs} backward calls, {done.ok} ok, {len(done.failures)} failed "
+          f"in {done.seconds:.1f} s")
+    return 1 if done.failures else 0
 
 
 if __name__ == "__main__":

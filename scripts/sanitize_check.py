@@ -1,30 +1,40 @@
 #!/usr/bin/env python
-"""forward() on small ragged, causal and GQA shapes, sized for compute-sanitizer.
+"""Small launches of every kernel family, sized for compute-sanitizer, each checked on the host.
 
-    python scripts/sanitize_check.py                      # once plainly first: fills the kernel cache
-    compute-sanitizer --tool memcheck  python scripts/sanitize_check.py
-    compute-sanitizer --tool racecheck python scripts/sanitize_check.py
+    python scripts/sanitize_check.py --family all --varlen      # plainly first: fills the kernel cache
+    compute-sanitizer --tool memcheck  python scripts/sanitize_check.py --family all --varlen
+    compute-sanitizer --tool racecheck python scripts/sanitize_check.py --family decode
+    python scripts/sanitize_check.py                             # forward_sm80 alone, as before
 
-One config per head dim (the first config of get_kernel_configs('all') with that d_head; with
---pick default the library's default config instead, with --pick both the two of them), three
-shapes (ragged lengths, S_q < S_k and S_q > S_k so that causal leaves rows with no visible key,
-MHA / GQA / MQA, all S <= 300), causal off and on, return_lse on: 4 x 3 x 2 = 24 kernel launches.
-Nothing else runs on the GPU: inputs and NaN-poisoned out/lse buffers are uploaded from the host,
-results copied back, and the float64 reference computed on the host. CuPy's memory pool is turned
-off, so every array is its own cudaMalloc of exactly its size and memcheck sees any access past
-it (the pool would hide accesses that stay inside its larger blocks).
+--family (comma-separated, run in the order given; or 'all'): forward_sm80 (forward() with one explicit mma.sync config
+per head dim: the first config of get_kernel_configs('all') with that d_head; --pick default the
+library's default config instead, --pick both the two of them; three shapes: ragged lengths,
+S_q < S_k and S_q > S_k so that causal leaves rows with no visible key, MHA / GQA / MQA, all
+S <= 300; causal off and on; lse on: 4 x 3 x 2 = 24 launches), forward_sm90 (the Hopper family's
+progression configs and the d_head 64/256 defaults on scripts/sanitize_sm90.py's shapes; skipped
+with the reason on a GPU that is not compute capability 9.0), decode (forward_kvcache on
+scripts/sanitize_decode.py's cases: contiguous and paged caches, lengths 0 and page boundaries,
+several splits for the combine kernel, k_new appended), backward_sm80 (scripts/sanitize_backward.py:
+default configs of d_head 64 and 128, atomic and deterministic dQ). --varlen adds forward_varlen
+on scripts/sanitize_varlen.py's ragged batches, empty sequences included (also as --family varlen).
 
-Checks are loose (the shape matrix in tests/test_gpu_shapes.py is the accuracy test): output
-finite, relative L2 error against the reference <= 2e-2; lse -inf exactly on rows that see no key,
-finite elsewhere and within 1e-2 of the reference. Prints one line per launch and a one-line
-summary; exit 0 when all pass, 1 when any fails, 2 without a GPU or on bad arguments.
+Inputs and NaN-poisoned outputs are uploaded from the host, results copied back, and float64
+references computed on the host. CuPy's memory pool is turned off, so every array is its own
+cudaMalloc of exactly its size and memcheck sees any access past it (the pool would hide
+accesses that stay inside its larger blocks). Checks are loose (the pytest matrices are the
+accuracy tests): output finite, relative L2 error against the reference <= 2e-2 (3e-2 for
+gradients); lse -inf exactly on rows that see no key, finite elsewhere and within 1e-2.
+
+Prints one line per launch and a one-line summary; exit 0 when all pass, 1 when any fails, 2
+without a GPU or on bad arguments.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
-import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -36,13 +46,14 @@ except ImportError:  # a plain checkout: use the package next to this script
 from cupyflash.config import SUPPORTED_D_HEADS, DType  # noqa: E402
 from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig  # noqa: E402
 from cupyflash.families.forward_sm80.config_sets import default_config, get_kernel_configs  # noqa: E402
+from sanitize_common import LSE_BOUND, REL_L2_BOUND, Launch, check, reference, run_launches  # noqa: E402,F401
+
+FAMILIES = ("forward_sm80", "forward_sm90", "decode", "backward_sm80")
 
 # (batch, S_q, S_k, n_heads, n_kv_heads)
 SHAPES = ((1, 77, 200, 4, 1),    # MQA, S_q < S_k: bottom-right causal offset +123
           (2, 130, 63, 4, 2),    # GQA, S_q > S_k: causal rows 0..66 see no key
           (1, 257, 257, 2, 2))   # MHA, square, one row past a multiple of 64/128
-REL_L2_BOUND = 2e-2
-LSE_BOUND = 1e-2
 
 
 def pick_configs(d_heads, pick: str = "first") -> list[FlashForwardKernelConfig]:
@@ -65,59 +76,117 @@ def pick_configs(d_heads, pick: str = "first") -> list[FlashForwardKernelConfig]
     return picked
 
 
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> tuple[np.ndarray, np.ndarray]:
-    """float64 (out (B, S_q, H, D), lse (B, H, S_q)); GQA by k/v head h // group; bottom-right
-    causal; rows with no visible key: out 0, lse -inf."""
-    batch, seq_q, n_heads, d = q.shape
-    seq_k, n_kv = k.shape[1], k.shape[2]
-    group = n_heads // n_kv
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
-    out = np.zeros((batch, seq_q, n_heads, d))
-    lse = np.full((batch, n_heads, seq_q), -np.inf)
-    hidden = np.arange(seq_k)[None, :] > np.arange(seq_q)[:, None] + (seq_k - seq_q)
-    for b in range(batch):
-        for h in range(n_heads):
-            s = q[b, :, h] @ k[b, :, h // group].T / np.sqrt(d)
-            if causal:
-                s = np.where(hidden, -np.inf, s)
-            m = s.max(axis=1, keepdims=True)
-            m = np.where(np.isfinite(m), m, 0.0)
-            e = np.exp(s - m)
-            total = e.sum(axis=1, keepdims=True)
-            seen = total[:, 0] > 0
-            out[b, seen, h] = (e[seen] / total[seen]) @ v[b, :, h // group]
-            lse[b, h, seen] = (m + np.log(np.where(total > 0, total, 1.0)))[seen, 0]
-    return out, lse
+def forward_sm80_launches(configs: list[FlashForwardKernelConfig], rng: np.random.Generator) -> Iterator[Launch]:
+    """forward() with each config on SHAPES, causal off and on, lse on: NaN-poisoned out and lse
+    buffers uploaded from the host, the float64 reference computed on the host."""
+    for cfg in configs:
+        for shape in SHAPES:
+            for causal in (False, True):
+                batch, seq_q, seq_k, n_heads, n_kv = shape
+                label = (f"d{cfg.d_head} {cfg.dtype.name} B={batch} S_q={seq_q} S_k={seq_k} H={n_heads} "
+                         f"H_kv={n_kv} causal={int(causal)}")
+                yield Launch("forward_sm80", label, functools.partial(_forward_sm80_once, cfg, shape, causal, rng))
 
 
-def check(out: np.ndarray, lse: np.ndarray, ref: np.ndarray, ref_lse: np.ndarray) -> tuple[bool, str]:
-    out = out.astype(np.float64)
-    if not np.isfinite(out).all():
-        return False, f"{int((~np.isfinite(out)).sum())} non-finite output elements"
-    rel = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-    masked = np.isneginf(ref_lse)
-    if np.isnan(lse).any():
-        return False, f"{int(np.isnan(lse).sum())} NaN lse entries (unwritten?)"
-    if not np.isneginf(lse[masked]).all():
-        return False, "lse of a row that sees no key is not -inf"
-    if not np.isfinite(lse[~masked]).all():
-        return False, "lse not finite where the reference is"
-    lse_err = float(np.abs(lse[~masked] - ref_lse[~masked]).max()) if (~masked).any() else 0.0
-    ok = rel <= REL_L2_BOUND and lse_err <= LSE_BOUND
-    return ok, f"rel_l2 {rel:.2e} lse_err {lse_err:.1e}"
+def _forward_sm80_once(cfg: FlashForwardKernelConfig, shape: tuple, causal: bool,
+                       rng: np.random.Generator) -> tuple[bool, str]:
+    import cupy as cp
+
+    import cupyflash
+
+    batch, seq_q, seq_k, n_heads, n_kv = shape
+    np_dtype = cfg.dtype.numpy_dtype
+    host_q = rng.standard_normal((batch, seq_q, n_heads, cfg.d_head), dtype=np.float32).astype(np_dtype)
+    host_k, host_v = (rng.standard_normal((batch, seq_k, n_kv, cfg.d_head), dtype=np.float32).astype(np_dtype)
+                      for _ in range(2))
+    q, k, v = (cp.asarray(x) for x in (host_q, host_k, host_v))
+    out = cp.asarray(np.full(host_q.shape, np.nan, dtype=np_dtype))
+    lse = cp.asarray(np.full((batch, n_heads, seq_q), np.nan, dtype=np.float32))
+    cupyflash.forward(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+    cp.cuda.runtime.deviceSynchronize()
+    ref, ref_lse = reference(host_q, host_k, host_v, causal)
+    return check(cp.asnumpy(out), cp.asnumpy(lse), ref, ref_lse)
+
+
+def _device_cc() -> int:
+    import cupy as cp
+
+    return int(cp.cuda.Device().compute_capability)
+
+
+def family_launches(family: str, args: argparse.Namespace, rng: np.random.Generator) -> tuple[list[Launch], str | None]:
+    """The launches of one family, or ([], why not) when this GPU cannot run it."""
+    if family == "forward_sm80":
+        return list(forward_sm80_launches(pick_configs(_d_heads(args.d_heads), args.pick), rng)), None
+    if family == "forward_sm90":
+        cc = _device_cc()
+        if cc // 10 != 9:
+            return [], f"the Hopper family needs compute capability 9.0 (this GPU: {cc // 10}.{cc % 10})"
+        import sanitize_sm90
+
+        return list(sanitize_sm90.launches(rng, quick=args.quick)), None
+    if family == "decode":
+        import sanitize_decode
+
+        return list(sanitize_decode.launches(rng)), None
+    if family == "backward_sm80":
+        import sanitize_backward
+
+        shapes = sanitize_backward.SHAPES[:2] if args.quick else sanitize_backward.SHAPES
+        return list(sanitize_backward.launches(sanitize_backward.pick_configs("64,128"), shapes, rng)), None
+    if family == "varlen":
+        import cupyflash
+
+        if not hasattr(cupyflash, "forward_varlen"):
+            return [], "this cupyflash has no forward_varlen"
+        import sanitize_varlen
+
+        return list(sanitize_varlen.launches(rng)), None
+    raise ValueError(f"--family: unknown family {family!r}")
+
+
+def _d_heads(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_families(text: str, varlen: bool) -> list[str]:
+    """'all' or a comma-separated list of FAMILIES (and 'varlen') -> the families to run, in the
+    order given ('all' expands to FAMILIES in place), with 'varlen' appended when --varlen is given;
+    ValueError naming --family otherwise."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ValueError("--family: expected a family name or 'all'")
+    unknown = sorted(set(names) - set(FAMILIES) - {"all", "varlen"})
+    if unknown:
+        raise ValueError(f"--family: unknown {unknown}; expected 'all' or from {list(FAMILIES) + ['varlen']}")
+    picked = [f for n in names for f in (FAMILIES if n == "all" else (n,))]
+    return list(dict.fromkeys(picked + (["varlen"] if varlen else [])))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--family", default="forward_sm80",
+                   help=f"comma-separated from {', '.join(FAMILIES)}, varlen, or 'all' (run in the order given; "
+                        "default forward_sm80)")
+    p.add_argument("--varlen", action="store_true", help="also forward_varlen's shapes (empty sequences included)")
+    p.add_argument("--d-heads", default=",".join(map(str, SUPPORTED_D_HEADS)),
+                   help=f"forward_sm80: comma-separated head dims (default all: {SUPPORTED_D_HEADS})")
+    p.add_argument("--pick", choices=("first", "default", "both"), default="first",
+                   help="forward_sm80: which config per head dim (default: the first of the 'all' set)")
+    p.add_argument("--quick", action="store_true",
+                   help="forward_sm90: 3 configs x 2 shapes; backward_sm80: the first 2 shapes")
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d-heads", default=",".join(map(str, SUPPORTED_D_HEADS)),
-                   help=f"comma-separated head dims (default all: {SUPPORTED_D_HEADS})")
-    p.add_argument("--pick", choices=("first", "default", "both"), default="first",
-                   help="which config per head dim (default: the first of the 'all' set)")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
-        d_heads = [int(x) for x in args.d_heads.split(",") if x.strip()]
-        configs = pick_configs(d_heads, args.pick)
+        families = parse_families(args.family, args.varlen)
+        if "forward_sm80" in families:
+            pick_configs(_d_heads(args.d_heads), args.pick)
     except ValueError as exc:
         print(f"sanitize_check: error: {exc}", file=sys.stderr)
         return 2
@@ -129,38 +198,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import cupy as cp
 
-    import cupyflash
-
     cp.cuda.set_allocator(None)  # exact-size cudaMalloc per array: memcheck sees every overrun
     rng = np.random.default_rng(args.seed)
-    t0 = time.perf_counter()
-    runs, failures = 0, []
-    for cfg in configs:
-        np_dtype = cfg.dtype.numpy_dtype
-        for batch, seq_q, seq_k, n_heads, n_kv in SHAPES:
-            host_q = rng.standard_normal((batch, seq_q, n_heads, cfg.d_head), dtype=np.float32).astype(np_dtype)
-            host_k, host_v = (rng.standard_normal((batch, seq_k, n_kv, cfg.d_head), dtype=np.float32).astype(np_dtype)
-                              for _ in range(2))
-            q, k, v = (cp.asarray(x) for x in (host_q, host_k, host_v))
-            for causal in (False, True):
-                out = cp.asarray(np.full(host_q.shape, np.nan, dtype=np_dtype))
-                lse = cp.asarray(np.full((batch, n_heads, seq_q), np.nan, dtype=np.float32))
-                label = (f"d{cfg.d_head} {cfg.dtype.name} B={batch} S_q={seq_q} S_k={seq_k} H={n_heads} "
-                         f"H_kv={n_kv} causal={int(causal)}")
-                runs += 1
-                try:
-                    cupyflash.forward(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
-                    cp.cuda.runtime.deviceSynchronize()
-                    ref, ref_lse = reference(host_q, host_k, host_v, causal)
-                    ok, figures = check(cp.asnumpy(out), cp.asnumpy(lse), ref, ref_lse)
-                except Exception as exc:  # a launch error (e.g. under memcheck) is a failure, not a crash
-                    ok, figures = False, f"{type(exc).__name__}: {exc}"
-                print(f"{'ok  ' if ok else 'FAIL'} {label}: {figures}", flush=True)
-                if not ok:
-                    failures.append(label)
-    seconds = time.perf_counter() - t0
+    runs, failures, per_family, skipped, seconds = 0, [], [], [], 0.0
+    for family in families:
+        launches, why_not = family_launches(family, args, rng)
+        if why_not:
+            print(f"skip [{family}]: {why_not}", flush=True)
+            skipped.append(family)
+            continue
+        done = run_launches(launches, lambda line: print(line, flush=True))
+        runs += done.runs
+        failures += done.failures
+        seconds += done.seconds
+        per_family.append(f"{family} {done.ok}/{done.runs}")
     print(f"sanitize_check: {runs} launches, {runs - len(failures)} ok, {len(failures)} failed "
-          f"({len(configs)} configs: " + "; ".join(str(c) for c in configs) + f") in {seconds:.1f} s")
+          f"({'; '.join(per_family) or 'no family ran'}"
+          + (f"; skipped: {', '.join(skipped)}" if skipped else "") + f") in {seconds:.1f} s")
     return 1 if failures else 0
 
 

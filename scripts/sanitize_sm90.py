@@ -11,12 +11,15 @@ Every progression config of bf16 d_head 128 plus the d_head 64 and 256 defaults,
 shapes (ragged lengths, S_q < S_k and S_q > S_k, MQA/GQA), causal off and on, LSE on. CuPy's
 memory pool is off so each array is its own allocation and memcheck sees any access past it.
 Loose checks (the pytest matrix is the accuracy test): output finite, relative L2 <= 2e-2 against
-a float64 host reference. Exit 0 when all pass, 1 otherwise.
+a float64 host reference. Exit 0 when all pass, 1 otherwise. `sanitize_check.py --family
+forward_sm90` runs the same launches (imported from here).
 """
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -28,6 +31,7 @@ except ImportError:
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig  # noqa: E402
 from cupyflash.families.forward_sm90.config_sets import default_config, progression_configs  # noqa: E402
+from sanitize_common import Launch, run_launches  # noqa: E402
 
 SHAPES = ((1, 77, 200, 4, 1), (2, 130, 63, 4, 2), (1, 257, 257, 2, 2))  # (B, S_q, S_k, H, H_kv)
 THREE_CONSUMERS = "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap"  # ping-pong ring of 3
@@ -50,39 +54,54 @@ def reference(q, k, v, causal):
     return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+def sanitize_configs(quick: bool = False) -> list[HopperForwardKernelConfig]:
+    """Every progression config, the d_head 64 and 256 defaults and a three-consumer ping-pong
+    ring; --quick: the first and fifth progression steps and the three-consumer one."""
+    configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
+                                       HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
+    return [configs[0], configs[4], configs[-1]] if quick else configs
+
+
+def launches(rng: np.random.Generator, quick: bool = False) -> Iterator[Launch]:
+    """One launch per (config, shape, causal); --quick: 3 configs x the first 2 shapes."""
+    shapes = SHAPES[:2] if quick else SHAPES
+    for cfg in sanitize_configs(quick):
+        for shape in shapes:
+            for causal in (False, True):
+                yield Launch("forward_sm90", f"{cfg} {shape} causal={causal}",
+                             functools.partial(_once, cfg, shape, causal, rng))
+
+
+def _once(cfg: HopperForwardKernelConfig, shape: tuple, causal: bool, rng: np.random.Generator) -> tuple[bool, str]:
+    """bf16 inputs, NaN-poisoned out and lse; finite output within 2e-2 relative L2, lse written."""
     import cupy as cp
     import ml_dtypes
 
     from cupyflash.families.forward_sm90 import forward_sm90
 
+    b, sq, sk, h, hkv = shape
+    host = [rng.standard_normal(s).astype(ml_dtypes.bfloat16)
+            for s in ((b, sq, h, cfg.d_head), (b, sk, hkv, cfg.d_head), (b, sk, hkv, cfg.d_head))]
+    q, k, v = (cp.asarray(x) for x in host)
+    out = cp.full(q.shape, 0x7FC0, dtype=cp.uint16).view(ml_dtypes.bfloat16)
+    lse = cp.full((b, h, sq), np.nan, dtype=cp.float32)
+    forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+    got = cp.asnumpy(out).astype(np.float64)
+    ref = reference(*(x.astype(np.float64) for x in host), causal)
+    rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    ok = bool(np.isfinite(got).all() and rel <= 2e-2 and not np.isnan(cp.asnumpy(lse)).any())
+    return ok, f"rel_l2={rel:.2e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Thin wrapper: the same launches run by `sanitize_check.py --family forward_sm90`."""
+    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    import cupy as cp
+
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
-    rng = np.random.default_rng(0)
-    configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
-                                       HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
-    shapes = SHAPES
-    if quick:  # --quick: first and last progression steps, three consumer warpgroups; 2 shapes
-        configs, shapes = [configs[0], configs[4], configs[-1]], SHAPES[:2]
-    failures = 0
-    for cfg in configs:
-        for shape in shapes:
-            for causal in (False, True):
-                b, sq, sk, h, hkv = shape
-                host = [rng.standard_normal(s).astype(ml_dtypes.bfloat16)
-                        for s in ((b, sq, h, cfg.d_head), (b, sk, hkv, cfg.d_head), (b, sk, hkv, cfg.d_head))]
-                q, k, v = (cp.asarray(x) for x in host)
-                out = cp.full(q.shape, 0x7FC0, dtype=cp.uint16).view(ml_dtypes.bfloat16)
-                lse = cp.full((b, h, sq), np.nan, dtype=cp.float32)
-                forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
-                got = cp.asnumpy(out).astype(np.float64)
-                ref = reference(*(x.astype(np.float64) for x in host), causal)
-                rel = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
-                ok = np.isfinite(got).all() and rel <= 2e-2 and not np.isnan(cp.asnumpy(lse)).any()
-                failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {cfg} {shape} causal={causal} rel_l2={rel:.2e}", flush=True)
-    print(f"sanitize_sm90: {failures} failure(s)")
-    return 1 if failures else 0
+    done = run_launches(launches(np.random.default_rng(0), quick), lambda line: print(line, flush=True))
+    print(f"sanitize_sm90: {len(done.failures)} failure(s) in {done.runs} launches")
+    return 1 if done.failures else 0
 
 
 if __name__ == "__main__":
