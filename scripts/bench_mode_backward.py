@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import bench_backward as bb
-from bench_mode_common import Skip, bar_plot, check_then_time, collect_failures, fmt, format_table, ratio, verdict
+from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
+                               ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
@@ -203,11 +203,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     except ValueError as exc:
         print(f"bench.py --mode backward: error: {exc}", file=sys.stderr)
         return 2
+    host = gpu_host(host)
     if host is None:
-        import bench as host
-    reason = host._no_gpu_reason()
-    if reason:
-        print(f"bench.py: {reason}", file=sys.stderr)
         return 2
     import torch
 
@@ -231,17 +228,12 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     print()
     print(f"== {meta['gpu']} | {meta['date']} | " + " | ".join(f"{k} {v}" for k, v in meta["versions"].items() if v))
     print(format_report(data["records"]))
-    plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
-    if plot_path:
+    def draw(path: str) -> str | None:
         keys = list(dict.fromkeys((r["dtype"], r["d_head"], r["causal"], r["seq"]) for r in data["records"]))
         groups = [f"{k[0]} d{k[1]}{' c' if k[2] else ''} {k[3] // 1024}k" for k in keys]
         series = {n: [next((r["tflops"] for r in data["records"] if r["impl"] == n and r["status"] == "ok"
                             and (r["dtype"], r["d_head"], r["causal"], r["seq"]) == k), None) for k in keys]
                   for n in IMPLS}
-        why = bar_plot(groups, series, plot_path, "backward TFLOP/s", f"backward, {meta['gpu']}, {meta['date']}")
-        print(f"plot: {plot_path}" if why is None else f"plot: not written: {why}")
-    print(f"json: {args.json}")
-    if failures:
-        print("bench.py --mode backward: cupyflash FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+        return bar_plot(groups, series, path, "backward TFLOP/s", f"backward, {meta['gpu']}, {meta['date']}")
+
+    return finish("backward", args.json, args.plot, draw, failures)

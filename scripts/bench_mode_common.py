@@ -14,7 +14,38 @@ from typing import Any, Callable, Iterable, Sequence
 
 from bench_impls import Skip  # one Skip for every mode: "cannot run here", with the reason
 
-__all__ = ["Skip", "check_then_time", "verdict", "ratio", "format_table", "fmt", "bar_plot", "collect_failures"]
+__all__ = ["Skip", "gpu_host", "finish", "check_then_time", "verdict", "ratio", "format_table", "fmt", "bar_plot", "collect_failures"]
+
+
+def gpu_host(host: Any = None) -> Any:
+    """bench.py's module (the GPU probes and metadata every mode uses), or None after printing why
+    there is nothing to measure here (the caller then exits with 2)."""
+    if host is None:
+        import bench as host
+    reason = host._no_gpu_reason()
+    if reason:
+        import sys
+
+        print(f"bench.py: {reason}", file=sys.stderr)
+        return None
+    return host
+
+
+def finish(mode: str, json_path: str, plot_arg: str | None, draw: Callable[[str], str | None],
+           failures: Sequence[str]) -> int:
+    """A mode's last lines: the plot (`draw(path)` returns why it was not written, or None) at
+    --plot or next to the JSON ('' for none), the JSON path, the failures; the exit code."""
+    import sys
+
+    plot_path = plot_arg if plot_arg is not None else str(Path(json_path).with_suffix(".png"))
+    if plot_path:
+        why = draw(plot_path)
+        print(f"plot: {plot_path}" if why is None else f"plot: not written: {why}")
+    print(f"json: {json_path}")
+    if failures:
+        print(f"bench.py --mode {mode}: cupyflash FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
 
 
 def check_then_time(impl: str, check: Callable[[], float], time_us: Callable[[], float], tol: float) -> dict:

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import bench_decode as bd
-from bench_mode_common import Skip, bar_plot, check_then_time, collect_failures, fmt, format_table, ratio, verdict
+from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
+                               ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
@@ -274,11 +274,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     except ValueError as exc:
         print(f"bench.py --mode decode: error: {exc}", file=sys.stderr)
         return 2
+    host = gpu_host(host)
     if host is None:
-        import bench as host
-    reason = host._no_gpu_reason()
-    if reason:
-        print(f"bench.py: {reason}", file=sys.stderr)
         return 2
     import torch
 
@@ -314,12 +311,5 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     print(format_report(data["records"], meta))
     if "overhead_us" in data:
         print(format_overhead(data["overhead_us"]))
-    plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
-    if plot_path:
-        why = plot(data["summary"], plot_path, f"decode, {meta['gpu']}, {meta['date']}")
-        print(f"plot: {plot_path}" if why is None else f"plot: not written: {why}")
-    print(f"json: {args.json}")
-    if failures:
-        print("bench.py --mode decode: cupyflash FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+    return finish("decode", args.json, args.plot,
+                  lambda path: plot(data["summary"], path, f"decode, {meta['gpu']}, {meta['date']}"), failures)

@@ -30,12 +30,12 @@ import functools
 import math
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from bench_mode_common import Skip, bar_plot, check_then_time, collect_failures, fmt, format_table, ratio, verdict
+from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
+                               ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints, spot_rows
 from cupyflash.config import DType
 
@@ -359,11 +359,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     except ValueError as exc:
         print(f"bench.py --mode varlen: error: {exc}", file=sys.stderr)
         return 2
+    host = gpu_host(host)
     if host is None:
-        import bench as host
-    reason = host._no_gpu_reason()
-    if reason:
-        print(f"bench.py: {reason}", file=sys.stderr)
         return 2
     import torch
 
@@ -391,17 +388,12 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     print()
     print(f"== {meta['gpu']} | {meta['date']} | " + " | ".join(f"{k} {v}" for k, v in meta["versions"].items() if v))
     print(format_report(data))
-    plot_path = args.plot if args.plot is not None else str(Path(args.json).with_suffix(".png"))
-    if plot_path:
+    def draw(path: str) -> str | None:
         header, rows = report_rows(data["records"])
         groups = [f"{r[0]} d{r[1]}{' causal' if r[2] == 'yes' else ''}" for r in rows]
         series = {n: [next((x["tflops"] for x in data["records"] if x["impl"] == n and x["status"] == "ok"
                             and f"{x['dtype']} d{x['d_head']}{' causal' if x['causal'] else ''}" == g), None)
                       for g in groups] for n in IMPLS}
-        why = bar_plot(groups, series, plot_path, "TFLOP/s", f"varlen, {meta['gpu']}, {meta['date']}")
-        print(f"plot: {plot_path}" if why is None else f"plot: not written: {why}")
-    print(f"json: {args.json}")
-    if failures:
-        print("bench.py --mode varlen: cupyflash FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
-        return 1
-    return 0
+        return bar_plot(groups, series, path, "TFLOP/s", f"varlen, {meta['gpu']}, {meta['date']}")
+
+    return finish("varlen", args.json, args.plot, draw, failures)
