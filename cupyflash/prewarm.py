@@ -45,6 +45,8 @@ class PrewarmResult:
     family: str = DEFAULT_FAMILY
     # Every kernel of the module, by role: (registers, spill stores, spill loads) from ptxas.
     roles: tuple[tuple[str, int, int, int], ...] = ()
+    # ptxas' warning lines for the module (e.g. C7508 setmaxnreg ignored, C7515 wgmma serialised)
+    ptxas_warnings: tuple[str, ...] = ()
 
     @property
     def causal(self) -> bool:
@@ -114,6 +116,7 @@ def _result(task: "_Task", module: CompiledModule, cached: bool) -> PrewarmResul
         spill_store_bytes=first.spill_store_bytes if first else None,
         spill_load_bytes=first.spill_load_bytes if first else None,
         compile_seconds=module.compile_seconds, variant=variant, family=family, roles=tuple(roles),
+        ptxas_warnings=tuple(line.strip() for line in (module.log or "").splitlines() if "warning" in line.lower()),
     )
 
 

@@ -4,9 +4,13 @@
 #   bash scripts/gpu_session.sh shapes     the shape matrix (ragged, causal, GQA, LSE, head dims), sanitizer
 #   bash scripts/gpu_session.sh autotune   tune every (dtype, d_head, seq bucket), write the default table
 #   bash scripts/gpu_session.sh bench      SPEC §6 grid vs. SDPA flash/cuDNN, progression, per-call overhead
+#   bash scripts/gpu_session.sh inference  varlen and decode GPU tests, their kernels under compute-sanitizer
+#                                          (memcheck, racecheck, synccheck)
+#   bash scripts/gpu_session.sh inference_bench  decode tuning table (written as the shipped default),
+#                                          then bench.py --mode decode and --mode varlen (FA3 if carried)
 # Logs and result files go to $OUT (default /tmp/cupyflash-gpu); the last lines are a short summary.
 set -uo pipefail
-step="${1:?usage: gpu_session.sh test|autotune|bench}"
+step="${1:?usage: gpu_session.sh test|shapes|autotune|bench|inference|inference_bench}"
 OUT="${OUT:-/tmp/cupyflash-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -61,6 +65,26 @@ autotune)
 bench)
     timeout 580 python3 scripts/bench.py --d-heads 64,128 --progression --json "$OUT/bench_results.json" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 60
+    ;;
+inference)
+    python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_varlen.py tests/test_gpu_decode.py 2>&1 \
+        | tee "$OUT/inference_tests.log" | tail -n 8
+    python3 scripts/sanitize_check.py --family varlen,decode --quick >"$OUT/sanitize.log" 2>&1  # fills the cache
+    for tool in memcheck racecheck synccheck; do
+        timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 1 python3 scripts/sanitize_check.py \
+            --family varlen,decode --quick >>"$OUT/sanitize.log" 2>&1
+        echo "compute-sanitizer $tool: exit $?" | tee -a "$OUT/sanitize.log"
+    done
+    grep -E "ERROR SUMMARY|summary" "$OUT/sanitize.log" | tail -n 8
+    ;;
+inference_bench)
+    timeout 150 python3 -m cupyflash autotune --family decode --d-heads 64,128,256 --seqs 8192,131072 --iters 6 \
+        --finalists 2 --write-default 2>&1 | tee "$OUT/autotune_decode.log" | tail -n 12
+    cp cupyflash/tuning/default_*.decode.json "$OUT/" 2>/dev/null
+    timeout 200 python3 scripts/bench.py --mode decode --json "$OUT/bench_decode.json" 2>&1 \
+        | tee "$OUT/bench_decode.log" | tail -n 32
+    timeout 150 python3 scripts/bench.py --mode varlen --json "$OUT/bench_varlen.json" 2>&1 \
+        | tee "$OUT/bench_varlen.log" | tail -n 16
     ;;
 *)
     echo "unknown step $step" >&2; exit 2 ;;
