@@ -95,7 +95,9 @@ def resolve_config(cfg: Any, dtype: DType | None = None, d_head: int | None = No
     if dtype is None or d_head is None:
         return None
     if _hopper_default(device) and d_head in SM90_D_HEADS:
-        return FORWARD_SM90.default_config(dtype, d_head, causal)
+        from .families.forward_sm90.launch import auto_config
+
+        return auto_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
     return _select_config(dtype, d_head, seq_len_q, seq_len_k, device, causal)
 
 

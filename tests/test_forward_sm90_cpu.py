@@ -224,3 +224,38 @@ def test_descriptors_are_cached_by_what_they_encode(monkeypatch):
     assert tma.descriptor(1 << 20, DType.BF16, shape, strides, 176) != a  # another box
     assert len(calls) == 3 and calls[2].box == (64, 176, 1, 1)
     tma.clear_cache()
+
+
+# ----------------------------------------------------------------------------- tuning
+def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, monkeypatch):
+    """`autotune --family forward_sm90` times HopperForwardTuningProblem (no tile-multiple rule:
+    TMA zero-fills); a table it writes is what forward(cfg=None) and plan_sm90(None) use on
+    that GPU, the measured defaults elsewhere."""
+    from cupyflash.families.forward_sm90.launch import auto_config
+    from cupyflash.tuning import tables as tuning
+    from cupyflash.families.forward_sm90.tuning import HopperForwardTuningProblem
+    from cupyflash.tuning import TuningTable
+
+    problem = object.__new__(HopperForwardTuningProblem)  # no GPU buffers: only the rule is tested
+    assert problem.skip_reason(config_sets.default_config(DType.BF16, 128)) is None
+    assert type(FORWARD_SM90).tuning_problem is not type(FORWARD_SM90).__mro__[1].tuning_problem
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv("CUPYFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "default_tables_dir", lambda: shipped)
+    monkeypatch.setattr(tuning, "device_name", lambda device: "NVIDIA H100 80GB HBM3" if device == 0 else "other")
+    tuning.clear_caches()
+    try:
+        tuned = H(DType.BF16, 128, 128, 128, 3, True, True, True, False)
+        table = TuningTable(device="NVIDIA H100 80GB HBM3", family="forward_sm90")
+        table.set(tuned, 4096, tflops=650.0, ms=1.0)
+        table.save(shipped / "default_h100.forward_sm90.json")
+        tuning.clear_caches()
+        assert auto_config(DType.BF16, 128, 4096, 4096, 0, False) == tuned
+        assert auto_config(DType.BF16, 128, 4096, 4096, 1, False) == config_sets.default_config(DType.BF16, 128)
+        assert auto_config(DType.FP16, 128, 4096, 4096, 0, False) == config_sets.default_config(DType.FP16, 128)
+        # a table without causal rows answers causal problems with its non-causal row (as for forward_sm80)
+        assert auto_config(DType.BF16, 128, 4096, 4096, 0, True) == tuned
+    finally:
+        tuning.clear_caches()

@@ -60,6 +60,11 @@ class ForwardSm90Family(KernelFamily):
     def progression_configs(self, dtype: DType, d_head: int) -> list[HopperForwardKernelConfig]:
         return config_sets.progression_configs(dtype, d_head)
 
+    def tuning_problem(self, dtype: DType, d_head: int, seq: int, causal: bool, l2_bytes: int):
+        from .tuning import HopperForwardTuningProblem
+
+        return HopperForwardTuningProblem(dtype, d_head, seq, causal, l2_bytes)
+
 
 FORWARD_SM90 = ForwardSm90Family()
 

@@ -20,7 +20,7 @@ from .config import D_HEADS, HopperForwardKernelConfig
 from .config_sets import default_config
 from .params import pack_params
 
-__all__ = ["Sm90Plan", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
+__all__ = ["Sm90Plan", "auto_config", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
            "pack_sm90", "make_repack"]
 
 
@@ -71,12 +71,23 @@ def plan_sm90(cfg: HopperForwardKernelConfig | None, q: TensorView, k: TensorVie
     if reason:
         raise ValueError(reason)
     if cfg is None:
-        cfg = default_config(q.dtype, q.shape[3], base.causal)
+        cfg = auto_config(q.dtype, q.shape[3], base.seq_len_q, base.seq_len_k, base.device, base.causal)
     if cfg.dtype is not q.dtype:
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {q.dtype.name}")
     if cfg.d_head != q.shape[3]:
         raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {q.shape[3]}")
     return Sm90Plan(cfg, base, _sm_count(base.device) if cfg.persistent else 0)
+
+
+def auto_config(dtype, d_head: int, seq_len_q: int, seq_len_k: int, device: int,
+                causal: bool) -> HopperForwardKernelConfig:
+    """This family's choice for cfg=None: the user's or the shipped tuning table for the device
+    (`cupyflash autotune --family forward_sm90`), else the measured default for (d_head, causal).
+    Both lookups are cached."""
+    from ...tuning import tuned_config
+
+    tuned = tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal, "forward_sm90")
+    return tuned if tuned is not None else default_config(dtype, d_head, causal)
 
 
 @functools.lru_cache(maxsize=None)
