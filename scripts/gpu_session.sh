@@ -4,13 +4,15 @@
 #   bash scripts/gpu_session.sh shapes     the shape matrix (ragged, causal, GQA, LSE, head dims), sanitizer
 #   bash scripts/gpu_session.sh autotune   tune every (dtype, d_head, seq bucket), write the default table
 #   bash scripts/gpu_session.sh bench      SPEC §6 grid vs. SDPA flash/cuDNN, progression, per-call overhead
+#   bash scripts/gpu_session.sh autotune_sm90  the Hopper family's table for d_head 128 (non-causal and
+#                                          causal rows), written as the shipped default; D_HEADS=64,256 for more
 #   bash scripts/gpu_session.sh inference  varlen and decode GPU tests, their kernels under compute-sanitizer
 #                                          (memcheck, racecheck, synccheck)
 #   bash scripts/gpu_session.sh inference_bench  decode tuning table (written as the shipped default),
 #                                          then bench.py --mode decode and --mode varlen (FA3 if carried)
 # Logs and result files go to $OUT (default /tmp/cupyflash-gpu); the last lines are a short summary.
 set -uo pipefail
-step="${1:?usage: gpu_session.sh test|shapes|autotune|bench|inference|inference_bench}"
+step="${1:?usage: gpu_session.sh test|shapes|autotune|autotune_sm90|bench|inference|inference_bench}"
 OUT="${OUT:-/tmp/cupyflash-gpu}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -65,6 +67,17 @@ autotune)
 bench)
     timeout 580 python3 scripts/bench.py --d-heads 64,128 --progression --json "$OUT/bench_results.json" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 60
+    ;;
+autotune_sm90)
+    d_heads="${D_HEADS:-128}"
+    # The tune set's modules compile in parallel first (sm_90a compiles take 10-20 s each).
+    python3 scripts/prewarm_cache.py --family forward_sm90 --set tune --causal --jobs 16 --quiet \
+        >"$OUT/prewarm_sm90.log" 2>&1
+    for causal in "" "--causal"; do
+        timeout 240 python3 -m cupyflash autotune --family forward_sm90 --d-heads "$d_heads" --iters 10 \
+            --finalists 3 --write-default $causal 2>&1 | tee -a "$OUT/autotune_sm90.log" | tail -n 16
+    done
+    cp cupyflash/tuning/default_*.forward_sm90.json "$OUT/" 2>/dev/null
     ;;
 inference)
     python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_varlen.py tests/test_gpu_decode.py 2>&1 \
