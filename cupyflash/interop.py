@@ -181,6 +181,14 @@ def output_view(x: Any, name: str = "out") -> TensorView:
     return as_view(x, name)
 
 
+def host_copy(view: TensorView) -> np.ndarray:
+    """A NumPy copy of a device array (a synchronising read: only for opt-in checks)."""
+    base = view.base
+    if view.framework == TORCH:
+        return base.detach().cpu().numpy()
+    return np.asarray(_cupy.asnumpy(base))
+
+
 def allocate_output(like: TensorView, shape: tuple[int, ...]) -> TensorView:
     """A new contiguous array of `shape` with `like`'s dtype, device and framework."""
     if like.framework == TORCH:

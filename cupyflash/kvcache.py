@@ -22,9 +22,10 @@ from .families.decode import config_sets as decode_sets
 from .families.decode.params import DECODE_PARAMS
 from .families.decode.splits import choose_num_splits
 from . import kvcache_plans
-from .interop import TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, output_view, resolve_stream, wrap_output
+from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
+                      resolve_stream, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
-from .validation import LOG2_E, check_compute_capability, check_flag
+from .validation import LOG2_E, check_compute_capability, index_check_requested
 
 __all__ = ["forward_kvcache", "resolve_decode_config", "workspace_bytes", "plan_num_splits"]
 
@@ -141,21 +142,6 @@ def _prefer_shared_memory(kernels) -> None:
             _carveout_set.add(kernel.func_ptr)
 
 
-def _index_check_requested(check_indices: Any) -> bool:
-    if check_indices is None:
-        return os.environ.get("CUPYFLASH_CHECK_INDICES", "") not in ("", "0")
-    return check_flag(check_indices, "check_indices")
-
-
-def _host_copy(view: TensorView):
-    import numpy as np
-
-    base = view.base
-    if view.framework == TORCH:
-        return base.detach().cpu().numpy()
-    return np.asarray(_cupy.asnumpy(base))
-
-
 def _allocate_workspace(like: TensorView, nbytes: int) -> tuple[Any, int]:
     """(owner, pointer) of `nbytes` of scratch in the caller's framework allocator."""
     n = -(-nbytes // 4)
@@ -260,8 +246,8 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
     config = resolve_decode_config(cfg, plan, smem_limit)
     if splits is None:
         splits = plan_num_splits(plan, config, num_sms)
-    if _index_check_requested(check_indices):
-        check_index_values(plan, _host_copy(sv), _host_copy(bv) if bv is not None else None)
+    if index_check_requested(check_indices):
+        check_index_values(plan, host_copy(sv), host_copy(bv) if bv is not None else None)
     stream_ptr = resolve_stream(stream, qv)
 
     if ov is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -106,6 +107,14 @@ def check_softmax_scale(softmax_scale, d_head: int) -> float:
             f"softmax_scale: expected a finite number > 0 (within float32 range), got {softmax_scale!r}"
         )
     return scale
+
+
+def index_check_requested(check_indices) -> bool:
+    """Whether a call checks its index arrays (cache_seqlens, block_table, cu_seqlens) on the host:
+    `check_indices` when it is a bool, else the environment variable CUPYFLASH_CHECK_INDICES=1."""
+    if check_indices is None:
+        return os.environ.get("CUPYFLASH_CHECK_INDICES", "") not in ("", "0")
+    return check_flag(check_indices, "check_indices")
 
 
 def check_flag(value, name: str) -> bool:

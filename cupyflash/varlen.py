@@ -20,8 +20,9 @@ from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.params import pack_params
 from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
 from . import varlen_plans
-from .interop import TORCH, _cupy, allocate_lse, allocate_output, as_view, output_view, resolve_stream, wrap_output
-from .kvcache import _host_copy, _index_check_requested
+from .interop import (TORCH, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view, resolve_stream,
+                      wrap_output)
+from .validation import check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, check_index_values, check_varlen_args
 
 __all__ = ["forward_varlen", "pack_varlen_sm80", "pack_varlen_sm90"]
@@ -171,12 +172,10 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     ckv = as_view(cu_seqlens_k, "cu_seqlens_k")
     ov = output_view(out) if out is not None else None
     problem = check_varlen_args(qv, kv, vv, cqv, ckv, max_seqlen_q, max_seqlen_k, ov, softmax_scale, causal)
-    from .validation import check_flag
-
     want_lse = check_flag(return_lse, "return_lse")
     config = _resolve_config(cfg, problem, qv, kv, vv)
-    if _index_check_requested(check_indices):
-        check_index_values(problem, _host_copy(cqv), _host_copy(ckv))
+    if index_check_requested(check_indices):
+        check_index_values(problem, host_copy(cqv), host_copy(ckv))
     stream_ptr = resolve_stream(stream, qv)
     if ov is None:
         ov = allocate_output(qv, problem.out_shape)

@@ -933,3 +933,16 @@ def test_forward_fast_path_keys_on_causal_and_steps_aside_for_lse(faked_gpu, mon
     cupyflash.forward(CFG, q, q, q, q, return_lse=True, lse=lse)
     assert len(seen) == 2  # calls that want the log-sum-exp never take the fast path
     assert len(faked_gpu.kernel.launches) == 4
+
+
+def test_index_check_requested_by_argument_or_environment(monkeypatch):
+    from cupyflash.validation import index_check_requested
+
+    monkeypatch.delenv("CUPYFLASH_CHECK_INDICES", raising=False)
+    assert index_check_requested(None) is False and index_check_requested(True) is True
+    for value, want in (("1", True), ("0", False), ("", False), ("yes", True)):
+        monkeypatch.setenv("CUPYFLASH_CHECK_INDICES", value)
+        assert index_check_requested(None) is want
+    assert index_check_requested(False) is False  # the argument wins over the environment
+    with pytest.raises(TypeError, match="^check_indices"):
+        index_check_requested(1)
