@@ -1,6 +1,6 @@
 """cupyflash.torch: attention as PyTorch custom operators (torch.compile, CUDA graphs, opcheck).
 
-Importing this module registers two operators in the torch.library namespace `cupyflash`:
+Importing this module registers operators in the torch.library namespace `cupyflash`:
 
     cupyflash::attention_forward(Tensor q, Tensor k, Tensor v, bool causal=False,
                                  float? softmax_scale=None) -> Tensor
@@ -28,6 +28,10 @@ family), and `attention_forward_lse` carries an autograd formula over it
 calls that need a gradient through the lse variant, which saves what the backward needs; the lse
 output itself is not differentiable (as in FlashAttention). `attention_forward` called directly
 has no autograd formula (it saves no lse).
+
+Packed ragged batches: `cupyflash::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int
+max_seqlen_q, int max_seqlen_k, causal, softmax_scale) -> Tensor` runs `cupyflash.forward_varlen`
+(inference only: no varlen backward yet).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ from .config import DType
 from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
 
-__all__ = ["attention", "attention_forward", "attention_forward_lse", "attention_backward", "NAMESPACE"]
+__all__ = ["attention", "attention_varlen", "attention_forward", "attention_forward_lse", "attention_backward",
+           "NAMESPACE"]
 
 NAMESPACE = "cupyflash"
 _ARGS = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None)"
@@ -50,6 +55,8 @@ SCHEMAS = {
     "attention_forward_lse": _ARGS + " -> (Tensor out, Tensor lse)",
     "attention_backward": ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, "
                            "float? softmax_scale=None, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)"),
+    "attention_varlen": ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+                         "int max_seqlen_k, bool causal=False, float? softmax_scale=None) -> Tensor"),
 }
 
 # pt2_compliant: tested with opcheck and torch.compile. Exact strides: Inductor must hand the
@@ -317,6 +324,27 @@ def _refuse_host_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
 # As _host_kernel, for the backward operator's CPU kernel (tests put a reference here).
 _host_backward_kernel = _refuse_host_backward
 
+def _attention_varlen_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                          softmax_scale: float | None = None) -> torch.Tensor:
+    from .varlen import forward_varlen  # its own per-signature fast path; torch's current stream
+
+    return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                          softmax_scale=softmax_scale)
+
+
+# As _host_kernel, for the varlen operator's CPU kernel (tests put a reference here).
+_host_varlen_kernel = _refuse_host_tensors
+
+
+def _attention_varlen_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                           softmax_scale: float | None = None) -> torch.Tensor:
+    return _host_varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+
+
+_LIB.impl("attention_varlen", _attention_varlen_cuda, "CUDA")
+_LIB.impl("attention_varlen", _attention_varlen_host, "CPU")
 _LIB.impl("attention_backward", _attention_backward_cuda, "CUDA")
 _LIB.impl("attention_backward", _attention_backward_host, "CPU")
 _LIB.impl("attention_forward", _attention_cuda, "CUDA")
@@ -380,6 +408,20 @@ def _attention_backward_fake(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake(f"{NAMESPACE}::attention_varlen", lib=_LIB)
+def _attention_varlen_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                           softmax_scale: float | None = None) -> torch.Tensor:
+    from .varlen_checks import check_varlen_args
+
+    views = [_meta_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
+                                                 (cu_seqlens_k, "cu_seqlens_k"))]
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        softmax_scale = None  # a symbolic float while tracing: the CUDA kernel checks the value
+    problem = check_varlen_args(*views, max_seqlen_q, max_seqlen_k, None, softmax_scale, causal)
+    return q.new_empty(problem.out_shape)  # contiguous (total_q, heads, d), as forward_varlen allocates
+
+
 # ------------------------------------------------------------------------- autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, causal, softmax_scale = inputs
@@ -427,6 +469,7 @@ class _AttentionFunction(torch.autograd.Function):
 attention_forward = torch.ops.cupyflash.attention_forward.default
 attention_forward_lse = torch.ops.cupyflash.attention_forward_lse.default
 attention_backward = torch.ops.cupyflash.attention_backward.default
+attention_varlen_op = torch.ops.cupyflash.attention_varlen.default
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -463,3 +506,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if return_lse:
         return attention_forward_lse(q, k, v, causal, softmax_scale)
     return attention_forward(q, k, v, causal, softmax_scale)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: float | None = None) -> torch.Tensor:
+    """`cupyflash.forward_varlen` through the `cupyflash::attention_varlen` operator: packed ragged
+    batches (q (total_q, heads, d), k/v (total_k, kv_heads, d), int32 cu_seqlens of batch + 1
+    offsets, host-int max lengths), eagerly, under torch.compile(fullgraph=True) and in CUDA graphs.
+    Inference only for now: there is no varlen backward, so it has no autograd formula."""
+    if causal is not True and causal is not False:
+        causal = check_flag(causal, "causal")
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        softmax_scale = check_softmax_scale(softmax_scale, 1)
+    from .varlen_checks import check_max_seqlen
+
+    return attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+                               check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)

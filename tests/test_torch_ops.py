@@ -574,3 +574,83 @@ def test_compile_inductor_trains_a_block_on_the_gpu():
         grads.append([p.grad.float().clone() for p in block.parameters()])
     for eager, comp in zip(*grads):
         assert ((eager - comp).norm() / eager.norm().clamp_min(1e-12)).item() < 2e-2
+
+
+# ----------------------------------------------------------------------------- varlen operator
+def _reference_varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale):
+    """NumPy stand-in for the varlen CUDA kernel: per sequence; no keys -> 0; past the last
+    sequence's end the rows are left as torch.empty gives them (zeroed here, for comparisons)."""
+    out = np.zeros(q.shape, dtype=np.float64)
+    qn, kn, vn = (x.detach().float().numpy() for x in (q, k, v))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        if cq[b + 1] > cq[b] and ck[b + 1] > ck[b]:
+            o, _ = numpy_attention(qn[None, cq[b]:cq[b + 1]], kn[None, ck[b]:ck[b + 1]], vn[None, ck[b]:ck[b + 1]],
+                                   softmax_scale, causal)
+            out[cq[b]:cq[b + 1]] = o[0]
+    return torch.from_numpy(out).to(q.dtype).contiguous()
+
+
+def _varlen_inputs(device, lens_q=(5, 0, 17, 9), lens_k=(7, 3, 17, 0), heads=(4, 2), d=64):
+    cu_q = torch.tensor([0, *np.cumsum(lens_q)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *np.cumsum(lens_k)], dtype=torch.int32, device=device)
+    q = torch.randn(sum(lens_q), heads[0], d, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), heads[1], d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)
+
+
+def test_varlen_operator_fake_kernel_and_errors():
+    q, k, v = meta(100, 8, 128), meta(300, 2, 128), meta(300, 2, 128)
+    cu = meta(5, dtype=torch.int32)
+    out = cft.attention_varlen(q, k, v, cu, cu, 60, 200, causal=True)
+    assert out.shape == (100, 8, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    with pytest.raises(TypeError, match="^cu_seqlens_k: expected dtype int32"):
+        cft.attention_varlen(q, k, v, cu, meta(5, dtype=torch.int64), 60, 200)
+    with pytest.raises(ValueError, match="^cu_seqlens_k: has 4 entries"):
+        cft.attention_varlen(q, k, v, cu, meta(4, dtype=torch.int32), 60, 200)
+    with pytest.raises(TypeError, match="^max_seqlen_q: expected an int"):
+        cft.attention_varlen(q, k, v, cu, cu, 60.0, 200)
+    with pytest.raises(ValueError, match="^k: d_head 64"):
+        cft.attention_varlen(q, meta(300, 2, 64), meta(300, 2, 64), cu, cu, 60, 200)
+
+
+@pytest.fixture
+def reference_varlen_kernel(monkeypatch):
+    monkeypatch.setattr(cft, "_host_varlen_kernel", _reference_varlen_kernel)
+
+
+def test_varlen_opcheck_and_compile_over_reference(reference_varlen_kernel):
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs("cpu")
+    for args in [(q, k, v, cu_q, cu_k, max_q, max_k), (q, k, v, cu_q, cu_k, max_q, max_k, True, 0.3)]:
+        result = torch.library.opcheck(cft.attention_varlen_op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: cft.attention_varlen(*a, causal=True), fullgraph=True, backend="aot_eager")
+    assert torch.equal(f(q, k, v, cu_q, cu_k, max_q, max_k), _reference_varlen_kernel(q, k, v, cu_q, cu_k, max_q,
+                                                                                        max_k, True, None))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_varlen_operator_on_the_gpu():
+    import cupy as cp
+    from gpu_reference import check_attention
+
+    q, k, v, cu_q, cu_k, max_q, max_k = _varlen_inputs("cuda", (90, 0, 200, 33), (100, 7, 200, 0), (8, 2), 128)
+    out = cft.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    torch.cuda.synchronize()
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(4):
+        if cq[b + 1] == cq[b]:
+            continue
+        if ck[b + 1] == ck[b]:
+            assert bool((out[cq[b]:cq[b + 1]] == 0).all())
+            continue
+        check_attention(cp, DType.BF16, *(_cupy(cp, x[None]) for x in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]],
+                                                                       v[ck[b]:ck[b + 1]], out[cq[b]:cq[b + 1]])),
+                        causal=True, context=f"attention_varlen sequence {b}")
+    result = torch.library.opcheck(cft.attention_varlen_op, (q, k, v, cu_q, cu_k, max_q, max_k, True, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: cft.attention_varlen(*a, causal=True), fullgraph=True)
+    assert torch.equal(f(q, k, v, cu_q, cu_k, max_q, max_k), out)
