@@ -31,7 +31,9 @@ has no autograd formula (it saves no lse).
 
 Packed ragged batches: `cupyflash::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int
 max_seqlen_q, int max_seqlen_k, causal, softmax_scale) -> Tensor` runs `cupyflash.forward_varlen`
-(inference only: no varlen backward yet).
+(inference only: no varlen backward yet); `cupyflash::attention_kvcache(q, k_cache!, v_cache!,
+cache_seqlens, block_table?, k_new?, v_new?, causal, softmax_scale, num_splits?) -> Tensor` runs
+`cupyflash.forward_kvcache`, with the caches declared mutated (k_new/v_new are appended in place).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from .config import DType
 from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
 
-__all__ = ["attention", "attention_varlen", "attention_forward", "attention_forward_lse", "attention_backward",
+__all__ = ["attention", "attention_varlen", "attention_kvcache", "attention_forward", "attention_forward_lse", "attention_backward",
            "NAMESPACE"]
 
 NAMESPACE = "cupyflash"
@@ -57,6 +59,10 @@ SCHEMAS = {
                            "float? softmax_scale=None, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)"),
     "attention_varlen": ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
                          "int max_seqlen_k, bool causal=False, float? softmax_scale=None) -> Tensor"),
+    # k_cache/v_cache are written in place (k_new/v_new appended at cache_seqlens) when k_new is given
+    "attention_kvcache": ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+                          "Tensor? block_table=None, Tensor? k_new=None, Tensor? v_new=None, bool causal=True, "
+                          "float? softmax_scale=None, int? num_splits=None) -> Tensor"),
 }
 
 # pt2_compliant: tested with opcheck and torch.compile. Exact strides: Inductor must hand the
@@ -343,6 +349,30 @@ def _attention_varlen_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return _host_varlen_kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
 
+def _attention_kvcache_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                           k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, causal: bool = True,
+                           softmax_scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    from .kvcache import forward_kvcache  # its own per-signature fast path; torch's current stream
+
+    return forward_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
+                           v_new=v_new, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits)
+
+
+# As _host_kernel, for the kvcache operator's CPU kernel (tests put a reference here).
+_host_kvcache_kernel = _refuse_host_tensors
+
+
+def _attention_kvcache_host(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, causal: bool = True,
+                            softmax_scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    return _host_kvcache_kernel(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, softmax_scale,
+                                num_splits)
+
+
+_LIB.impl("attention_kvcache", _attention_kvcache_cuda, "CUDA")
+_LIB.impl("attention_kvcache", _attention_kvcache_host, "CPU")
 _LIB.impl("attention_varlen", _attention_varlen_cuda, "CUDA")
 _LIB.impl("attention_varlen", _attention_varlen_host, "CPU")
 _LIB.impl("attention_backward", _attention_backward_cuda, "CUDA")
@@ -422,6 +452,23 @@ def _attention_varlen_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return q.new_empty(problem.out_shape)  # contiguous (total_q, heads, d), as forward_varlen allocates
 
 
+@torch.library.register_fake(f"{NAMESPACE}::attention_kvcache", lib=_LIB)
+def _attention_kvcache_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                            k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, causal: bool = True,
+                            softmax_scale: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    from .kvcache_checks import check_kvcache_args, check_num_splits
+
+    named = ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"), (cache_seqlens, "cache_seqlens"),
+             (block_table, "block_table"), (k_new, "k_new"), (v_new, "v_new"))
+    views = [_meta_view(x, name) if x is not None else None for x, name in named]
+    if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
+        softmax_scale = None  # a symbolic float while tracing: the CUDA kernel checks the value
+    check_num_splits(num_splits)
+    plan = check_kvcache_args(*views, None, causal, softmax_scale, False)
+    return q.new_empty(plan.out_shape)  # contiguous, q's shape and dtype, as forward_kvcache allocates
+
+
 # ------------------------------------------------------------------------- autograd
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, causal, softmax_scale = inputs
@@ -470,6 +517,7 @@ attention_forward = torch.ops.cupyflash.attention_forward.default
 attention_forward_lse = torch.ops.cupyflash.attention_forward_lse.default
 attention_backward = torch.ops.cupyflash.attention_backward.default
 attention_varlen_op = torch.ops.cupyflash.attention_varlen.default
+attention_kvcache_op = torch.ops.cupyflash.attention_kvcache.default
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -523,3 +571,22 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     return attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
                                check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)
+
+
+def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
+                      block_table: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                      v_new: torch.Tensor | None = None, causal: bool = True, softmax_scale: float | None = None,
+                      num_splits: int | None = None) -> torch.Tensor:
+    """`cupyflash.forward_kvcache` through the `cupyflash::attention_kvcache` operator (k_cache and
+    v_cache declared mutated: k_new/v_new are appended in place), eagerly, under
+    torch.compile(fullgraph=True) and in CUDA graphs. Inference only: no autograd formula."""
+    if causal is not True and causal is not False:
+        causal = check_flag(causal, "causal")
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        softmax_scale = check_softmax_scale(softmax_scale, 1)
+    if num_splits is not None:
+        from .kvcache_checks import check_num_splits
+
+        num_splits = check_num_splits(num_splits)
+    return attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, softmax_scale,
+                                num_splits)

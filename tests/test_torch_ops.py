@@ -654,3 +654,87 @@ def test_varlen_operator_on_the_gpu():
     torch._dynamo.reset()
     f = torch.compile(lambda *a: cft.attention_varlen(*a, causal=True), fullgraph=True)
     assert torch.equal(f(q, k, v, cu_q, cu_k, max_q, max_k), out)
+
+
+# ----------------------------------------------------------------------------- kvcache operator
+def _reference_kvcache_kernel(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, softmax_scale,
+                              num_splits):
+    """NumPy/torch stand-in for the decode CUDA kernels (contiguous caches): append k_new/v_new at
+    cache_seqlens in place, then attend over each sequence's rows."""
+    assert block_table is None, "the stand-in serves contiguous caches"
+    lens = cache_seqlens.tolist()
+    seq_new = 0 if k_new is None else k_new.shape[1]
+    for b, n in enumerate(lens):
+        if seq_new:
+            k_cache[b, n:n + seq_new] = k_new[b]
+            v_cache[b, n:n + seq_new] = v_new[b]
+    out = np.zeros(q.shape, dtype=np.float64)
+    for b, n in enumerate(lens):
+        keys = n + seq_new
+        if keys:
+            o, _ = numpy_attention(*(x[b:b + 1, :rows].detach().float().numpy()
+                                     for x, rows in ((q, q.shape[1]), (k_cache, keys), (v_cache, keys))),
+                                   softmax_scale, causal)
+            out[b] = o[0]
+    return torch.from_numpy(out).to(q.dtype).contiguous()
+
+
+def _kvcache_inputs(device, batch=3, seq_q=2, cap=64, heads=(4, 2), d=64, seq_new=2):
+    q = torch.randn(batch, seq_q, heads[0], d, device=device, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(batch, cap, heads[1], d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([0, 17, 40][:batch], dtype=torch.int32, device=device)
+    k_new, v_new = (torch.randn(batch, seq_new, heads[1], d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k_cache, v_cache, seqlens, k_new, v_new
+
+
+def test_kvcache_operator_fake_kernel_and_errors():
+    q, kc, vc = meta(2, 1, 8, 128), meta(2, 256, 2, 128), meta(2, 256, 2, 128)
+    lens = meta(2, dtype=torch.int32)
+    out = cft.attention_kvcache(q, kc, vc, cache_seqlens=lens)
+    assert out.shape == (2, 1, 8, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    paged = cft.attention_kvcache(q, meta(64, 16, 2, 128), meta(64, 16, 2, 128), cache_seqlens=lens,
+                                  block_table=meta(2, 32, dtype=torch.int32))
+    assert paged.shape == (2, 1, 8, 128)
+    with pytest.raises(TypeError, match="^cache_seqlens: expected dtype int32"):
+        cft.attention_kvcache(q, kc, vc, cache_seqlens=meta(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="^num_splits"):
+        cft.attention_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=0)
+
+
+@pytest.fixture
+def reference_kvcache_kernel(monkeypatch):
+    monkeypatch.setattr(cft, "_host_kvcache_kernel", _reference_kvcache_kernel)
+
+
+def test_kvcache_opcheck_and_compile_over_reference(reference_kvcache_kernel):
+    q, kc, vc, lens, kn, vn = _kvcache_inputs("cpu")
+    for args in [(q, kc.clone(), vc.clone(), lens), (q, kc.clone(), vc.clone(), lens, None, kn, vn, True, 0.3)]:
+        result = torch.library.opcheck(cft.attention_kvcache_op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, kc, vc, lens, kn, vn: cft.attention_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn,
+                                                                             v_new=vn),
+                      fullgraph=True, backend="aot_eager")
+    kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    got = f(q, kc1, vc1, lens, kn, vn)
+    want = _reference_kvcache_kernel(q, kc2, vc2, lens, None, kn, vn, True, None, None)
+    assert torch.equal(got, want)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)  # the append reached the caller's caches
+    assert torch.equal(kc1[1, 17:19], kn[1]) and not torch.equal(kc1, kc)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kvcache_operator_on_the_gpu():
+    q, kc, vc, lens, kn, vn = _kvcache_inputs("cuda", d=128)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    out = cft.attention_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn)
+    want = _reference_kvcache_kernel(q.cpu(), kc_ref.cpu(), vc_ref.cpu(), lens.cpu(), None, kn.cpu(), vn.cpu(), True,
+                                     None, None)
+    assert torch.equal(kc[1, 17:19], kn[1]) and torch.equal(vc[2, 40:42], vn[2])
+    assert (out.float().cpu() - want.float()).norm() / want.float().norm() < 1e-2
+    result = torch.library.opcheck(cft.attention_kvcache_op, (q, kc.clone(), vc.clone(), lens, None, kn, vn))
+    assert set(result.values()) == {"SUCCESS"}, result
+    torch._dynamo.reset()
+    f = torch.compile(lambda *a: cft.attention_kvcache(a[0], a[1], a[2], cache_seqlens=a[3]), fullgraph=True)
+    assert torch.equal(f(q, kc, vc, lens), cft.attention_kvcache(q, kc, vc, cache_seqlens=lens))
