@@ -130,7 +130,7 @@ def _launch(callback: "_Callback", ctx: Any, q: Any, k: Any, v: Any, out: Any, l
     fast = callback.launchers.get(device) or _launcher(callback, device)
     lse_ptr = _buffer_ptr(lse) if lse is not None else 0
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
-        fast.write_pointers(fast.buf, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+        fast.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         if _get_device() == device:  # XLA's thread has its device current; cuLaunchKernel needs it
             _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
         else:

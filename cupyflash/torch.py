@@ -116,16 +116,30 @@ def _bind_launch() -> None:
 class _ForwardPlan:
     """A validated forward signature: its replayable launch and output shapes."""
 
-    __slots__ = ("fast", "device", "out_shape", "lse_shape")
+    __slots__ = ("fast", "device", "out_shape", "lse_shape", "like_q")
 
-    def __init__(self, fast: Any, device: int, out_shape: tuple[int, ...], lse_shape: tuple[int, ...]) -> None:
+    def __init__(self, fast: Any, device: int, out_shape: tuple[int, ...], lse_shape: tuple[int, ...],
+                 like_q: bool) -> None:
         self.fast, self.device, self.out_shape, self.lse_shape = fast, device, out_shape, lse_shape
+        # out is q's shape and q has row-major strides (the key holds them): torch.empty_like(q)
+        # allocates the same contiguous tensor as q.new_empty(out_shape) for 60% of its cost
+        self.like_q = like_q
 
 
 def _forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any) -> tuple:
     # One flat tuple: hashing nested tuples costs more. torch.Size and stride() are tuples already.
     return (q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype, k.get_device(),
             v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale)
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (size-1 dimensions included: empty_like
+    copies even those, and the fake kernels promise exactly these)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -142,7 +156,9 @@ def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if len(_forward_plans) >= _MAX_PLANS:
         _forward_plans.clear()
     fast = op_launch.make_launch(plan, sm90, plan.device)
-    _forward_plans[key] = _ForwardPlan(fast, plan.device, tuple(plan.out_shape), tuple(plan.lse_shape))
+    out_shape = tuple(plan.out_shape)
+    _forward_plans[key] = _ForwardPlan(fast, plan.device, out_shape, tuple(plan.lse_shape),
+                                       out_shape == tuple(q.shape) and q.stride() == _row_major(out_shape))
 
 
 def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any,
@@ -153,7 +169,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                                k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale))
     if plan is None or _get_device() != plan.device:
         return None
-    out = q.new_empty(plan.out_shape)  # q's dtype and device, contiguous, torch's allocator
+    out = torch.empty_like(q) if plan.like_q else q.new_empty(plan.out_shape)  # contiguous, q's dtype
     q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
     if (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
         return None  # misaligned this time: forward raises the proper error
@@ -165,7 +181,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     stream = _raw_stream(plan.device)
     fast = plan.fast
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
-        fast.write_pointers(fast.buf, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
+        fast.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
     return (out, lse) if with_lse else out
 

@@ -5,6 +5,7 @@ the address words when nothing else depends on the address, and must refuse othe
 """
 from __future__ import annotations
 
+import ctypes
 import struct
 
 import numpy as np
@@ -60,13 +61,13 @@ def test_address_words_found_and_writes_match_the_encoder(monkeypatch, repack):
     assert found is not None
     offsets, template = found
     assert offsets == (24, 128 + 24, 256 + 24, 384, 392)  # word 3 of each descriptor, then o and lse
-    write = op_launch._address_writer(offsets)
+    buf = ctypes.create_string_buffer(template, len(template))  # the FastLaunch block's type
+    write = op_launch._address_writer(buf, offsets)
     rng = np.random.default_rng(0)
     for _ in range(20):
         ptrs = [int(x) * 16 for x in rng.integers(1, 1 << 43, 5)]
-        buf = bytearray(template)
-        write(buf, *ptrs)
-        assert bytes(buf) == repack(*ptrs)
+        write(*ptrs)
+        assert buf.raw == repack(*ptrs)
 
 
 @pytest.mark.parametrize("address_word", [
@@ -93,7 +94,8 @@ def test_leading_writer_is_forward_params_prefix():
 
     q, k, v = _views((1, 64, 4, 64), (1, 64, 4, 64))
     plan = check_forward_args(None, q, k, v, None, None, False, select=lambda d, h, *_: default_config(d, h))
-    buf = bytearray(plan.pack(0, 0, 0, 0, 0))
-    op_launch._write_leading(buf, 16, 32, 48, 64, 80)
-    assert bytes(buf) == plan.pack(16, 32, 48, 64, 80)
+    params = plan.pack(0, 0, 0, 0, 0)
+    buf = ctypes.create_string_buffer(params, len(params))
+    op_launch.leading_writer(buf)(16, 32, 48, 64, 80)
+    assert buf.raw == plan.pack(16, 32, 48, 64, 80)
     assert [name for name, _, _ in PARAM_FIELDS[:5]] == ["q", "k", "v", "o", "lse"]

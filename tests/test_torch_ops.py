@@ -204,7 +204,7 @@ def test_forward_plan_replays_with_each_calls_pointers(mocked_launch, monkeypatc
     def make_launch(plan, sm90, device):  # op_launch.make_launch's mma.sync branch, minus the registry
         fast = op_launch.OpLaunch(1234, plan.grid, plan.block, plan.smem_bytes, device, plan.pack(0, 0, 0, 0, 0),
                                   plan.out_shape, None, None)
-        fast.write_pointers = op_launch._write_leading
+        fast.write_pointers = op_launch.leading_writer(fast.buf)
         return fast
 
     monkeypatch.setattr(op_launch, "make_launch", make_launch)
@@ -238,6 +238,32 @@ def test_forward_plan_replays_with_each_calls_pointers(mocked_launch, monkeypatc
     calls = len(mocked_launch.calls)
     monkeypatch.setattr(cft, "_get_device", lambda: 1)  # another device current: the full path
     assert cft._attention_cuda(q, k, v, True, 0.25) == "full path" and len(mocked_launch.calls) == calls
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "odd size-1 stride", "heads-major"])
+def test_replayed_outputs_are_row_major_whatever_q_is(mocked_launch, monkeypatch, layout):
+    from cupyflash import op_launch
+    from cupyflash.families.forward_sm80.config_sets import default_config
+    from cupyflash.validation import check_forward_args
+
+    select = lambda dtype, d_head, *_: default_config(dtype, d_head)  # noqa: E731
+    monkeypatch.setattr(op_launch, "plan_views", lambda q, k, v, causal, scale: (
+        check_forward_args(None, q, k, v, None, scale, causal, select=select), None))
+    monkeypatch.setattr(op_launch, "make_launch", lambda plan, sm90, device: op_launch.OpLaunch(
+        1234, plan.grid, plan.block, plan.smem_bytes, device, plan.pack(0, 0, 0, 0, 0), plan.out_shape, None, None))
+    monkeypatch.setattr(op_launch.OpLaunch, "write_pointers", lambda *ptrs: None, raising=False)
+    monkeypatch.setattr(cft, "_forward", lambda *args, **kwargs: "full path")
+
+    def make_q() -> torch.Tensor:
+        if layout == "heads-major":
+            return torch.randn(1, 4, 40, 64, dtype=torch.bfloat16).transpose(1, 2)
+        q = torch.randn(1, 40, 4, 64, dtype=torch.bfloat16)
+        return q.as_strided(q.shape, (7, 256, 64, 1)) if layout == "odd size-1 stride" else q
+
+    k, v = (torch.randn(1, 56, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+    assert cft._attention_cuda(make_q(), k, v, False, None) == "full path"
+    out = cft._attention_cuda(make_q(), k, v, False, None)
+    assert out.shape == (1, 40, 4, 64) and out.stride() == (40 * 4 * 64, 4 * 64, 64, 1)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
