@@ -213,6 +213,19 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     if config is None and _hopper_default(qv.device) and _hopper_reason(qv, kv, vv) is None:
         return _forward_sm90(None, qv, kv, vv, ov, out, softmax_scale, causal, return_lse, lse, stream, key)
     plan = plan_forward(config, qv, kv, vv, ov, softmax_scale, causal)
+    want_lse, ov, lv, stream_ptr = _outputs(plan, qv, ov, return_lse, lse, stream)
+    if plan.launch:
+        kernel = _launch(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
+        if key is not None:
+            launch_plans.remember(key, _fast_launch(plan, kernel, qv))
+    return _result(out, ov, want_lse, lse, lv)
+
+
+def _outputs(plan: LaunchPlan, qv: TensorView, ov: TensorView | None, return_lse: Any, lse: Any,
+             stream: Any) -> tuple[bool, TensorView, TensorView | None, int]:
+    """The output side of a validated forward plan, either family: (whether an lse is wanted,
+    the output view, the lse view or None, the stream handle). The caller's `out`/`lse` are
+    checked against the plan; missing ones are allocated, the lse only when asked for."""
     want_lse = check_lse_request(return_lse, lse is not None)
     lv = None
     if lse is not None:
@@ -223,10 +236,11 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
         ov = allocate_output(qv, plan.out_shape)
     if want_lse and lv is None:
         lv = allocate_lse(qv, plan.lse_shape)
-    if plan.launch:
-        kernel = _launch(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
-        if key is not None:
-            launch_plans.remember(key, _fast_launch(plan, kernel, qv))
+    return want_lse, ov, lv, stream_ptr
+
+
+def _result(out: Any, ov: TensorView, want_lse: bool, lse: Any, lv: TensorView | None) -> Any:
+    """forward()'s return value: the caller's arrays where given, else the allocated ones."""
     result = out if out is not None else wrap_output(ov)
     if want_lse:
         return result, (lse if lse is not None else wrap_output(lv))
@@ -243,16 +257,7 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
 
     plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
     base = plan.base
-    want_lse = check_lse_request(return_lse, lse is not None)
-    lv = None
-    if lse is not None:
-        lv = output_view(lse, "lse")
-        check_lse_out(lv, base)
-    stream_ptr = resolve_stream(stream, qv)
-    if ov is None:
-        ov = allocate_output(qv, base.out_shape)
-    if want_lse and lv is None:
-        lv = allocate_lse(qv, base.lse_shape)
+    want_lse, ov, lv, stream_ptr = _outputs(base, qv, ov, return_lse, lse, stream)
     if base.launch:
         launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
@@ -261,10 +266,7 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
             fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
                                 params=pack_sm90(plan, qv, kv, vv, ov.ptr, 0), repack=make_repack(plan, qv, kv, vv))
             launch_plans.remember(key, fast)
-    result = out if out is not None else wrap_output(ov)
-    if want_lse:
-        return result, (lse if lse is not None else wrap_output(lv))
-    return result
+    return _result(out, ov, want_lse, lse, lv)
 
 
 def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, *, grid: tuple[int, int, int] | None = None,
