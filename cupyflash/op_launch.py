@@ -63,38 +63,45 @@ def leading_writer(buf: Any) -> Any:
 
 
 _WORD = struct.Struct("<Q")
-# Distinct, 16-byte aligned stand-in addresses with low and high bits set (never dereferenced:
-# they only go through cuTensorMapEncodeTiled).
-_PROBES = ((0x1_0000_0000, 0x2_0000_0100, 0x3_0000_0200, 0x4_0000_0300, 0x5_0000_0400),
-           (0x7F12_3456_7800, 0x7F00_0000_0010, 0x1_0000_0020, 0x2000_0000_0030, 0x40),
-           (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670),
-           (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000))
+# Distinct, 16-byte aligned stand-in addresses with low and high bits set, seven per set (q, k,
+# v, o, lse, and the varlen kernels' cu_seqlens_q/k); never dereferenced: they only go through
+# cuTensorMapEncodeTiled.
+_PROBES = ((0x1_0000_0000, 0x2_0000_0100, 0x3_0000_0200, 0x4_0000_0300, 0x5_0000_0400, 0x6_0000_0500,
+            0x7_0000_0600),
+           (0x7F12_3456_7800, 0x7F00_0000_0010, 0x1_0000_0020, 0x2000_0000_0030, 0x40, 0x7E00_1111_0050,
+            0x3_3333_3360),
+           (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670, 0x4444_0000_0070, 0x80),
+           (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000, 0x90, 0x1_2345_6780))
 
 
-def address_offsets(repack: Any, size: int) -> tuple[tuple[int, ...], bytes] | None:
-    """Where each of the five pointers lands in `repack`'s parameter block, if nothing else in the
-    block depends on them: ((q, k, v, o, lse byte offsets), template), else None.
+def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, ...], bytes] | None:
+    """Where each of `repack`'s `count` pointer arguments lands in its parameter block, if nothing
+    else in the block depends on them: ((byte offset per pointer), template), else None. For the
+    forward kernels the pointers are q, k, v, o, lse; the varlen kernels add cu_seqlens_q/k.
 
     The TMA descriptor format is opaque (CUtensorMap); this measures it instead of assuming it:
     the block is encoded for several sets of addresses, each pointer must appear as one 8-byte word
     holding exactly its value, and writing the words into the first block must give, byte for
     byte, the block the driver encodes for every other set. Otherwise (another driver, another
     format) the caller re-encodes per call."""
+    if not 1 <= count <= len(_PROBES[0]):
+        raise ValueError(f"count: 1..{len(_PROBES[0])} pointers, got {count}")
+    probes = [probe[:count] for probe in _PROBES]
     try:
-        blocks = [bytes(repack(*probe)) for probe in _PROBES]
+        blocks = [bytes(repack(*probe)) for probe in probes]
     except Exception:  # the driver refused a stand-in address: keep encoding per call
         return None
     if any(len(b) != size for b in blocks):
         return None
     offsets = []
-    for i in range(5):
+    for i in range(count):
         found = [off for off in range(0, size - 7, 8)
-                 if all(_WORD.unpack_from(b, off)[0] == probe[i] for b, probe in zip(blocks[:2], _PROBES[:2]))]
+                 if all(_WORD.unpack_from(b, off)[0] == probe[i] for b, probe in zip(blocks[:2], probes[:2]))]
         if len(found) != 1:
             return None
         offsets.append(found[0])
     template = blocks[0]
-    for block, probe in zip(blocks[1:], _PROBES[1:]):
+    for block, probe in zip(blocks[1:], probes[1:]):
         patched = bytearray(template)
         for off, ptr in zip(offsets, probe):
             _WORD.pack_into(patched, off, ptr)

@@ -19,7 +19,7 @@ from .families.forward_sm80 import FORWARD_SM80
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.params import pack_params
 from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
-from . import varlen_plans
+from . import op_launch, varlen_plans
 from .interop import (TORCH, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view, resolve_stream,
                       wrap_output)
 from .validation import CHECKED_DEVICES, check_device_once, check_flag, index_check_requested
@@ -172,9 +172,9 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
     if not problem.empty:
         launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
-        head, params, pack = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
+        head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
         if key is not None:
-            varlen_plans.remember(key, _fast_launch(problem, qv, head, params, pack))
+            varlen_plans.remember(key, _fast_launch(problem, qv, head, params, writer))
     result = out if out is not None else wrap_output(ov)
     return (result, wrap_output(lv)) if want_lse else result
 
@@ -194,10 +194,13 @@ def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v,
     with _cupy.cuda.Device(problem.device):
         kernel.launch(grid, cfg.n_warps * 32, cfg.smem_bytes(), stream_ptr, params)
 
-    def pack(buf, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
-        _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck)  # every other field as packed
+    def writer(buf: Any) -> Callable[..., None]:
+        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+            _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck)  # every other field as packed
 
-    return (kernel.func_ptr, *grid, cfg.n_warps * 32, 1, 1, cfg.smem_bytes()), params, pack
+        return write
+
+    return (kernel.func_ptr, *grid, cfg.n_warps * 32, 1, 1, cfg.smem_bytes()), params, writer
 
 
 def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, k, v, o: int, lse: int,
@@ -237,16 +240,46 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
 
     qs, ks, vs = (x._replace(base=None) for x in (q, k, v))  # the plan must not keep this call's arrays alive
 
-    def pack(buf, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+    def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> bytes:
         # the descriptors embed the pointers: each a lookup in tma's cache (encoded on a miss)
-        ctypes.memmove(buf, pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
-                                             vs._replace(ptr=v_ptr), o_ptr, 0, cq, ck), len(params))
+        return pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
+                                vs._replace(ptr=v_ptr), o_ptr, lse_ptr, cq, ck)
 
-    return (kernel.func_ptr, *grid, cfg.n_threads, 1, 1, cfg.smem_bytes()), params, pack
+    return (kernel.func_ptr, *grid, cfg.n_threads, 1, 1, cfg.smem_bytes()), params, sm90_writer(repack, len(params))
+
+
+def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Callable[..., None]]:
+    """writer(buf) -> write(q, k, v, o, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k, v, o,
+    lse, cu_q, cu_k)` being its parameter packer: where the pointers sit in known words of the
+    block (op_launch.address_offsets) a call stores six words (lse 0, written once), else it
+    re-packs the block (TMA descriptors from tma's cache)."""
+    found = op_launch.address_offsets(repack, size, count=7)
+
+    def writer(buf: Any) -> Callable[..., None]:
+        if found is None:
+            def repack_all(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+                ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck), size)
+
+            return repack_all
+        words = memoryview(buf).cast("B").cast("Q")
+        q_at, k_at, v_at, o_at, lse_at, cq_at, ck_at = (offset // 8 for offset in found[0])
+        words[lse_at] = 0
+
+        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
+            words[q_at] = q_ptr
+            words[k_at] = k_ptr
+            words[v_at] = v_ptr
+            words[o_at] = o_ptr
+            words[cq_at] = cq
+            words[ck_at] = ck
+
+        return write
+
+    return writer
 
 
 def _fast_launch(problem: VarlenProblem, q, head: tuple, params: bytes,
-                 pack: Callable[..., None]) -> varlen_plans.VarlenLaunch:
+                 writer: Callable[[Any], Callable[..., None]]) -> varlen_plans.VarlenLaunch:
     """The replayable form of a validated call, for later calls with the same signature."""
     device = problem.device
     if q.framework == TORCH:
@@ -259,4 +292,4 @@ def _fast_launch(problem: VarlenProblem, q, head: tuple, params: bytes,
     else:
         current = functools.partial(resolve_stream, None, q._replace(base=None))
         allocate = functools.partial(_cupy.empty, problem.out_shape, dtype=q.raw_dtype)
-    return varlen_plans.VarlenLaunch(head, device, params, problem.out_shape, allocate, current, pack)
+    return varlen_plans.VarlenLaunch(head, device, params, problem.out_shape, allocate, current, writer)

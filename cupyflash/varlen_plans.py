@@ -33,15 +33,15 @@ class VarlenLaunch:
 
     def __init__(self, head: tuple, device: int, params: bytes, out_shape: tuple[int, ...],
                  allocate: Callable[[], Any] | None, current_stream: Callable[[], int],
-                 pack: Callable[[Any, int, int, int, int, int, int], None]) -> None:
+                 writer: Callable[[Any], Callable[[int, int, int, int, int, int], None]]) -> None:
         self.head = head                      # cuLaunchKernel's arguments up to the stream
         self.device = device
         self.out_shape = out_shape
         self.allocate = allocate              # CuPy: () -> output; torch: None (q.new_empty)
         self.current_stream = current_stream  # () -> the caller's current stream handle
-        self.pack = pack                      # pack(buf, q, k, v, o, cu_q, cu_k): the parameters in place
         self.is_torch = False
         self.buf = ctypes.create_string_buffer(params, len(params))
+        self.pack = writer(self.buf)          # pack(q, k, v, o, cu_q, cu_k): the pointers into buf
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()
@@ -93,7 +93,7 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out:
         return None  # misaligned this time: the full path raises the proper error
     stream = plan.current_stream()
     with plan.lock:  # cuLaunchKernel copies the parameters before it returns
-        plan.pack(plan.buf, *ptrs, o, cq, ck)
+        plan.pack(*ptrs, o, cq, ck)
         _launch_kernel(*plan.head, stream, plan.argv_ptr, 0)
     return result
 

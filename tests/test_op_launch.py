@@ -6,7 +6,6 @@ the address words when nothing else depends on the address, and must refuse othe
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from cupyflash.families.forward_sm90 import tma
 from cupyflash.families.forward_sm90.launch import make_repack, plan_sm90
 from cupyflash.families.forward_sm90.params import PARAMS_SIZE
 from cupyflash.interop import CUPY, TensorView
+from fake_views import stand_in_encoder
 
 
 def _views(shape=(2, 300, 8, 128), kv=(2, 257, 2, 128)):
@@ -26,23 +26,6 @@ def _views(shape=(2, 300, 8, 128), kv=(2, 257, 2, 128)):
         return TensorView(0, s, strides, DType.BF16, None, 0, CUPY, None)
 
     return view(shape), view(kv), view(kv)
-
-
-def _encoder(address_word):
-    """A stand-in for cuTensorMapEncodeTiled: the spec's fields in fixed words, and the address
-    as `address_word(address)` at word 3."""
-
-    def encode(spec):
-        words = [0] * 16
-        words[0], words[1] = spec.data_type, spec.dims[0] | spec.dims[1] << 32
-        words[2] = spec.dims[2] | spec.dims[3] << 32
-        words[4:7] = spec.byte_strides
-        words[7] = spec.box[0] | spec.box[1] << 16
-        words[3], extra = address_word(spec.address)
-        words[8] = extra
-        return struct.pack("<16Q", *words)
-
-    return encode
 
 
 @pytest.fixture
@@ -55,8 +38,8 @@ def repack(monkeypatch):
     tma.clear_cache()
 
 
-def test_address_words_found_and_writes_match_the_encoder(monkeypatch, repack):
-    monkeypatch.setattr(tma, "encode", _encoder(lambda a: (a, 0)))
+def test_address_words_found_and_writes_match_thestand_in_encoder(monkeypatch, repack):
+    monkeypatch.setattr(tma, "encode", stand_in_encoder(lambda a: (a, 0)))
     found = op_launch.address_offsets(repack, PARAMS_SIZE)
     assert found is not None
     offsets, template = found
@@ -76,7 +59,7 @@ def test_address_words_found_and_writes_match_the_encoder(monkeypatch, repack):
     lambda a: (a & 0xFFFF_FFFF, a >> 32),    # split across two words
 ], ids=["shifted", "dependent-word", "split"])
 def test_other_encodings_keep_encoding_per_call(monkeypatch, repack, address_word):
-    monkeypatch.setattr(tma, "encode", _encoder(address_word))
+    monkeypatch.setattr(tma, "encode", stand_in_encoder(address_word))
     assert op_launch.address_offsets(repack, PARAMS_SIZE) is None
 
 

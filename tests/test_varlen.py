@@ -145,6 +145,39 @@ def test_packed_parameters_sm90(monkeypatch):
     assert struct.unpack_from("<ffiii", packed, 384 + 72)[2:] == (4, 3, 100)  # group, batch, lse head stride
 
 
+@pytest.mark.parametrize("address_word", [lambda a: (a, 0), lambda a: (a >> 4, 0)], ids=["address-word", "shifted"])
+def test_sm90_fast_path_writes_what_the_packer_packs(monkeypatch, address_word):
+    """The Hopper varlen fast path stores six pointer words where the driver's encoding allows it
+    (and re-packs otherwise): either way the block equals a fresh pack of the call's pointers."""
+    import ctypes
+
+    import numpy as np
+
+    from cupyflash.families.forward_sm90 import tma
+    from cupyflash.families.forward_sm90.config_sets import default_config as sm90_default
+    from cupyflash.families.forward_sm90.params import PARAMS_SIZE
+    from cupyflash.varlen import pack_varlen_sm90, sm90_writer
+    from fake_views import stand_in_encoder
+
+    monkeypatch.setattr(tma, "encode", stand_in_encoder(address_word))
+    tma.clear_cache()
+    a, p, cfg = args(), check(causal=False), sm90_default(BF16, 128, False)
+
+    def repack(q, k, v, o, lse, cq, ck):
+        return pack_varlen_sm90(cfg, p, a["q"]._replace(ptr=q), a["k"]._replace(ptr=k), a["v"]._replace(ptr=v),
+                                o, lse, cq, ck)
+
+    first = repack(a["q"].ptr, a["k"].ptr, a["v"].ptr, 1 << 30, 1 << 31, 1 << 32, 1 << 33)  # with an lse
+    buf = ctypes.create_string_buffer(first, PARAMS_SIZE)
+    write = sm90_writer(repack, PARAMS_SIZE)(buf)
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        q, k, v, o, cq, ck = (int(x) * 16 for x in rng.integers(1, 1 << 43, 6))
+        write(q, k, v, o, cq, ck)
+        assert buf.raw == repack(q, k, v, o, 0, cq, ck)
+    tma.clear_cache()
+
+
 @pytest.mark.compile
 def test_sm90_varlen_variants_compile_without_warnings():
     import dataclasses
