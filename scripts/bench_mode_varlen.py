@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="bench_varlen.json")
     p.add_argument("--plot", default=None, help="PNG (default: the --json path with .png; '' for none)")
+    p.add_argument("--no-overhead", action="store_true",
+                   help="skip the per-call host cost of forward_varlen (fast path, cached kernel)")
     return p
 
 
@@ -338,6 +340,54 @@ def report_rows(records: list[dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def overhead_us(torch: Any) -> dict:
+    """Host cost of one forward_varlen call on its fast path (cached kernel; bursts of calls queued
+    behind a GPU spin, so only the host side counts): the library's choice (the Hopper family on
+    an H100) with and without `out`, the mma.sync family's default config, and torch SDPA on one
+    dense sequence of the same size for scale. Median of interleaved rounds."""
+    import statistics
+    import time
+
+    import cupyflash
+    from cupyflash.families.forward_sm80.config_sets import default_config
+
+    lengths = (40, 17, 64)
+    cu = torch.tensor(cu_seqlens(list(lengths)), dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    out = torch.empty_like(q)
+    sm80 = default_config(DType.BF16, 128).short_form()
+    fv = cupyflash.forward_varlen
+    qd = q[None, :64].transpose(1, 2)
+    cases = {
+        "cupyflash": lambda: fv(q, k, v, cu, cu, 64, 64, out=out),
+        "cupyflash_no_out": lambda: fv(q, k, v, cu, cu, 64, 64),
+        "cupyflash_sm80": lambda: fv(q, k, v, cu, cu, 64, 64, out=out, cfg=sm80),
+        "sdpa_dense": lambda: torch.nn.functional.scaled_dot_product_attention(qd, qd, qd),
+    }
+    for fn in cases.values():  # compile, plan and warm every case first
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    times: dict = {name: [] for name in cases}
+    for _ in range(9):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(40_000_000)  # the GPU stays busy: the loop below measures the host
+            t0 = time.perf_counter()
+            for _ in range(100):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e6 / 100)
+    torch.cuda.synchronize()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def format_overhead(o: dict) -> str:
+    if "error" in o:
+        return f"per-call host cost: not measured ({o['error']})"
+    return ("per-call host cost of forward_varlen (3 sequences, 121 tokens, 8 heads, d128 bf16, cached kernel, "
+            "calls queued behind a GPU spin), us: " + ", ".join(f"{k} {v:.1f}" for k, v in o.items()))
+
+
 def format_report(data: dict) -> str:
     header, rows = report_rows(data["records"])
     lengths = data["lengths"]
@@ -349,6 +399,8 @@ def format_report(data: dict) -> str:
              "fast as FA3's flash_mha_varlen once the Hopper family serves varlen"]
     notes = list(dict.fromkeys(f"  {r['impl']} {r['point']}: {r['status']}: {r['reason']}"
                                for r in data["records"] if r["status"] != "ok"))
+    if "overhead_us" in data:
+        lines.append(format_overhead(data["overhead_us"]))
     return "\n".join(lines + (["not reported:"] + notes if notes else []))
 
 
@@ -382,6 +434,11 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
                 del p
                 torch.cuda.empty_cache()
                 write_json(args.json, data)
+    if not args.no_overhead:
+        try:
+            data["overhead_us"] = overhead_us(torch)
+        except Exception as exc:  # a figure beside the table: its failure is reported, not fatal
+            data["overhead_us"] = {"error": f"{type(exc).__name__}: {exc}"}
     failures = collect_failures(data["records"])
     data.update(complete=True, failures=failures)
     write_json(args.json, data)
