@@ -51,6 +51,13 @@ class ParamStruct:
         return self.layout.pack(*values)
 
 
+def stride_fields(*tensors: str) -> tuple[tuple[str, str, str], ...]:
+    """ParamStruct fields `<t>_batch_stride`, `<t>_seq_stride`, `<t>_head_stride` (64-bit element
+    strides) for each tensor name in order: the layout every family passes for its
+    (batch, seq, heads, d_head) arrays."""
+    return tuple((f"{t}_{dim}_stride", "long long", "q") for t in tensors for dim in ("batch", "seq", "head"))
+
+
 class TuningProblem(Protocol):
     """One row of a tuning table as a timed problem (see cupyflash.autotune): its own buffers in
     `n_sets` rotating sets, a correctness check and a timed call per config."""

@@ -3,7 +3,7 @@ kernels (preprocess, dK/dV, dQ, convert). The template renders the C++ struct fr
 `BACKWARD_PARAMS` and `pack_params` packs the same list, so the two cannot drift."""
 from __future__ import annotations
 
-from ..base import ParamStruct
+from ..base import ParamStruct, stride_fields
 
 __all__ = ["BACKWARD_PARAMS", "PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names", "POINTER_FIELDS"]
 
@@ -24,11 +24,7 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("dq_accum", "float*", "Q"),    # fp32 workspace (batch, n_heads, seq_len_q_pad, d_head); 0 if deterministic
     ("lse2", "float*", "Q"),        # fp32 workspace (batch, n_heads, seq_len_q_pad)
     ("dvec", "float*", "Q"),        # fp32 workspace (batch, n_heads, seq_len_q_pad)
-) + tuple(
-    (f"{t}_{dim}_stride", "long long", "q")
-    for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
-    for dim in ("batch", "seq", "head")
-) + (
+) + stride_fields("q", "k", "v", "o", "do", "dq", "dk", "dv") + (
     ("lse_batch_stride", "long long", "q"),
     ("lse_head_stride", "long long", "q"),
     ("lse_seq_stride", "long long", "q"),

@@ -2,7 +2,7 @@
 kernels (attention, combine, append), rendered to C++ and packed from the same field list."""
 from __future__ import annotations
 
-from ..base import ParamStruct
+from ..base import ParamStruct, stride_fields
 
 __all__ = ["DECODE_PARAMS", "DECODE_PARAM_FIELDS"]
 
@@ -19,25 +19,8 @@ DECODE_PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("ws_lse", "float*", "Q"),        # (num_splits, total_rows) fp32 partial log-sum-exp
     ("cache_seqlens", "const int*", "Q"),
     ("block_table", "const int*", "Q"),  # 0 for a contiguous cache
-    ("q_batch_stride", "long long", "q"),
-    ("q_seq_stride", "long long", "q"),
-    ("q_head_stride", "long long", "q"),
-    # contiguous cache: (batch, seq, head) strides; paged: (page, row in page, head) strides
-    ("k_batch_stride", "long long", "q"),
-    ("k_seq_stride", "long long", "q"),
-    ("k_head_stride", "long long", "q"),
-    ("v_batch_stride", "long long", "q"),
-    ("v_seq_stride", "long long", "q"),
-    ("v_head_stride", "long long", "q"),
-    ("knew_batch_stride", "long long", "q"),
-    ("knew_seq_stride", "long long", "q"),
-    ("knew_head_stride", "long long", "q"),
-    ("vnew_batch_stride", "long long", "q"),
-    ("vnew_seq_stride", "long long", "q"),
-    ("vnew_head_stride", "long long", "q"),
-    ("o_batch_stride", "long long", "q"),
-    ("o_seq_stride", "long long", "q"),
-    ("o_head_stride", "long long", "q"),
+    # k/v, contiguous cache: (batch, seq, head) strides; paged: (page, row in page, head) strides
+) + stride_fields("q", "k", "v", "knew", "vnew", "o") + (
     ("block_table_stride", "int", "i"),  # elements between block_table rows
     ("page_shift", "int", "i"),          # log2(page size); 0 for a contiguous cache
     ("batch", "int", "i"),

@@ -5,7 +5,7 @@ from it and `pack_params` packs the same fields, so the two cannot drift.
 """
 from __future__ import annotations
 
-from ..base import ParamStruct
+from ..base import ParamStruct, stride_fields
 
 __all__ = ["FORWARD_PARAMS", "PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names"]
 
@@ -21,18 +21,7 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     # sequence in the packed q/o and k/v.
     ("cu_seqlens_q", "const int*", "Q"),
     ("cu_seqlens_k", "const int*", "Q"),
-    ("q_batch_stride", "long long", "q"),
-    ("q_seq_stride", "long long", "q"),
-    ("q_head_stride", "long long", "q"),
-    ("k_batch_stride", "long long", "q"),
-    ("k_seq_stride", "long long", "q"),
-    ("k_head_stride", "long long", "q"),
-    ("v_batch_stride", "long long", "q"),
-    ("v_seq_stride", "long long", "q"),
-    ("v_head_stride", "long long", "q"),
-    ("o_batch_stride", "long long", "q"),
-    ("o_seq_stride", "long long", "q"),
-    ("o_head_stride", "long long", "q"),
+) + stride_fields("q", "k", "v", "o") + (
     ("seq_len_q", "int", "i"),
     ("seq_len_k", "int", "i"),
     ("n_heads", "int", "i"),

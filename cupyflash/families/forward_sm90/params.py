@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 
-from ..base import ParamStruct
+from ..base import ParamStruct, stride_fields
 
 __all__ = ["HOPPER_FORWARD_PARAMS", "PARAM_FIELDS", "PARAMS_SIZE", "TMA_DESCRIPTOR_BYTES", "DESCRIPTOR_OFFSETS",
            "pack_params"]
@@ -29,9 +29,7 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     # forward_varlen (the varlen variant; 0 otherwise): (batch + 1,) token offsets per sequence
     ("cu_seqlens_q", "const int*", "Q"),
     ("cu_seqlens_k", "const int*", "Q"),
-    ("o_batch_stride", "long long", "q"),
-    ("o_seq_stride", "long long", "q"),
-    ("o_head_stride", "long long", "q"),
+) + stride_fields("o") + (
     ("seq_len_q", "int", "i"),
     ("seq_len_k", "int", "i"),
     ("n_heads", "int", "i"),
