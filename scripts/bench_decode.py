@@ -294,6 +294,8 @@ def overhead_us(torch) -> dict:
     'cupyflash' (contiguous, out given, one split: one launch), then with a paged cache, with
     k_new/v_new (append launch), with return_lse, with 4 splits (combine launch) and with no
     `out` (allocation), and SDPA's for scale."""
+    from bench_mode_common import host_cost_us
+
     import cupyflash
 
     q = torch.randn(1, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
@@ -316,22 +318,7 @@ def overhead_us(torch) -> dict:
         "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        enable_gqa=True),
     }
-    for fn in cases.values():  # compile, plan and warm every case first
-        fn()
-    torch.cuda.synchronize()
-    # Rounds over all cases (not one case after the other), so drift of the host's speed
-    # spreads over every case; median of the rounds.
-    times: dict = {name: [] for name in cases}
-    for _ in range(9):
-        for name, fn in cases.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)  # the GPU stays busy: the loop below measures the host
-            t0 = time.perf_counter()
-            for _ in range(100):
-                fn()
-            times[name].append((time.perf_counter() - t0) * 1e6 / 100)
-    torch.cuda.synchronize()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return host_cost_us(torch, cases)
 
 
 def profile_calls(torch, n: int = 3000, top: int = 18) -> str:

@@ -48,6 +48,31 @@ def finish(mode: str, json_path: str, plot_arg: str | None, draw: Callable[[str]
     return 0
 
 
+def host_cost_us(torch: Any, cases: dict[str, Callable[[], Any]], rounds: int = 9, calls: int = 100) -> dict:
+    """Host cost of one call of each case, in microseconds: bursts of `calls` calls queued behind a
+    GPU spin (so no call waits on the GPU and only the host side counts), in `rounds` rounds over
+    all cases (not one case after the other, so drift of the host's speed spreads over every
+    case); median of the rounds. Every case runs twice first (compile, plan, warm)."""
+    import statistics
+    import time
+
+    for fn in cases.values():
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    times: dict = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(40_000_000)  # the GPU stays busy while the burst is issued
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def check_then_time(impl: str, check: Callable[[], float], time_us: Callable[[], float], tol: float) -> dict:
     """Run `check` (-> relative L2 error against a float64 reference; inf for NaN/unwritten output)
     and, only when it is within `tol`, `time_us` (-> median microseconds). Never raises: a Skip

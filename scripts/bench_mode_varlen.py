@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
-                               ratio, verdict)
+                               host_cost_us, ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints, spot_rows
 from cupyflash.config import DType
 
@@ -345,9 +345,6 @@ def overhead_us(torch: Any) -> dict:
     behind a GPU spin, so only the host side counts): the library's choice (the Hopper family on
     an H100) with and without `out`, the mma.sync family's default config, and torch SDPA on one
     dense sequence of the same size for scale. Median of interleaved rounds."""
-    import statistics
-    import time
-
     import cupyflash
     from cupyflash.families.forward_sm80.config_sets import default_config
 
@@ -364,21 +361,7 @@ def overhead_us(torch: Any) -> dict:
         "cupyflash_sm80": lambda: fv(q, k, v, cu, cu, 64, 64, out=out, cfg=sm80),
         "sdpa_dense": lambda: torch.nn.functional.scaled_dot_product_attention(qd, qd, qd),
     }
-    for fn in cases.values():  # compile, plan and warm every case first
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    times: dict = {name: [] for name in cases}
-    for _ in range(9):
-        for name, fn in cases.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)  # the GPU stays busy: the loop below measures the host
-            t0 = time.perf_counter()
-            for _ in range(100):
-                fn()
-            times[name].append((time.perf_counter() - t0) * 1e6 / 100)
-    torch.cuda.synchronize()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return host_cost_us(torch, cases)
 
 
 def format_overhead(o: dict) -> str:
