@@ -68,11 +68,12 @@ def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: 
 @functools.lru_cache(maxsize=1024)
 def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool, causal: bool, max_keys: int,
                 device: int, smem_limit: int) -> DecodeKernelConfig:
-    """The tuning table's config for this device and cache length (fitted to the packed rows and
-    the device's shared memory), else the heuristic default."""
+    """For a narrow problem on a contiguous cache, the tuning table's config for this device and
+    cache length (fitted to the packed rows and the device's shared memory; the table is tuned on
+    such problems: families/decode/tuning.py); else, and without a table, the heuristic default."""
     from .tuning import tuned_config
 
-    tuned = tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
+    tuned = None if paged or wide else tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
     if tuned is not None:
         fitted = decode_sets.fit_to_rows(tuned, rows_total)
         if fitted is not None:

@@ -3,6 +3,7 @@ forward_kvcache's argument checks and the opt-in index check (no GPU needed)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -359,3 +360,22 @@ def test_index_check_env_follows_os_environ(monkeypatch):
     assert index_check_env()
     monkeypatch.setenv("CUPYFLASH_CHECK_INDICES", "")
     assert not index_check_env()
+
+
+def test_tuning_table_serves_narrow_contiguous_problems_only(monkeypatch):
+    """The decode table is tuned on narrow problems on contiguous caches (families/decode/tuning.py):
+    paged caches and wide batches keep their own heuristic shapes."""
+    import cupyflash.tuning
+    from cupyflash import kvcache
+
+    tuned = config_sets.default_config(BF16, 128).replace(n_warps=2, stages=3)
+    monkeypatch.setattr(cupyflash.tuning, "tuned_config", lambda *args: tuned)
+    kvcache._choice_for.cache_clear()
+    try:
+        pick = functools.partial(kvcache._choice_for, BF16, 128, 4, causal=False, max_keys=8192, device=0,
+                                 smem_limit=227 * 1024)
+        assert pick(paged=False, wide=False) == tuned
+        assert pick(paged=True, wide=False) == config_sets.default_config(BF16, 128, 4, paged=True)
+        assert pick(paged=False, wide=True) == config_sets.default_config(BF16, 128, 4, wide=True)
+    finally:
+        kvcache._choice_for.cache_clear()
