@@ -23,7 +23,8 @@ if has_gpu():
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile the configs these tests use (every tile height of the defaults, both dtypes and
-    head sizes, all four variants) in parallel before the tests use them one at a time."""
+    head sizes, causal and not, each with the cache layout it serves) in parallel before the
+    tests use them one at a time."""
     from cupyflash.device import device_arch
     from cupyflash.families.decode.config_sets import default_config
     from cupyflash.prewarm import prewarm
@@ -31,17 +32,22 @@ def prewarmed_cache():
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     from cupyflash.families.decode.config import DecodeKernelConfig
 
-    configs = {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
-               for paged in (False, True)}
-    # the wide-batch defaults of one-tile groups (the wide cases below and the bench's wide rows)
-    configs |= {default_config(dt, d, 1, paged, wide=True) for dt in DType for d in (64, 128) for paged in (False, True)}
-    # the several-heads-per-CTA cases and the tune/progression picks, so no test compiles alone
-    configs |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2]) for c in HEADS_CASES
-                for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
-    configs |= set(_tune_and_progression_picks())
-    variants = [(c, p) for c in (False, True) for p in (False, True)]
-    report = prewarm(sorted(configs), [arch], variants=variants, progress=None)
-    assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
+    by_layout: dict[bool, set] = {False: set(), True: set()}  # paged -> configs
+    for paged in (False, True):
+        by_layout[paged] |= {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256)
+                             for rows in (1, 32, 64)}
+        # the wide-batch defaults of one-tile groups (the wide cases below and the bench's wide rows)
+        by_layout[paged] |= {default_config(dt, d, 1, paged, wide=True) for dt in DType for d in (64, 128)}
+    # the several-heads-per-CTA cases and the tune/progression picks (paged), so no test compiles alone
+    for c in HEADS_CASES:
+        by_layout[c[5] is not None] |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2])
+                                        for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
+    by_layout[True] |= set(_tune_and_progression_picks())
+    results = []
+    for paged, configs in by_layout.items():
+        variants = [(causal, paged) for causal in (False, True)]
+        results += prewarm(sorted(configs), [arch], variants=variants, progress=None).results
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
 
 
 @pytest.fixture
