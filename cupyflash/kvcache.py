@@ -1,9 +1,9 @@
 """`cupyflash.forward_kvcache`: decode / append attention against a contiguous or paged KV cache.
 
-One call launches up to three kernels of the decode family on one stream: `append` (k_new/v_new
-into the cache, when given), `attention` (split-KV, GQA-packed) and `combine` (only with more
-than one split); on sm_90 the second and third are programmatic dependent launches (their
-grids start while the one before still runs and wait for its results: cupyflash.kvcache_pdl).
+One call launches one or two kernels of the decode family on one stream: `attention` (split-KV,
+GQA-packed; it also writes k_new/v_new into the cache, when given) and `combine` (only with more
+than one split); on sm_90 the combine is a programmatic dependent launch (its grid starts while
+the attention grid still runs and waits for its results: cupyflash.kvcache_pdl).
 Nothing in a call reads device memory on the host, synchronises, or allocates
 except the output (when `out` is None), the log-sum-exp (return_lse=True) and the split
 workspace (more than one split and no `workspace` given), all through the caller's framework
@@ -13,11 +13,10 @@ allocator, whose sizes depend on the shapes only. So a call can be captured in a
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 from .config import DType
-from .families.decode import APPEND_THREADS, COMBINE_THREADS, DecodeKernelConfig
+from .families.decode import COMBINE_THREADS, DecodeKernelConfig
 from .families.decode import config_sets as decode_sets
 from .families.decode.params import DECODE_PARAMS
 from .families.decode.splits import choose_num_splits
@@ -25,9 +24,9 @@ from . import kvcache_plans
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
                       resolve_stream, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
-from .validation import CHECKED_DEVICES, LOG2_E, check_device_once, index_check_requested
+from .validation import CHECKED_DEVICES, LOG2_E, check_device_once, index_check_env, index_check_requested
 
-__all__ = ["forward_kvcache", "resolve_decode_config", "workspace_bytes", "plan_num_splits"]
+__all__ = ["forward_kvcache", "resolve_decode_config", "workspace_bytes", "plan_num_splits", "is_wide"]
 
 _get_registry = None
 _carveout_set: set[int] = set()  # kernels whose shared-memory carveout preference is set
@@ -61,37 +60,47 @@ def _fit_smem(cfg: DecodeKernelConfig, smem_limit: int) -> DecodeKernelConfig:
 
 
 @functools.lru_cache(maxsize=256)
-def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, smem_limit: int) -> DecodeKernelConfig:
-    return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged), smem_limit)
+def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool,
+                 smem_limit: int) -> DecodeKernelConfig:
+    return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged, wide), smem_limit)
 
 
 @functools.lru_cache(maxsize=1024)
-def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, causal: bool, max_keys: int, device: int,
-                smem_limit: int) -> DecodeKernelConfig:
-    """The tuning table's config for this device and cache length (fitted to the packed rows and
-    the device's shared memory), else the heuristic default."""
+def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool, causal: bool, max_keys: int,
+                device: int, smem_limit: int) -> DecodeKernelConfig:
+    """For a narrow problem on a contiguous cache, the tuning table's config for this device and
+    cache length (fitted to the packed rows and the device's shared memory; the table is tuned on
+    such problems: families/decode/tuning.py); else, and without a table, the heuristic default."""
     from .tuning import tuned_config
 
-    tuned = tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
+    tuned = None if paged or wide else tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
     if tuned is not None:
         fitted = decode_sets.fit_to_rows(tuned, rows_total)
         if fitted is not None:
             fitted = _fit_smem(fitted, smem_limit)
             if fitted.smem_bytes() <= smem_limit:
                 return fitted
-    return _default_for(dtype, d_head, rows_total, paged, smem_limit)
+    return _default_for(dtype, d_head, rows_total, paged, wide, smem_limit)
 
 
-def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1024) -> DecodeKernelConfig:
+def is_wide(plan: KVCachePlan, num_sms: int) -> bool:
+    """Whether the problem has at least one CTA per SM without splitting the keys (batch x KV heads
+    x row tiles of the default tile height >= the SM count): the defaults differ (config_sets)."""
+    rows = decode_sets.rows_for(plan.d_head, plan.rows_total)
+    return plan.batch * plan.n_kv_heads * -(-plan.rows_total // rows) >= num_sms
+
+
+def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1024,
+                          num_sms: int = 132) -> DecodeKernelConfig:
     """The config to launch: `cfg` itself (object or short form, checked against the inputs), or
     the library's choice for None / 'auto': the device's tuning table entry for the cache length
-    (`python -m cupyflash autotune --family decode`; an H100 table ships with the package), else
-    the heuristic default."""
+    (`python -m cupyflash autotune --family decode`), else the heuristic default for the cache kind
+    and the problem's width on a GPU of `num_sms` SMs."""
     if isinstance(cfg, str):
         cfg = _parse(cfg)
     if cfg is None:
-        return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, plan.causal and plan.seq_q > 1,
-                           plan.max_keys, plan.device, smem_limit)
+        return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, is_wide(plan, num_sms),
+                           plan.causal and plan.seq_q > 1, plan.max_keys, plan.device, smem_limit)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:
@@ -122,9 +131,9 @@ def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_split
 
 
 def _prefer_shared_memory(kernels) -> None:
-    """Ask for the largest shared-memory carveout for all three kernels: the attention kernel
-    needs it, and when the small kernels between its launches prefer another L1/shared split,
-    each switch makes the SMs drain and reconfigure."""
+    """Ask for the largest shared-memory carveout for both kernels: the attention kernel needs
+    it, and when the combine kernel after it preferred another L1/shared split, each switch
+    would make the SMs drain and reconfigure."""
     from cupy_backends.cuda.api import driver
 
     for kernel in kernels:
@@ -214,8 +223,7 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and workspace is None and check_indices is None
-            and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
+    if stream is None and workspace is None and check_indices is None and not index_check_env():
         key = kvcache_plans.signature(cfg, num_splits, softmax_scale, causal, q, k_cache, v_cache, cache_seqlens,
                                       block_table, k_new, v_new, out, return_lse)
         result = kvcache_plans.lookup(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
@@ -234,7 +242,7 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
     plan = check_kvcache_args(qv, kv, vv, sv, bv, knv, vnv, ov, causal, softmax_scale, return_lse)
     splits = check_num_splits(num_splits)
     num_sms, _, smem_limit = _device_limits(plan.device)
-    config = resolve_decode_config(cfg, plan, smem_limit)
+    config = resolve_decode_config(cfg, plan, smem_limit, num_sms)
     if splits is None:
         splits = plan_num_splits(plan, config, num_sms)
     if index_check_requested(check_indices):
@@ -255,9 +263,8 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
 def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, params: bytes
                  ) -> kvcache_plans.KVCacheLaunch:
     """The launches of a validated call, replayable with new pointers by later calls with the
-    same signature. On sm_90+ the second and third kernels are programmatic dependent launches."""
+    same signature. On sm_90+ the combine kernel is a programmatic dependent launch."""
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
-    ws_floats = -(-ws_bytes // 4)
     device = plan.device
     lse_shape = plan.lse_shape if plan.want_lse else None
     allocate_lse = None
@@ -267,17 +274,41 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         current = (functools.partial(raw, device) if raw is not None
                    else (lambda: torch.cuda.current_stream(device).cuda_stream))
-        allocate = allocate_ws = None
+        allocate = None
+        ws_alloc, ws_free = _torch_workspace_allocator(torch, device)
+        if lse_shape is not None:
+            # new_empty of a float32 template: no dtype keyword to parse on every call
+            template = torch.empty((0,), dtype=torch.float32, device=f"cuda:{device}")
+            allocate_lse = functools.partial(template.new_empty, lse_shape)
     else:
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
-        allocate_ws = functools.partial(_cupy.empty, (ws_floats,), dtype=_cupy.float32)
         if lse_shape is not None:
             allocate_lse = functools.partial(_cupy.empty, lse_shape, dtype=_cupy.float32)
         current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
+        # CuPy's pool: a MemoryPointer, freed (back to the current stream's arena) when dropped
+        ws_alloc, ws_free = (lambda nbytes, stream: _cupy.cuda.alloc(nbytes)), (lambda handle: None)
     launches = kvcache_plans.build_launches(heads, _pdl_capable(device))
-    return kvcache_plans.KVCacheLaunch(launches, device, params, plan.out_shape, ws_floats,
-                                       splits * plan.total_rows * plan.d_head * 4, allocate, allocate_ws, current,
-                                       lse_shape, allocate_lse)
+    return kvcache_plans.KVCacheLaunch(launches, device, params, plan.out_shape, ws_bytes,
+                                       splits * plan.total_rows * plan.d_head * 4, allocate, ws_alloc, ws_free,
+                                       current, lse_shape, allocate_lse)
+
+
+def _torch_workspace_allocator(torch: Any, device: int):
+    """(alloc(nbytes, stream) -> int pointer, free(pointer)) on PyTorch's caching allocator: its raw
+    blocks (about a microsecond a pair, no tensor object; under graph capture they come from the
+    graph's pool like any tensor's), or, where this torch lacks them, tensors kept until freed."""
+    raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
+    raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
+    if raw_alloc is not None and raw_delete is not None:
+        return raw_alloc, raw_delete
+    held: dict[int, Any] = {}
+
+    def alloc(nbytes: int, stream: int) -> int:
+        buf = torch.empty((-(-nbytes // 4),), dtype=torch.float32, device=f"cuda:{device}")
+        held[buf.data_ptr()] = buf
+        return buf.data_ptr()
+
+    return alloc, held.pop
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,8 +323,8 @@ def _pdl_capable(device: int) -> bool:
 def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorView, k: TensorView, v: TensorView,
             seqlens: TensorView, table: TensorView | None, k_new: TensorView | None, v_new: TensorView | None,
             o: TensorView, lse: TensorView | None, workspace: Any, stream_ptr: int) -> kvcache_plans.KVCacheLaunch:
-    """Launch append (with k_new), attention and combine (with splits); return the launches with
-    their packed parameters, which the fast path replays with new pointers."""
+    """Launch attention (which also appends k_new/v_new) and combine (with splits); return the
+    launches with their packed parameters, which the fast path replays with new pointers."""
     global _get_registry
     if _get_registry is None:
         from .registry import get_registry as _get_registry
@@ -319,12 +350,7 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
         plan.block_table_stride, plan.page_shift, plan.batch, plan.seq_q, plan.n_heads, plan.n_kv_heads, plan.group,
         plan.rows_total, row_tiles, plan.total_rows, plan.seq_new, splits, plan.softmax_scale,
         plan.softmax_scale * LOG2_E)
-    heads = []
-    if plan.seq_new:
-        chunks = plan.seq_new * plan.n_kv_heads * (plan.d_head // 8)
-        heads.append((kernels["append"], (-(-chunks // APPEND_THREADS), plan.batch, 1), APPEND_THREADS, 0))
-    heads.append((kernels["attention"], (splits, head_blocks * row_tiles, plan.batch), cfg.n_threads,
-                  cfg.smem_bytes()))
+    heads = [(kernels["attention"], (splits, head_blocks * row_tiles, plan.batch), cfg.n_threads, cfg.smem_bytes())]
     if splits > 1:
         heads.append((kernels["combine"], (-(-plan.total_rows // 4), 1, 1), COMBINE_THREADS, 0))
     launch = _fast_launch(plan, splits, q, [(k.func_ptr, *grid, block, 1, 1, smem) for k, grid, block, smem in heads],

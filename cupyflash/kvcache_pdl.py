@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (PDL) of forward_kvcache's second and third kernels (sm_90+).
+"""Programmatic dependent launch (PDL) of forward_kvcache's combine kernel (sm_90+).
 
-A decode step is up to three short kernels in a row (append, attention, combine); at batch 1
-each runs a few microseconds, so the gap between the end of one grid and the start of the next
+A decode step with several splits is two short kernels in a row (attention, combine); at batch
+1 each runs a few microseconds, so the gap between the end of one grid and the start of the next
 is a visible part of the step. Launched with the programmatic-stream-serialization attribute, a
 kernel's grid may start while its predecessor still runs: the predecessor's CTAs execute
 `griddepcontrol.launch_dependents` at their start, the dependent's CTAs execute
@@ -83,7 +83,7 @@ class PDLLaunch:
     kernel_params_address, extra=0). `fallback(stream, argv, extra)` makes the ordinary launch
     when PDL is off."""
 
-    __slots__ = ("func", "config", "attr", "fallback")
+    __slots__ = ("func", "config", "config_ptr", "attr", "fallback", "stream")
 
     def __init__(self, func: int, grid: tuple[int, int, int], block: int, smem: int,
                  fallback: Callable[[int, int], None]) -> None:
@@ -91,13 +91,17 @@ class PDLLaunch:
         self.attr = _LaunchAttribute(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
         self.config = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, smem, None,
                                     ctypes.pointer(self.attr), 1)
+        self.config_ptr = ctypes.pointer(self.config)  # made once: ctypes passes it without converting
+        self.stream = None                             # the stream config.hStream holds now
         self.fallback = fallback
 
     def __call__(self, stream: int, argv: int, extra: int = 0) -> None:
-        fn = _launch_ex()
+        fn = _state.get("fn") or _launch_ex()
         if fn is not None:
-            self.config.hStream = stream or None
-            rc = fn(ctypes.byref(self.config), self.func, argv, None)
+            if stream != self.stream:
+                self.config.hStream = stream or None
+                self.stream = stream
+            rc = fn(self.config_ptr, self.func, argv, None)
             if rc == 0:
                 return
             # the launch was rejected before anything was enqueued: launch it the ordinary way

@@ -58,23 +58,28 @@ def build_launches(heads: list[tuple], pdl: bool) -> list[Callable[[int, int, in
 class KVCacheLaunch:
     """The validated launches of one signature, replayable with new pointers."""
 
-    __slots__ = ("launches", "device", "out_shape", "lse_shape", "ws_floats", "ws_lse_offset", "allocate",
-                 "allocate_ws", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr", "lock")
+    __slots__ = ("launches", "device", "out_shape", "lse_shape", "ws_bytes", "ws_lse_offset", "allocate",
+                 "ws_alloc", "ws_free", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr",
+                 "lock")
 
     def __init__(self, launches: list[Callable[[int, int, int], None]], device: int, params: bytes,
-                 out_shape: tuple[int, ...],
-                 ws_floats: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
-                 allocate_ws: Callable[[], Any] | None, current_stream: Callable[[], int],
-                 lse_shape: tuple[int, ...] | None = None, allocate_lse: Callable[[], Any] | None = None) -> None:
+                 out_shape: tuple[int, ...], ws_bytes: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
+                 ws_alloc: Callable[[int, int], Any] | None, ws_free: Callable[[Any], None] | None,
+                 current_stream: Callable[[], int], lse_shape: tuple[int, ...] | None = None,
+                 allocate_lse: Callable[[], Any] | None = None) -> None:
         self.launches = launches            # per kernel: (stream, argv address, 0) -> launch (build_launches)
         self.device = device
         self.out_shape = out_shape
         self.lse_shape = lse_shape          # (batch, n_heads, seq_q) with return_lse, else None
-        self.allocate_lse = allocate_lse    # CuPy: () -> lse; torch: None (q.new_empty)
-        self.ws_floats = ws_floats          # split workspace in fp32 elements (0: one split)
+        self.allocate_lse = allocate_lse    # () -> a new lse array (with return_lse)
+        self.ws_bytes = ws_bytes            # split workspace bytes (0: one split)
         self.ws_lse_offset = ws_lse_offset  # bytes from ws_o to ws_lse
         self.allocate = allocate            # CuPy: () -> output; torch: None (q.new_empty)
-        self.allocate_ws = allocate_ws      # CuPy: () -> workspace; torch: None (q.new_empty)
+        # split workspace: ws_alloc(nbytes, stream) -> handle, an int pointer (torch: the caching
+        # allocator's raw blocks, no tensor object) or an object with .ptr (CuPy's pool); ws_free(handle)
+        # after the launches are enqueued (both allocators reuse a block in stream order)
+        self.ws_alloc = ws_alloc
+        self.ws_free = ws_free
         self.current_stream = current_stream
         self.is_torch = False
         self.buf = ctypes.create_string_buffer(params, DECODE_PARAMS.size)
@@ -139,45 +144,43 @@ def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens:
         t_ptr = block_table.data_ptr() if block_table is not None else 0
         kn_ptr = k_new.data_ptr() if k_new is not None else 0
         vn_ptr = v_new.data_ptr() if v_new is not None else 0
-        result = out if out is not None else q.new_empty(plan.out_shape)
-        o_ptr = result.data_ptr()
-        ws = q.new_empty((plan.ws_floats,), dtype=_torch_float32()) if plan.ws_floats else None
-        ws_ptr = ws.data_ptr() if ws is not None else 0
-        lse = q.new_empty(plan.lse_shape, dtype=_torch_float32()) if plan.lse_shape is not None else None
+        o_ptr = out.data_ptr() if out is not None else 0
+        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
+            return None
+        if out is None:
+            out = q.new_empty(plan.out_shape)
+            o_ptr = out.data_ptr()
+        lse = plan.allocate_lse() if plan.lse_shape is not None else None
         lse_ptr = lse.data_ptr() if lse is not None else 0
     else:
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
         t_ptr = block_table.data.ptr if block_table is not None else 0
         kn_ptr = k_new.data.ptr if k_new is not None else 0
         vn_ptr = v_new.data.ptr if v_new is not None else 0
-        result = out if out is not None else plan.allocate()
-        o_ptr = result.data.ptr
-        ws = plan.allocate_ws() if plan.ws_floats else None
-        ws_ptr = ws.data.ptr if ws is not None else 0
+        o_ptr = out.data.ptr if out is not None else 0
+        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
+            return None
+        if out is None:
+            out = plan.allocate()
+            o_ptr = out.data.ptr
         lse = plan.allocate_lse() if plan.lse_shape is not None else None
         lse_ptr = lse.data.ptr if lse is not None else 0
-    if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
-        return None
     stream = plan.current_stream()
-    ws_lse = ws_ptr + plan.ws_lse_offset if ws_ptr else 0
-    with plan.lock:
-        _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse, s_ptr,
-                            t_ptr)
-        for launch in plan.launches:
-            launch(stream, plan.argv_ptr, 0)
-    return result if lse is None else (result, lse)
-
-
-_float32 = None
-
-
-def _torch_float32():
-    global _float32
-    if _float32 is None:
-        import torch
-
-        _float32 = torch.float32
-    return _float32
+    ws = ws_ptr = ws_lse = 0
+    if plan.ws_bytes:
+        ws = plan.ws_alloc(plan.ws_bytes, stream)
+        ws_ptr = ws if type(ws) is int else ws.ptr
+        ws_lse = ws_ptr + plan.ws_lse_offset
+    try:
+        with plan.lock:
+            _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse,
+                                s_ptr, t_ptr)
+            for launch in plan.launches:
+                launch(stream, plan.argv_ptr, 0)
+    finally:
+        if plan.ws_bytes:
+            plan.ws_free(ws)
+    return out if lse is None else (out, lse)
 
 
 def remember(key: tuple | None, plan: KVCacheLaunch) -> None:

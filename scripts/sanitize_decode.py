@@ -1,6 +1,6 @@
 """A handful of small forward_kvcache launches for compute-sanitizer (memcheck / racecheck):
 contiguous and paged caches, ragged lengths with 0 and page boundaries, several splits (the
-combine kernel), k_new appended (the append kernel), causal seq_q > 1 with several row tiles.
+combine kernel), k_new appended (by the attention kernel), causal seq_q > 1 with several row tiles.
 
     compute-sanitizer --tool memcheck python scripts/sanitize_decode.py
     compute-sanitizer --tool memcheck python scripts/sanitize_check.py --family decode   # the same launches

@@ -3,6 +3,7 @@ forward_kvcache's argument checks and the opt-in index check (no GPU needed)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -161,10 +162,22 @@ def test_tuning_batch_streams_the_same_bytes_per_bucket():
         assert 2 * tuning_batch(seq, 128) * seq * 8 * 128 * 2 == TUNING_KV_BYTES
 
 
-def test_paged_defaults_use_many_single_slot_warps():
+def test_paged_defaults_use_eight_warps_and_the_evict_first_hint():
     for d in (64, 128, 256):
         c = config_sets.default_config(BF16, d, 4, paged=True)
-        assert (c.n_warps, c.stages) == (8, 1) and config_sets.should_autotune(c)
+        assert c.n_warps == 8 and c.stages <= 2 and c.evict_first
+        assert config_sets.should_autotune(c.replace(evict_first=False))  # the same shape is in the tune set
+
+
+def test_wide_defaults_fit_two_ctas_per_sm():
+    """Problems with a CTA per SM without splits take the 2-CTA shape (d_head 64 and 128), so one
+    CTA's prologue and merge overlap another's streaming; narrow ones 8 warps (d_head 128)."""
+    for d in (64, 128):
+        for paged in (False, True):
+            c = config_sets.default_config(BF16, d, 4, paged=paged, wide=True)
+            assert c.ctas_per_sm() >= 2 and c.evict_first == paged, c
+    narrow = config_sets.default_config(BF16, 128, 4)
+    assert (narrow.n_warps, narrow.stages, narrow.evict_first) == (8, 2, False)
 
 
 def test_check_num_splits():
@@ -323,3 +336,46 @@ def test_decode_tuning_problem_has_every_protocol_method():
     for name in ("skip_reason", "check", "timed_call", "close"):
         assert name in TuningProblem.__dict__ and callable(getattr(DecodeTuningProblem, name, None)), name
     assert type(DECODE).tuning_problem is not type(DECODE).__mro__[1].tuning_problem
+
+
+def test_is_wide_counts_ctas_without_splits():
+    from types import SimpleNamespace
+
+    from cupyflash.kvcache import is_wide
+
+    def plan(batch, kv, rows_total):
+        return SimpleNamespace(batch=batch, n_kv_heads=kv, rows_total=rows_total, d_head=128)
+    assert not is_wide(plan(1, 8, 4), 132) and not is_wide(plan(16, 8, 4), 132)  # 128 CTAs
+    assert is_wide(plan(17, 8, 4), 132) and is_wide(plan(32, 8, 4), 132)
+    # 64 packed rows of d128 take 2 row tiles of 32: 8 x 8 x 2 = 128 CTAs, 9 x 8 x 2 = 144
+    assert not is_wide(plan(8, 8, 64), 132) and is_wide(plan(9, 8, 64), 132)
+
+
+def test_index_check_env_follows_os_environ(monkeypatch):
+    from cupyflash.validation import index_check_env
+
+    monkeypatch.delenv("CUPYFLASH_CHECK_INDICES", raising=False)
+    assert not index_check_env()
+    monkeypatch.setenv("CUPYFLASH_CHECK_INDICES", "1")
+    assert index_check_env()
+    monkeypatch.setenv("CUPYFLASH_CHECK_INDICES", "")
+    assert not index_check_env()
+
+
+def test_tuning_table_serves_narrow_contiguous_problems_only(monkeypatch):
+    """The decode table is tuned on narrow problems on contiguous caches (families/decode/tuning.py):
+    paged caches and wide batches keep their own heuristic shapes."""
+    import cupyflash.tuning
+    from cupyflash import kvcache
+
+    tuned = config_sets.default_config(BF16, 128).replace(n_warps=2, stages=3)
+    monkeypatch.setattr(cupyflash.tuning, "tuned_config", lambda *args: tuned)
+    kvcache._choice_for.cache_clear()
+    try:
+        pick = functools.partial(kvcache._choice_for, BF16, 128, 4, causal=False, max_keys=8192, device=0,
+                                 smem_limit=227 * 1024)
+        assert pick(paged=False, wide=False) == tuned
+        assert pick(paged=True, wide=False) == config_sets.default_config(BF16, 128, 4, paged=True)
+        assert pick(paged=False, wide=True) == config_sets.default_config(BF16, 128, 4, wide=True)
+    finally:
+        kvcache._choice_for.cache_clear()

@@ -23,7 +23,8 @@ if has_gpu():
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile the configs these tests use (every tile height of the defaults, both dtypes and
-    head sizes, all four variants) in parallel before the tests use them one at a time."""
+    head sizes, causal and not, each with the cache layout it serves) in parallel before the
+    tests use them one at a time."""
     from cupyflash.device import device_arch
     from cupyflash.families.decode.config_sets import default_config
     from cupyflash.prewarm import prewarm
@@ -31,15 +32,22 @@ def prewarmed_cache():
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     from cupyflash.families.decode.config import DecodeKernelConfig
 
-    configs = {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256) for rows in (1, 32, 64)
-               for paged in (False, True)}
-    # the several-heads-per-CTA cases and the tune/progression picks, so no test compiles alone
-    configs |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2]) for c in HEADS_CASES
-                for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
-    configs |= set(_tune_and_progression_picks())
-    variants = [(c, p) for c in (False, True) for p in (False, True)]
-    report = prewarm(sorted(configs), [arch], variants=variants, progress=None)
-    assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
+    by_layout: dict[bool, set] = {False: set(), True: set()}  # paged -> configs
+    for paged in (False, True):
+        by_layout[paged] |= {default_config(dt, d, rows, paged) for dt in DType for d in (64, 128, 256)
+                             for rows in (1, 32, 64)}
+        # the wide-batch defaults of one-tile groups (the wide cases below and the bench's wide rows)
+        by_layout[paged] |= {default_config(dt, d, 1, paged, wide=True) for dt in DType for d in (64, 128)}
+    # the several-heads-per-CTA cases and the tune/progression picks (paged), so no test compiles alone
+    for c in HEADS_CASES:
+        by_layout[c[5] is not None] |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2])
+                                        for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
+    by_layout[True] |= set(_tune_and_progression_picks())
+    results = []
+    for paged, configs in by_layout.items():
+        variants = [(causal, paged) for causal in (False, True)]
+        results += prewarm(sorted(configs), [arch], variants=variants, progress=None).results
+    assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
 
 
 @pytest.fixture
@@ -157,6 +165,9 @@ CASES = [
     (B, 256, 3, 1, 32, 8, [0, 1, 2500], None, 0, True, None),
     (F, 256, 3, 2, 8, 2, [31, 32, 1800], 16, 1, True, 9),
     (B, 256, 2, 16, 4, 4, [50, 700], 256, 0, True, None),
+    # wide batches (>= one CTA per SM without splits on an H100: the 2-CTA-per-SM defaults), k_new
+    (B, 128, 20, 1, 32, 8, [0, 1, 15, 16, 17, 300, 5, 64, 65, 1000] * 2, 16, 1, True, None),
+    (F, 64, 20, 2, 16, 8, [3, 700, 31, 32, 0] * 4, None, 1, True, None),
     # every page size, shuffled
     *[(B, 128, 3, 1, 16, 4, [ps - 1, ps, 3 * ps + 5], ps, 0, True, 2) for ps in (16, 32, 64, 128, 256)],
 ]
@@ -233,8 +244,8 @@ def test_tune_and_progression_configs(cfg_index, rng):
 
 
 def test_torch_tensors_and_cuda_graph_replay(rng):
-    """Capture one decode step (append + attention + combine) in a CUDA graph, then replay it
-    after changing cache_seqlens in place: each replay matches the reference."""
+    """Capture one decode step (attention with the k_new append, then combine) in a CUDA graph,
+    then replay it after changing cache_seqlens in place: each replay matches the reference."""
     torch = pytest.importorskip("torch")
     dt = DType.BF16
     p = Problem(rng, dt, 128, 4, 1, 32, 8, [10, 20, 30, 40], 16, seq_new=1, capacity=4096)

@@ -9,6 +9,12 @@
 // STAGES slots and its own online softmax (so the loop has only warp-level synchronisation), and
 // a team's states merge at the end through shared memory. One split writes O directly; several write fp32 partial rows plus
 // their log-sum-exp to a workspace that decode_combine_kernel merges.
+//
+// k_new / v_new (seq_new rows per sequence) are appended here too, not by a kernel of their own: the
+// CTAs of split 0 and row tile 0 write them into the cache at cache_seqlens[b] .. + seq_new - 1, and
+// every CTA reads keys from those positions out of k_new / v_new instead of the cache. No CTA reads
+// a cache row this call writes, so the writes need no ordering against the reads, and a decode
+// step with an append is one launch (two with a combine) instead of two (three).
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool PAGED>
@@ -22,6 +28,7 @@ struct DecodeCTA {
     const int slot_head, team_warp;  // head slot (warp % HEADS) and index within its team
     const int batch, head_block, kv_head, row_tile, split;
     bool head_valid;           // kv_head < n_kv_heads (the last head block may be partial)
+    int cache_len;             // rows already in the cache (keys at and past it come from k_new / v_new)
     int seqlen_k;              // keys of the sequence (cache + appended)
     int key_begin, key_end;    // this CTA's keys: [key_begin, key_end)
     int my_steps;              // warp steps this warp processes
@@ -49,7 +56,8 @@ struct DecodeCTA {
           kv_head(blockIdx.y / params.row_tiles * Cfg::HEADS + (threadIdx.x >> 5) % Cfg::HEADS),
           row_tile(blockIdx.y % params.row_tiles),
           split(blockIdx.x) {
-        seqlen_k = decode_seqlen_k(p, batch);
+        cache_len = p.cache_seqlens[batch];
+        seqlen_k = cache_len + p.seq_new;
         // Keys the tile can see: all of them, or under causal masking (bottom-right aligned) up to
         // the diagonal of its last query position.
         int limit = seqlen_k;
@@ -136,6 +144,9 @@ struct DecodeCTA {
         return page;
     }
 
+    // One step's K/V rows into ring slot `slot`. NEW: the step reaches the appended rows (key +
+    // B_c > cache_len), which are read from k_new / v_new; the hot path (NEW false) has no such test.
+    template <bool NEW>
     CF_DEVICE void load_step(int key, int slot, int pages) {
         const u32 slot_offset = slot * Cfg::STAGE_BYTES;
         const int row0 = lane / Cfg::CHUNKS_PER_ROW, chunk = lane % Cfg::CHUNKS_PER_ROW;
@@ -158,6 +169,16 @@ struct DecodeCTA {
             }
             const u16* k_src = valid ? k_base + k_off + chunk * 8 : k_base;
             const u16* v_src = valid ? v_base + v_off + chunk * 8 : v_base;
+            if constexpr (NEW) {
+                if (valid && k >= cache_len) {
+                    const int t = k - cache_len;
+                    const int head = head_valid ? kv_head : 0;
+                    k_src = static_cast<const u16*>(p.k_new) + batch * p.knew_batch_stride + t * p.knew_seq_stride +
+                            head * p.knew_head_stride + chunk * 8;
+                    v_src = static_cast<const u16*>(p.v_new) + batch * p.vnew_batch_stride + t * p.vnew_seq_stride +
+                            head * p.vnew_head_stride + chunk * 8;
+                }
+            }
             const u32 k_dst = k_tile0.lane_address(row, chunk) + slot_offset;
             const u32 v_dst = v_tile0.lane_address(row, chunk) + slot_offset;
             if constexpr (Cfg::EVICT_FIRST) {
@@ -167,6 +188,41 @@ struct DecodeCTA {
                 cp_async_16(k_dst, k_src, valid);
                 cp_async_16(v_dst, v_src, valid);
             }
+        }
+    }
+
+    // The step at `key`, through the appended-rows path only where the step reaches them.
+    CF_DEVICE void issue_step(int key, int slot, int pages) {
+        if (key + Cfg::BC > cache_len) {
+            load_step<true>(key, slot, pages);
+        } else {
+            load_step<false>(key, slot, pages);
+        }
+    }
+
+    // k_new / v_new -> cache rows cache_len .. cache_len + seq_new - 1 of this CTA's KV heads (through
+    // the page table when PAGED), by the CTAs of split 0 and row tile 0: every (sequence, head block)
+    // has exactly one. Plain 16-byte loads and stores; nothing in this grid reads these cache rows.
+    CF_DEVICE void append_new_rows() const {
+        constexpr int CPR = Cfg::CHUNKS_PER_ROW;
+        if (p.seq_new == 0 || split != 0 || row_tile != 0) return;
+        const int total = p.seq_new * Cfg::HEADS * CPR;
+        for (int idx = tid; idx < total; idx += Cfg::N_THREADS) {
+            const int chunk = idx % CPR, rest = idx / CPR;
+            const int hs = rest % Cfg::HEADS, t = rest / Cfg::HEADS;
+            const int head = head_block * Cfg::HEADS + hs;
+            if (head >= p.n_kv_heads) continue;
+            const int pos = cache_len + t;
+            const long long k_dst = cache_row_offset<PAGED>(p, batch, pos, p.k_batch_stride, p.k_seq_stride) +
+                                    head * p.k_head_stride + chunk * 8;
+            const long long v_dst = cache_row_offset<PAGED>(p, batch, pos, p.v_batch_stride, p.v_seq_stride) +
+                                    head * p.v_head_stride + chunk * 8;
+            const u16* k_src = static_cast<const u16*>(p.k_new) + batch * p.knew_batch_stride +
+                               t * p.knew_seq_stride + head * p.knew_head_stride + chunk * 8;
+            const u16* v_src = static_cast<const u16*>(p.v_new) + batch * p.vnew_batch_stride +
+                               t * p.vnew_seq_stride + head * p.vnew_head_stride + chunk * 8;
+            st_global_16(static_cast<u16*>(p.k_cache) + k_dst, ld_global_16(k_src));
+            st_global_16(static_cast<u16*>(p.v_cache) + v_dst, ld_global_16(v_src));
         }
     }
 
@@ -274,7 +330,7 @@ struct DecodeCTA {
         }
 #pragma unroll
         for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-            if (s < my_steps) load_step(step_key(s), s, pages[s % PAGE_PREFETCH]);
+            if (s < my_steps) issue_step(step_key(s), s, pages[s % PAGE_PREFETCH]);
             cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
             if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH));
         }
@@ -294,6 +350,7 @@ struct DecodeCTA {
             for (int k = 0; k < my_steps; ++k) loop_step(k, issue_slot, compute_slot, pages[0]);
         }
         cp_async_wait<0>();
+        append_new_rows();
         merge_and_store();
     }
 
@@ -303,7 +360,7 @@ struct DecodeCTA {
     // is then refilled for step k + STAGES - 1 + PAGE_PREFETCH), wait for step k, compute it.
     CF_DEVICE void loop_step(int k, int& issue_slot, int& compute_slot, int& page_reg) {
         const int issue = k + Cfg::STAGES - 1;
-        if (issue < my_steps) load_step(step_key(issue), issue_slot, page_reg);
+        if (issue < my_steps) issue_step(step_key(issue), issue_slot, page_reg);
         cp_async_commit();
         if constexpr (PAGED) page_reg = load_pages(step_key(issue + PAGE_PREFETCH));
         cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)

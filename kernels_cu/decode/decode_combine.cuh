@@ -1,4 +1,5 @@
-// Exact merge of split-KV partial results, and the in-place append of new keys/values.
+// Exact merge of split-KV partial results (the in-place append of k_new / v_new is done by the
+// attention kernel: see decode_attention.cuh).
 #pragma once
 
 // One warp per output row (batch, t, head): lse = log(sum_s exp(lse_s)), O = sum_s
@@ -16,8 +17,10 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_consta
     const int n_splits = p.num_splits;
 
     // The first FIRST splits' partial rows are loaded together with the log-sum-exps (they do
-    // not depend on them), so up to FIRST splits cost one L2 round trip instead of two.
-    constexpr int FIRST = 8;
+    // not depend on them), so up to FIRST splits cost one L2 round trip instead of two. 16 where
+    // a lane's slice is small (d_head <= 128: 32 registers), so that the 16 splits of a paged
+    // batch-1 cache (one CTA per SM) need no second round trip; 8 at d_head 256.
+    constexpr int FIRST = PER_LANE <= 4 ? 16 : 8;
     const float* src = p.ws_o + (long long)row * D + lane * PER_LANE;
     const long long split_stride = (long long)p.total_rows * D;
     float2 first[FIRST][PER_LANE / 2];
@@ -95,28 +98,4 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_consta
         *reinterpret_cast<u32*>(o) = packed[0];
     }
     if (lane == 0 && p.lse != nullptr) p.lse[((long long)batch * p.n_heads + head) * p.seq_q + t] = lse;
-}
-
-// k_new / v_new (batch, seq_new, n_kv_heads, d) -> cache rows cache_seqlens[b] + t, through the
-// page table when PAGED. One 16-byte chunk of K and of V per thread; grid (chunks / 128, batch).
-template <class Cfg, bool CAUSAL, bool PAGED>
-__global__ void __launch_bounds__(128) decode_append_kernel(const __grid_constant__ DecodeParams p) {
-    constexpr int CPR = Cfg::CHUNKS_PER_ROW;
-    pdl_launch_dependents();  // the attention kernel may launch; it waits for these rows
-    const int idx = blockIdx.x * 128 + threadIdx.x;
-    if (idx >= p.seq_new * p.n_kv_heads * CPR) return;
-    const int batch = blockIdx.y;
-    const int chunk = idx % CPR, rest = idx / CPR;
-    const int head = rest % p.n_kv_heads, t = rest / p.n_kv_heads;
-    const int pos = p.cache_seqlens[batch] + t;
-    const long long k_dst = cache_row_offset<PAGED>(p, batch, pos, p.k_batch_stride, p.k_seq_stride) +
-                            head * p.k_head_stride + chunk * 8;
-    const long long v_dst = cache_row_offset<PAGED>(p, batch, pos, p.v_batch_stride, p.v_seq_stride) +
-                            head * p.v_head_stride + chunk * 8;
-    const u16* k_src = static_cast<const u16*>(p.k_new) + batch * p.knew_batch_stride + t * p.knew_seq_stride +
-                       head * p.knew_head_stride + chunk * 8;
-    const u16* v_src = static_cast<const u16*>(p.v_new) + batch * p.vnew_batch_stride + t * p.vnew_seq_stride +
-                       head * p.vnew_head_stride + chunk * 8;
-    st_global_16(static_cast<u16*>(const_cast<void*>(p.k_cache)) + k_dst, ld_global_16(k_src));
-    st_global_16(static_cast<u16*>(const_cast<void*>(p.v_cache)) + v_dst, ld_global_16(v_src));
 }

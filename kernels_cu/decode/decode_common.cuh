@@ -98,9 +98,6 @@ CF_DEVICE float warp_sum(float x) {
     return x;
 }
 
-// Keys this sequence attends to: its cached length plus the rows appended by this call.
-CF_DEVICE int decode_seqlen_k(const DecodeParams& p, int batch) { return p.cache_seqlens[batch] + p.seq_new; }
-
 // Element offset of cache row `key` of (batch, kv head 0): a page-table lookup when PAGED
 // (batch_stride is then the page stride), else a plain row offset.
 template <bool PAGED>

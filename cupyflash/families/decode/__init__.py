@@ -1,9 +1,9 @@
 """The decode family (sm_80 and newer): split-KV attention of a few query rows against a long,
 contiguous or paged KV cache, for `cupyflash.forward_kvcache`.
 
-Three kernels per config and variant (causal, paged): `attention` (one CTA per split x KV head x
-row tile x sequence), `combine` (merges the splits by their log-sum-exp) and `append` (writes
-k_new / v_new into the cache in place). See kernels_cu/decode/.
+Two kernels per config and variant (causal, paged): `attention` (one CTA per split x KV head x
+row tile x sequence; it also writes k_new / v_new into the cache in place) and `combine` (merges
+the splits by their log-sum-exp). See kernels_cu/decode/.
 """
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from . import config_sets
 from .config import DecodeKernelConfig
 from .params import DECODE_PARAMS
 
-__all__ = ["DecodeFamily", "DECODE", "DecodeKernelConfig", "COMBINE_THREADS", "APPEND_THREADS"]
+__all__ = ["DecodeFamily", "DECODE", "DecodeKernelConfig", "COMBINE_THREADS"]
 
 COMBINE_THREADS = 128  # 4 warps, one output row each (decode_combine_kernel)
-APPEND_THREADS = 128   # one 16-byte chunk of K and V per thread (decode_append_kernel)
 
 
 class DecodeFamily(KernelFamily):
@@ -29,8 +28,7 @@ class DecodeFamily(KernelFamily):
                "decode/decode_common.cuh", "decode/decode_attention.cuh", "decode/decode_combine.cuh")
     static_wrapper = "StaticDecodeKernelConfig"
     roles = (KernelRole("attention", "decode_attention_kernel", DECODE_PARAMS),
-             KernelRole("combine", "decode_combine_kernel", DECODE_PARAMS),
-             KernelRole("append", "decode_append_kernel", DECODE_PARAMS))
+             KernelRole("combine", "decode_combine_kernel", DECODE_PARAMS))
     variant_flags = ("causal", "paged")
     min_compute_capability = 80
     set_keys = config_sets.KERNEL_SET_KEYS
@@ -44,7 +42,7 @@ class DecodeFamily(KernelFamily):
     def block_threads(self, cfg: DecodeKernelConfig, role: str | None = None) -> int:
         if role in (None, "attention"):
             return cfg.n_threads
-        return COMBINE_THREADS if role == "combine" else APPEND_THREADS
+        return COMBINE_THREADS
 
     def smem_bytes(self, cfg: DecodeKernelConfig, role: str | None = None) -> int:
         return cfg.smem_bytes() if role in (None, "attention") else 0

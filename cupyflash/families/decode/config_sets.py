@@ -14,18 +14,40 @@ __all__ = ["KERNEL_SET_KEYS", "all_configs", "autotune_configs", "progression_co
 KERNEL_SET_KEYS = ("all", "tune", "prog")
 
 # The heuristic defaults, (B_c, n_warps, stages, evict_first) per d_head (rows is picked per
-# problem by rows_for), from the H100 sweeps in NOTES.md. A contiguous cache streams best from
-# few deep rings; a paged one (a page-table read and a new DRAM page every 16 keys) from many
-# warps with one slot each: more independent page fetches in flight per SM.
-_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {
+# problem by rows_for), from the H100 probes in NOTES.md, for four kinds of problem: contiguous or
+# paged cache, and narrow (fewer than one CTA per SM without splits: batch x KV heads x row tiles
+# < SM count, so splits fill the GPU) or wide (at least one CTA per SM without splits).
+# - narrow contiguous: eight warps with one step ahead each stream faster than four with three
+#   (d128, batch 1: 8k keys 20.1 vs 20.7 us, 131k keys 182.6 vs 190.7 at the same 64 CTAs);
+# - wide contiguous: 2 CTAs per SM (four warps, 3 stages, 100 KB), so one CTA's prologue and merge
+#   overlap the other's streaming (d128 batch 64 x 8k: 697 vs 705 us with 1 CTA per SM; batch
+#   32 x 4k 179.1 vs 180.6; d64 batch 64 x 8k 360.8 vs 361.6);
+# - paged (a page-table read and a new page every 16 keys): a CTA streams about half as fast as
+#   on a contiguous cache, and more warps help more than deeper rings (d128 batch 1 x 131k at 64
+#   CTAs: 8 warps x 2 stages 225 us, 4 x 4 387): narrow takes 8 warps x 2 stages with the split
+#   rule aiming at one CTA per SM (131k: 189 us vs 194 with 8 x 1; 8k: 22.1 vs 24.3), wide the
+#   2-CTA shape (batch 64 x 8k: 723 vs 730 us with 8 x 1; batch 32 x 4k: 189 vs 193). Paged loads
+#   carry the L2 evict-first hint, so the page tables stay in L2 while K and V stream past.
+# d256 keeps its shapes (8 warps x 2 stages of 16 d256 keys do not fit in shared memory).
+_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {      # narrow contiguous
     64: (32, 4, 4, False),
-    128: (16, 4, 4, False),
+    128: (16, 8, 2, False),
     256: (16, 4, 2, False),
 }
-_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {
-    64: (32, 8, 1, False),
-    128: (16, 8, 1, False),
-    256: (16, 8, 1, False),
+_WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
+    64: (32, 4, 3, False),
+    128: (16, 4, 3, False),
+    256: (16, 4, 2, False),
+}
+_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # narrow paged
+    64: (32, 8, 2, True),
+    128: (16, 8, 2, True),
+    256: (16, 8, 1, True),
+}
+_WIDE_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide paged
+    64: (32, 4, 3, True),
+    128: (16, 4, 3, True),
+    256: (16, 8, 1, True),
 }
 
 
@@ -105,12 +127,15 @@ def fit_to_rows(cfg: DecodeKernelConfig, packed_rows: int) -> DecodeKernelConfig
     return None
 
 
-def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool = False) -> DecodeKernelConfig:
-    """The heuristic choice for (dtype, d_head), a group of `packed_rows` query rows and the
-    cache kind."""
+def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool = False,
+                   wide: bool = False) -> DecodeKernelConfig:
+    """The heuristic choice for (dtype, d_head), a group of `packed_rows` query rows, the cache
+    kind and the problem's width (`wide`: batch x KV heads x row tiles >= the SM count)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by forward_kvcache; expected one of {DECODE_D_HEADS}")
-    bc, w, st, ev = (_PAGED_DEFAULTS if paged else _DEFAULTS)[d_head]
+    table = ((_WIDE_PAGED_DEFAULTS if wide else _PAGED_DEFAULTS) if paged
+             else (_WIDE_DEFAULTS if wide else _DEFAULTS))
+    bc, w, st, ev = table[d_head]
     rows = rows_for(d_head, packed_rows)
     while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
         bc //= 2

@@ -3,10 +3,12 @@
 A bucket `seq` is the number of keys per sequence. The batch holds as many sequences as make
 about TUNING_KV_BYTES of K and V (so every bucket streams the same bytes: 1 sequence of 128k
 keys at d_head 128, 8 of 8k, 64 of 1k), with 32 query heads on 8 KV heads (GQA 4) and one
-query row per sequence (four with causal=True, bottom-right aligned). A timed call is the step
-against a contiguous cache plus the same step against a paged one (page size 16, shuffled
-pages), both with num_splits=None: the config that wins serves both kinds of cache, and the
-library's split rule (families/decode/splits.py) for that config is part of what is timed.
+query row per sequence (four with causal=True, bottom-right aligned); from 8k keys up (d_head
+128) that is at most 16 sequences, a narrow problem (cupyflash.kvcache.is_wide). A timed call is the step against a contiguous
+cache with num_splits=None (the library's split rule for the config is part of what is timed);
+each config is also checked on a paged cache (page size 16, shuffled pages) with the same
+contents. The table's winners serve narrow problems on contiguous caches; paged caches and wide
+batches keep the heuristic defaults of config_sets, whose shapes were chosen for them.
 """
 from __future__ import annotations
 
@@ -72,8 +74,8 @@ class DecodeTuningProblem:
             table = perm.reshape(batch, pages_per_seq)
             self.sets.append((q, k, v, k_pages, v_pages, table, cupy.empty_like(q), cupy.empty_like(q)))
         self.seqlens = cupy.full((batch,), seq, dtype=cupy.int32)
-        # per layout: QK^T and PV, 2 flops per multiply-add; the table's TFLOP/s counts both layouts
-        self.flops = 2 * 4.0 * batch * self.seq_q * TUNING_HEADS * seq * d_head
+        # QK^T and PV, 2 flops per multiply-add, of the timed (contiguous) step
+        self.flops = 4.0 * batch * self.seq_q * TUNING_HEADS * seq * d_head
         self.label = f"{dtype.name} d{d_head} keys={seq} batch={batch}{' causal' if causal else ''} decode"
         self.info: dict[str, Any] = {"batch": batch, "seq_q": self.seq_q, "heads": TUNING_HEADS,
                                      "kv_heads": TUNING_KV_HEADS, "page_size": TUNING_PAGE_SIZE}
@@ -136,7 +138,12 @@ class DecodeTuningProblem:
         return None
 
     def timed_call(self, cfg: DecodeKernelConfig) -> Callable[[int], Any]:
-        return lambda i, c=cfg: self._run(c, i)
+        from ...kvcache import forward_kvcache
+
+        def call(i: int, c: DecodeKernelConfig = cfg) -> Any:
+            q, k, v, _, _, _, o_contig, _ = self.sets[i]
+            return forward_kvcache(q, k, v, cache_seqlens=self.seqlens, causal=self.causal, out=o_contig, cfg=c)
+        return call
 
     def close(self) -> None:
         import cupy

@@ -1,0 +1,107 @@
+"""Decode probe: named decode configs x split counts on issue 10's table rows, contiguous and paged
+(page 16, shuffled), one compact line per (row, config, num_splits). For questions the tune set
+cannot ask (several KV heads per CTA, paged-only shapes, split counts off the rule).
+
+    python scripts/decode_probe.py --rows 0,1 --splits auto,8,16,32 [--dtype bf16] [--samples 15] \\
+        --configs "default|paged_default|decode (BF16, 128, 16, 16, 8): stages_2+heads_8"
+
+'default' / 'paged_default' stand for the heuristic configs of the row's (dtype, d_head) for a
+contiguous / paged cache; 'auto' for the library's own choice (cfg=None). A short form whose
+d_head differs from the row's is skipped. Every config is compiled first, in parallel; each
+timed call is checked once against SDPA's math backend in float32 (relative L2 <= 2e-2).
+Times: CUDA-event medians of calls queued behind a GPU spin (bench_decode.gpu_time_us).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import bench_decode as bd
+
+
+def resolve(name: str, dtype, d_head: int):
+    from cupyflash.families.decode import config_sets
+    from cupyflash.families.decode.config import DecodeKernelConfig
+
+    if name == "auto":
+        return None
+    if name == "default":
+        return config_sets.default_config(dtype, d_head)
+    if name == "paged_default":
+        return config_sets.default_config(dtype, d_head, paged=True)
+    cfg = DecodeKernelConfig.parse(name)
+    if cfg.d_head != d_head:
+        return "skip"
+    return cfg.replace(dtype=dtype)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="0,1", help="indices into bench_decode.TABLE_ROWS")
+    ap.add_argument("--configs", default="auto,default,paged_default", help="'|'-separated config names")
+    ap.add_argument("--splits", default="auto", help="comma-separated num_splits ('auto' = the library's rule)")
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--samples", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-paged", action="store_true")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from cupyflash.config import DType
+    from cupyflash.device import device_arch
+    from cupyflash.prewarm import prewarm
+
+    dtype = DType.parse(args.dtype)
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    rows = [bd.TABLE_ROWS[int(i)] for i in args.rows.split(",")]
+    names = [n.strip() for n in args.configs.split("|") if n.strip()]
+    splits = [None if s == "auto" else int(s) for s in args.splits.split(",")]
+    wanted = {c for d, *_ in rows for n in names for c in [resolve(n, dtype, d)] if c not in (None, "skip")}
+    t0 = time.time()
+    report = prewarm(sorted(wanted), [device_arch(torch.cuda.current_device())[0]],
+                     variants=sorted({(c, pg) for *_, c in rows for pg in (False, True)}), jobs=os.cpu_count(),
+                     progress=None)
+    print(f"prewarmed {len(report.results)} modules in {time.time() - t0:.0f} s, "
+          f"{sum(not r.ok for r in report.results)} failed", flush=True)
+    results = []
+    for d, batch, seq_q, keys, causal in rows:
+        p = bd.Problem(torch, tdt, d, batch, seq_q, keys, causal)
+        if not args.no_paged:
+            p.build_pages()
+        ref = p.reference(torch) if p.k[0].numel() * 2 * 4 < (2 << 30) else None
+        label = f"d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys}"
+        for name in names:
+            cfg = resolve(name, dtype, d)
+            if cfg == "skip":
+                continue
+            for ns in splits:
+                entry = {"row": label, "config": name, "num_splits": ns}
+                for paged in (False,) if args.no_paged else (False, True):
+                    tag = "paged" if paged else "contig"
+                    try:
+                        call = bd.cupyflash_call(p, paged, cfg, ns)
+                        if ref is not None:
+                            err = bd.rel_l2(torch, call(0), ref)
+                            if not err <= 2e-2:
+                                raise RuntimeError(f"wrong result: rel_l2 {err:.3g}")
+                        entry[tag] = round(bd.gpu_time_us(torch, call, p.n_sets, args.samples), 2)
+                    except Exception as exc:  # reported, the probe goes on
+                        entry[tag] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                c, pg = entry.get("contig"), entry.get("paged")
+                ratio = f"{pg / c:.3f}" if isinstance(c, float) and isinstance(pg, float) else "-"
+                print(f"{label:<18} {name[:52]:<52} s={str(ns):<4} contig {c}  paged {pg}  ratio {ratio}", flush=True)
+                results.append(entry)
+        del p, ref
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "probe": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
