@@ -9,6 +9,7 @@ import numpy as np
 from .backward_validation import BackwardPlan, check_backward_args, resolve_backward_config
 from .config import DType
 from .families.backward_sm80.config_sets import default_config
+from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TORCH, TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream, wrap_output
 
 __all__ = ["backward"]
@@ -59,7 +60,9 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         deterministic: True computes dQ by a separate pass per query block instead of fp32 atomics,
             so the results have the same bits on every run (costs S and dP a second time).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
-        cfg: a BackwardKernelConfig, its short form, or None/'auto' (the library picks).
+        cfg: a BackwardKernelConfig, its short form, or None/'auto' (the library picks, always
+            backward_sm80); a HopperBackwardKernelConfig (or 'backward_sm90(...)') runs the
+            Hopper family instead, on compute capability 9.0 only (ValueError elsewhere).
 
     Returns:
         (dq, dk, dv) in the framework of q.
@@ -79,6 +82,10 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         _check_device(qv.device)
     plan = check_backward_args(config, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, softmax_scale, causal,
                                deterministic, select=_select)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import check_sm90_problem
+
+        check_sm90_problem(plan, qv, kv, vv, dov, _api._compute_capability(plan.device))
     stream_ptr = resolve_stream(stream, qv)
     if dqv is None:
         dqv = allocate_output(qv, tuple(qv.shape))
@@ -92,16 +99,35 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
             dv if dv is not None else wrap_output(dvv))
 
 
+def _launch_sm90(plan: BackwardPlan, views: tuple[TensorView, ...], params: bytes, workspaces: tuple[int, int, int],
+                 stream_ptr: int) -> None:
+    """The Hopper family's kernels (an explicit backward_sm90 cfg, checked for sm_90 above)."""
+    from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
+
+    qv, kv, vv, _, dov, _, _, dkv, dvv = views
+    acc_ptr, lse2_ptr, dvec_ptr = workspaces
+    hopper = pack_dkdv(plan, qv, kv, vv, dov, dkv.ptr, dvv.ptr, acc_ptr, lse2_ptr, dvec_ptr)
+    with _cupy.cuda.Device(plan.device):
+        launch_backward_sm90(plan, views, params, hopper, stream_ptr)
+
+
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> None:
     from .families.backward_sm80.kernels import get_launcher
 
     q = views[0]
-    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        launcher = None
+    else:
+        launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     acc, acc_ptr = (None, 0) if plan.deterministic else _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
     params = plan.pack(ptrs)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        _launch_sm90(plan, views, params, (acc_ptr, lse2_ptr, dvec_ptr), stream_ptr)
+        del lse2, dvec, acc
+        return
     if _cupy.cuda.runtime.getDevice() == plan.device:
         launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
                         stream_ptr)

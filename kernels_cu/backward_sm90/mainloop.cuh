@@ -148,6 +148,7 @@ struct BwdConsumer {
             wgmma_wait<0>();
             fence_registers(dv);
             fence_registers(dk);
+            release(s);  // Q, dO, lse2, dvec of this stage are no longer read (dQ reads K and dS^T)
             if constexpr (!DETERMINISTIC) {
                 named_barrier_sync(DS_BARRIER + wg, 128);  // every warp's dS^T rows are written
                 float dq[Cfg::D / 8][4];
@@ -157,7 +158,6 @@ struct BwdConsumer {
                 wgmma_commit();
                 wgmma_wait<0>();
                 fence_registers(dq);
-                release(s);
                 float* acc = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D;
                 const int row = 16 * warp + (lane >> 2);
 #pragma unroll
@@ -167,8 +167,6 @@ struct BwdConsumer {
                     red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
                 }
                 named_barrier_sync(DS_BARRIER + wg, 128);  // the dQ GEMM is done with dS^T everywhere
-            } else {
-                release(s);
             }
         }
     }
