@@ -108,23 +108,21 @@ def _launch_sm90(plan: BackwardPlan, views: tuple[TensorView, ...], params: byte
     acc_ptr, lse2_ptr, dvec_ptr = workspaces
     hopper = pack_dkdv(plan, qv, kv, vv, dov, dkv.ptr, dvv.ptr, acc_ptr, lse2_ptr, dvec_ptr)
     with _cupy.cuda.Device(plan.device):
-        launch_backward_sm90(plan, views, params, hopper, stream_ptr)
+        launch_backward_sm90(plan, params, hopper, stream_ptr)
 
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> None:
     from .families.backward_sm80.kernels import get_launcher
 
     q = views[0]
-    if isinstance(plan.cfg, HopperBackwardKernelConfig):
-        launcher = None
-    else:
-        launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
+    launcher = None if hopper else get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     acc, acc_ptr = (None, 0) if plan.deterministic else _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
     params = plan.pack(ptrs)
-    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+    if hopper:
         _launch_sm90(plan, views, params, (acc_ptr, lse2_ptr, dvec_ptr), stream_ptr)
         del lse2, dvec, acc
         return

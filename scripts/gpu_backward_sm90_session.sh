@@ -40,7 +40,7 @@ fi
 if has bench; then
     # shellcheck disable=SC2086
     timeout 200 python3 scripts/bench_backward.py --d-heads 128 --dtypes bf16 --json "$OUT/bench_backward_sm90.json" \
-        --cfgs "$(echo "$CFGS" | tr '|' '\n' | grep ', 128,' | paste -sd '|')" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+        --cfgs "$(echo "$CFGS" | tr '|' '\n' | grep -E '\((BF16|FP16), 128,' | paste -sd '|')" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
     echo "bench exit $? ($((SECONDS - t0)) s)"
     tail -n 20 "$OUT/bench.log"
 fi

@@ -14,8 +14,7 @@ backward_sm80's tables; an explicit `cfg` of this family reaches it (see launch.
 from __future__ import annotations
 
 from ...config import DType
-from ..backward_sm80 import ROW_KERNEL_THREADS, roles_for
-from ..backward_sm80 import BACKWARD_SM80
+from ..backward_sm80 import BACKWARD_SM80, ROW_KERNEL_THREADS, roles_for
 from ..backward_sm80.config import BackwardKernelConfig
 from ..backward_sm80.params import BACKWARD_PARAMS
 from ..base import KernelFamily, KernelRole, Variant

@@ -93,8 +93,9 @@ def get_kernels(cfg: HopperBackwardKernelConfig, device: int, causal: bool, dete
     return kernels
 
 
-def launch_backward_sm90(plan: BackwardPlan, views, sm80_params: bytes, hopper_params: bytes, stream_ptr: int) -> None:
-    """Launch the variant's kernels in order on `stream_ptr` (the current device is plan.device)."""
+def launch_backward_sm90(plan: BackwardPlan, sm80_params: bytes, hopper_params: bytes, stream_ptr: int) -> None:
+    """Launch the variant's kernels in order on `stream_ptr` (the current device is plan.device):
+    `sm80_params` (BackwardParams) for the reused kernels, `hopper_params` for dkdv."""
     kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
     for step in launch_sequence(plan):
         kernels[step.role].launch(step.grid, step.block, step.smem, stream_ptr,
