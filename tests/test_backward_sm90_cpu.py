@@ -236,3 +236,82 @@ def test_check_sm90_problem():
     bcast = view((2, 70, 2, 128), strides=(0, 256, 128, 1))
     with pytest.raises(ValueError, match="^k: the batch stride"):
         launch.check_sm90_problem(p, a["q"], bcast, a["v"], a["dout"], 90)
+
+
+# ------------------------------------------------------------------------------ backward() wiring
+class _FakeDevice:
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeCupy:
+    class cuda:
+        Device = _FakeDevice
+
+
+@pytest.fixture
+def faked_backward(monkeypatch):
+    """cupyflash.backward end to end on fake views: compute capability and launches captured."""
+    from cupyflash import api, backward_api
+
+    state = {"cc": 90, "launches": [], "workspaces": []}
+    monkeypatch.setattr(api, "_gpu_ready", True)
+    monkeypatch.setattr(api, "_checked_devices", {0})
+    monkeypatch.setattr(api, "_compute_capability", lambda device: state["cc"])
+    monkeypatch.setattr(backward_api, "as_view", lambda x, name: x)
+    monkeypatch.setattr(backward_api, "output_view", lambda x, name: x)
+    monkeypatch.setattr(backward_api, "resolve_stream", lambda stream, like: 0x1234)
+    monkeypatch.setattr(backward_api, "allocate_output", lambda like, shape: view(shape, like.dtype))
+    monkeypatch.setattr(backward_api, "wrap_output", lambda v: v)
+    monkeypatch.setattr(backward_api, "_cupy", _FakeCupy)
+
+    def workspace(like, shape, stream_ptr):
+        state["workspaces"].append(shape)
+        return None, 0x7000000 + 0x100000 * len(state["workspaces"])
+
+    monkeypatch.setattr(backward_api, "_workspace", workspace)
+    monkeypatch.setattr(launch.tma, "descriptor", lambda ptr, dtype, shape, strides, rows: ptr.to_bytes(8, "little") * 16)
+    monkeypatch.setattr(launch, "launch_backward_sm90",
+                        lambda plan, sm80, hopper, stream: state["launches"].append((plan, sm80, hopper, stream)))
+    return state
+
+
+def _call(cfg, deterministic=False, **kw):
+    import cupyflash
+
+    a = _args(**kw)
+    return a, cupyflash.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=True,
+                                 deterministic=deterministic, cfg=cfg)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launches_the_hopper_family(faked_backward, deterministic):
+    cfg = config_sets.default_config(DType.BF16, 128)
+    a, (dq, dk, dv) = _call(cfg.short_form(), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
+    assert dq.shape == a["q"].shape and dk.shape == a["k"].shape
+    [(plan, sm80, hopper, stream)] = faked_backward["launches"]
+    assert plan.cfg == cfg and plan.causal and plan.deterministic is deterministic and stream == 0x1234
+    # the workspaces: lse2, dvec (and dq_accum unless deterministic), padded to B_r rows
+    assert faked_backward["workspaces"][:2] == [(2, 4, 128)] * 2
+    assert len(faked_backward["workspaces"]) == (2 if deterministic else 3)
+    vals = HOPPER_BACKWARD_PARAMS.layout.unpack(hopper)
+    assert vals[0] == a["q"].ptr.to_bytes(8, "little") * 16 and vals[3] == a["dout"].ptr.to_bytes(8, "little") * 16
+    assert vals[4:6] == (dk.ptr, dv.ptr)
+    assert vals[6] == (0 if deterministic else 0x7300000) and vals[7:9] == (0x7100000, 0x7200000)
+    assert vals[15:21] == (100, 200, 128, 4, 2, 2)
+    from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
+
+    assert len(sm80) == PARAMS_STRUCT.size
+
+
+def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
+    faked_backward["cc"] = 80
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\) .*compute capability 9.0 only"):
+        _call(config_sets.default_config(DType.BF16, 128))
+    assert not faked_backward["launches"]
