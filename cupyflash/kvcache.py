@@ -25,11 +25,10 @@ from . import kvcache_plans
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
                       resolve_stream, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
-from .validation import LOG2_E, check_compute_capability, index_check_requested
+from .validation import CHECKED_DEVICES, LOG2_E, check_device_once, index_check_requested
 
 __all__ = ["forward_kvcache", "resolve_decode_config", "workspace_bytes", "plan_num_splits"]
 
-_checked_devices: set[int] = set()
 _get_registry = None
 _carveout_set: set[int] = set()  # kernels whose shared-memory carveout preference is set
 _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
@@ -42,14 +41,6 @@ def _device_limits(device: int) -> tuple[int, int, int]:
     props = _cupy.cuda.runtime.getDeviceProperties(device)
     return (int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]),
             int(props["sharedMemPerBlockOptin"]))
-
-
-def _check_device(device: int) -> None:
-    from .device import compute_capability, require_gpu
-
-    require_gpu()
-    check_compute_capability(compute_capability(device), device)
-    _checked_devices.add(device)
 
 
 # -------------------------------------------------------------------------------- configs
@@ -231,8 +222,8 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         if result is not None:
             return result
     qv = as_view(q, "q")
-    if qv.device not in _checked_devices:
-        _check_device(qv.device)
+    if qv.device not in CHECKED_DEVICES:
+        check_device_once(qv.device)
     kv = as_view(k_cache, "k_cache")
     vv = as_view(v_cache, "v_cache")
     sv = as_view(cache_seqlens, "cache_seqlens")

@@ -109,6 +109,20 @@ def check_softmax_scale(softmax_scale, d_head: int) -> float:
     return scale
 
 
+# Devices that passed check_device_once: the entry points test membership before calling it.
+CHECKED_DEVICES: set[int] = set()
+
+
+def check_device_once(device: int) -> None:
+    """A GPU is there and `device` is new enough (RuntimeError/ValueError otherwise); remembered
+    in CHECKED_DEVICES so that later calls skip it (forward_kvcache, forward_varlen)."""
+    from .device import compute_capability, require_gpu
+
+    require_gpu()
+    check_compute_capability(compute_capability(device), device)
+    CHECKED_DEVICES.add(device)
+
+
 def index_check_requested(check_indices) -> bool:
     """Whether a call checks its index arrays (cache_seqlens, block_table, cu_seqlens) on the host:
     `check_indices` when it is a bool, else the environment variable CUPYFLASH_CHECK_INDICES=1."""

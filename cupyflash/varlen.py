@@ -22,7 +22,7 @@ from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
 from . import varlen_plans
 from .interop import (TORCH, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view, resolve_stream,
                       wrap_output)
-from .validation import check_flag, index_check_requested
+from .validation import CHECKED_DEVICES, check_device_once, check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, check_index_values, check_varlen_args
 
 __all__ = ["forward_varlen", "pack_varlen_sm80", "pack_varlen_sm90"]
@@ -30,17 +30,7 @@ __all__ = ["forward_varlen", "pack_varlen_sm80", "pack_varlen_sm90"]
 # q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k: the first seven ForwardParams fields
 _SM80_POINTERS = struct.Struct("<7Q")
 
-_checked_devices: set[int] = set()
 _get_registry = None
-
-
-def _check_device(device: int) -> None:
-    from .device import compute_capability, require_gpu
-    from .validation import check_compute_capability
-
-    require_gpu()
-    check_compute_capability(compute_capability(device), device)
-    _checked_devices.add(device)
 
 
 def _hopper_reason(problem: VarlenProblem, q, k, v) -> str | None:
@@ -164,8 +154,8 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         if result is not None:
             return result
     qv = as_view(q, "q")
-    if qv.device not in _checked_devices:
-        _check_device(qv.device)
+    if qv.device not in CHECKED_DEVICES:
+        check_device_once(qv.device)
     kv = as_view(k, "k")
     vv = as_view(v, "v")
     cqv = as_view(cu_seqlens_q, "cu_seqlens_q")
