@@ -6,8 +6,10 @@ working on its own, with its config sweeps and rounds).
                             [--causal both|yes|no] [--warmup 3] [--reps 10] [--json bench_backward.json]
 
 Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only the backward is
-timed: cupyflash.backward(dout, q, k, v, out, lse) (the library's choice of config) on the output
-and lse of cupyflash.forward; SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
+timed: cupyflash.backward(dout, q, k, v, out, lse) on the output and lse of cupyflash.forward,
+three times: `cupyflash` with cfg=None (the library's choice: backward_sm90 on an H100 where it
+applies), `backward_sm80` with that family's tuned-or-default config, `backward_sm90` with the
+Hopper family's default config (skipped off compute capability 9.0 and for d_head 96/256); SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
 output (backend forced, retain_graph); FlashAttention-3 (flash_attn3_jax, d_head 128, when the wheel
 is installed): bench_backward.fa3_backward (the jitted VJP of flash_mha), timed with its host clock
 (bench_backward.time_host). Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
@@ -15,7 +17,7 @@ half when causal). Every implementation's (dq, dk, dv) is checked once, before i
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
 each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls.
 Targets (issue 12, printed beside the figures, never a failure): the sm_80 backward family
->= 1.00x SDPA flash at every S >= 1k; a Hopper backward family (when it lands) >= 1.00x cuDNN.
+>= 1.00x SDPA flash at every S >= 1k; the Hopper backward family >= 1.00x cuDNN, then FA3.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
-IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn", "fa3")
+IMPLS = ("cupyflash", "backward_sm80", "backward_sm90", "sdpa_flash", "sdpa_cudnn", "fa3")
+OURS = IMPLS[:3]  # cupyflash's columns: a refusal or error in any of them makes the mode exit 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,10 +103,27 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
              "causal": causal, "flops": flops, "point": f"{dtype.name.lower()} d{d} S={seq} causal={int(causal)}"}
     runs: dict[str, Callable[[], Callable[[], tuple]]] = {}
 
-    def cupyflash_run() -> Callable[[], tuple]:
+    def cupyflash_run(cfg: Any = None) -> Callable[[], tuple]:
         out, lse = cupyflash.forward(None, q, k, v, causal=causal, return_lse=True)
         grads = tuple(torch.full_like(x, math.nan) for x in (q, k, v))  # poisoned before the checked run
-        return lambda: cupyflash.backward(do, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+        return lambda: cupyflash.backward(do, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2],
+                                          cfg=cfg)
+
+    def family_run(family: str) -> Callable[[], tuple]:
+        from cupyflash.backward_api import _select
+        from cupyflash.device import compute_capability
+        from cupyflash.families.backward_sm90.config import D_HEADS as SM90_D_HEADS
+        from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+
+        device = q.get_device()
+        if family == "backward_sm80":
+            return cupyflash_run(_select(dtype, d, seq, seq, device, causal))
+        cc = compute_capability(device)
+        if cc != 90:
+            raise Skip(f"backward_sm90 runs on compute capability 9.0 (this GPU: {cc // 10}.{cc % 10})")
+        if d not in SM90_D_HEADS:
+            raise Skip(f"backward_sm90 has d_head {SM90_D_HEADS}")
+        return cupyflash_run(sm90_default(dtype, d))
 
     def sdpa_run(backend: str) -> Callable[[], tuple]:
         if not hasattr(SDPBackend, backend):
@@ -118,6 +138,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
         return lambda: tuple(g.transpose(1, 2) for g in torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
 
     runs["cupyflash"] = cupyflash_run
+    runs["backward_sm80"] = lambda: family_run("backward_sm80")
+    runs["backward_sm90"] = lambda: family_run("backward_sm90")
     runs["sdpa_flash"] = lambda: sdpa_run("FLASH_ATTENTION")
     runs["sdpa_cudnn"] = lambda: sdpa_run("CUDNN_ATTENTION")
     fa3: dict[str, Callable] = {}
@@ -167,14 +189,14 @@ def target_flash(seq: int) -> float | None:
 
 
 def format_report(records: list[dict]) -> str:
-    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["cf/flash", "target", "cf/cuDNN", "cf/FA3"]
+    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["sm80/flash", "target", "sm90/cuDNN", "sm90/FA3"]
     rows = []
     for key in dict.fromkeys((r["dtype"], r["d_head"], r["causal"], r["seq"]) for r in records):
         got = {r["impl"]: r for r in records if (r["dtype"], r["d_head"], r["causal"], r["seq"]) == key}
         tf = {n: got[n]["tflops"] if n in got and got[n]["status"] == "ok" else None for n in IMPLS}
         cells = [fmt(tf[n], 0) if tf[n] is not None else (got[n]["status"].upper() if n in got else "-") for n in IMPLS]
-        r_fl, r_cu = ratio(tf["cupyflash"], tf["sdpa_flash"]), ratio(tf["cupyflash"], tf["sdpa_cudnn"])
-        r_fa3 = ratio(tf["cupyflash"], tf["fa3"])
+        r_fl, r_cu = ratio(tf["backward_sm80"], tf["sdpa_flash"]), ratio(tf["backward_sm90"], tf["sdpa_cudnn"])
+        r_fa3 = ratio(tf["backward_sm90"], tf["fa3"])
         tgt = target_flash(key[3])
         rows.append([key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])] + cells +
                     [fmt(r_fl, 2) + ("x" if r_fl else ""), f"{verdict(r_fl, tgt)}>={tgt:.2f}" if tgt else "-",
@@ -222,7 +244,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
                     data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
-    failures = collect_failures(data["records"])
+    failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]
     data.update(complete=True, failures=failures)
     write_json(args.json, data)
     print()

@@ -1,46 +1,67 @@
 #!/usr/bin/env bash
-# First device call for the Hopper backward family (backward_sm90): prewarm, a plain smoke run
-# (wrong or hung kernels stop here), the GPU tests, compute-sanitizer, then a benchmark against
-# backward_sm80 (cfg=None) and the peers. Logs under $OUT; the last lines printed are summaries.
+# One device call for the Hopper backward family (backward_sm90): prewarm, a smoke run (wrong or
+# hung kernels show here; the GPU tests still run, for their per-case figures), the GPU tests, the
+# autograd paths (torch, JAX), the benchmark (bench.py --mode backward: cupyflash's pick,
+# backward_sm80, backward_sm90, SDPA flash/cuDNN, FA3) and compute-sanitizer. At most 8 files
+# under $OUT (the device returns no more). Each stage has its own timeout.
 #   OUT=/tmp/out bash scripts/gpu_backward_sm90_session.sh
-# Environment: CFGS ('|'-separated backward_sm90 short forms for the smoke/sanitizer runs and the
-# benchmark; default the bf16 d128 and d64 defaults), STAGES (default "smoke,tests,sanitize,bench"),
-# BENCH_ARGS (extra arguments of scripts/bench_backward.py).
+# Environment: STAGES (default "smoke,tests,autograd,bench,memcheck"; also racecheck, synccheck),
+# BENCH_ARGS (bench.py --mode backward arguments; default bf16 d128, S 1k..16k, causal both),
+# BENCH_TIMEOUT (s, default 150), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
 set -uo pipefail
 OUT="${OUT:-/tmp/cupyflash-backward-sm90}"
 mkdir -p "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-/tmp/cupyflash-cache}"
-CFGS="${CFGS:-backward_sm90(BF16, 128, 64, 128, 2)|backward_sm90(BF16, 64, 64, 128, 2)}"
-STAGES="${STAGES:-smoke,tests,sanitize,bench}"
+CFGS="backward_sm90(BF16, 128, 64, 128, 2)|backward_sm90(BF16, 64, 64, 128, 2)|backward_sm90(FP16, 128, 64, 64, 2)"
+STAGES="${STAGES:-smoke,tests,autograd,bench,memcheck}"
+BENCH_ARGS="${BENCH_ARGS:---dtypes bf16 --d-heads 128 --seqs 1k,2k,4k,8k,16k --causal both}"
 has() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 t0=$SECONDS
-python3 scripts/prewarm_cache.py --family backward_sm90 --set all --arch sm_90a --all-variants --jobs 16 --quiet \
-    >"$OUT/prewarm.log" 2>&1
-echo "prewarm exit $? ($((SECONDS - t0)) s)"
+{
+    timeout 120 python3 -m cupyflash prewarm --family backward_sm90 --set defaults --arch sm_90a --all-variants \
+        --jobs 16 --quiet
+    timeout 120 python3 -m cupyflash prewarm --family backward_sm90 --set all --arch sm_90a --jobs 16 --quiet
+} >"$OUT/prewarm.log" 2>&1
+echo "prewarm exit $? ($((SECONDS - t0)) s)"; grep -E "compiled|failed|warning" "$OUT/prewarm.log" | head -n 6
+smoke_ok=1
 if has smoke; then
-    timeout 90 python3 scripts/sanitize_backward.py --d-heads "" --configs "$CFGS" >"$OUT/smoke.log" 2>&1
+    timeout 60 python3 scripts/sanitize_backward.py --d-heads "" --configs "$CFGS" >"$OUT/smoke.log" 2>&1
     rc=$?
-    echo "smoke exit $rc ($((SECONDS - t0)) s)"; tail -n 5 "$OUT/smoke.log"
-    [ "$rc" -ne 0 ] && { echo "SMOKE FAILED: nothing else is worth the time"; exit 1; }
+    echo "smoke exit $rc ($((SECONDS - t0)) s)"; grep "^FAIL" "$OUT/smoke.log" | head -n 24; tail -n 3 "$OUT/smoke.log"
+    [ "$rc" -eq 124 ] && { echo "SMOKE TIMED OUT (a hang?): stopping"; exit 1; }
+    [ "$rc" -ne 0 ] && smoke_ok=0
 fi
 if has tests; then
-    timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_gpu_backward_sm90.py >"$OUT/pytest.log" 2>&1
+    CUPYFLASH_TEST_FIGURES="$OUT/figures.json" timeout 180 python3 -m pytest -q -rs -p no:cacheprovider \
+        ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_backward_sm90.py >"$OUT/pytest.log" 2>&1
     echo "tests exit $? ($((SECONDS - t0)) s):"
-    grep -E "passed|failed|^FAILED|^ERROR" "$OUT/pytest.log" | tail -n 30
+    grep -E "passed|failed|^FAILED|^ERROR|^E  .*(rel|max|assert)" "$OUT/pytest.log" | head -n 40
 fi
-if has sanitize; then
-    for tool in memcheck racecheck synccheck; do
-        timeout 100 compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/sanitize_backward.py \
-            --d-heads "" --max-shapes 2 --configs "$CFGS" >"$OUT/$tool.log" 2>&1
-        echo "$tool exit $? ($((SECONDS - t0)) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_backward:' "$OUT/$tool.log" | tr '\n' ' ')"
-    done
+[ "$smoke_ok" -eq 0 ] && { echo "SMOKE FAILED: no autograd, bench or sanitizer stages"; STAGES="memcheck"; }
+if has autograd; then
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_jax_ops.py -k "gpu and grad" >"$OUT/autograd.log" 2>&1
+    echo "jax grad tests exit $? ($((SECONDS - t0)) s): $(tail -n 1 "$OUT/autograd.log")"
 fi
 if has bench; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        ../../.whl/*.whl >/dev/null 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
     # shellcheck disable=SC2086
-    timeout 200 python3 scripts/bench_backward.py --d-heads 128 --dtypes bf16 --json "$OUT/bench_backward_sm90.json" \
-        --cfgs "$(echo "$CFGS" | tr '|' '\n' | grep -E '\((BF16|FP16), 128,' | paste -sd '|')" ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+    timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bench.py --mode backward $BENCH_ARGS --json "$OUT/bench.json" \
+        --plot '' >"$OUT/bench.log" 2>&1
     echo "bench exit $? ($((SECONDS - t0)) s)"
-    tail -n 20 "$OUT/bench.log"
+    python3 - "$OUT/bench.json" <<'EOF'
+import json, sys
+sys.path.insert(0, "scripts")
+import bench_mode_backward as m
+data = json.load(open(sys.argv[1]))
+print(m.format_report(data["records"]))
+EOF
 fi
+for tool in memcheck racecheck synccheck; do
+    has $tool || continue
+    timeout 100 compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/sanitize_check.py \
+        --family backward_sm90 --quick >>"$OUT/sanitize.log" 2>&1
+    echo "$tool exit $? ($((SECONDS - t0)) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_check:' "$OUT/sanitize.log" | tail -n 2 | tr '\n' ' ')"
+done

@@ -315,3 +315,66 @@ def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\) .*compute capability 9.0 only"):
         _call(config_sets.default_config(DType.BF16, 128))
     assert not faked_backward["launches"]
+
+
+# ------------------------------------------------------------------------------ cfg=None picks
+@pytest.fixture
+def sm80_launches(faked_backward, monkeypatch):
+    """backward_sm80's launcher faked too: (cfg, causal, deterministic) of each launch."""
+    from cupyflash.families.backward_sm80 import kernels
+
+    class FakeLauncher:
+        def __init__(self, cfg, device, causal, deterministic):
+            self.key = (cfg, causal, deterministic)
+
+        def launch(self, params, *sizes):
+            faked_backward.setdefault("sm80", []).append(self.key)
+
+    monkeypatch.setattr(kernels, "get_launcher", FakeLauncher)
+    monkeypatch.setattr("cupyflash.backward_api._cupy.cuda.runtime",
+                        type("rt", (), {"getDevice": staticmethod(lambda: 0)}), raising=False)
+    return faked_backward
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", list(DType))
+def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d):
+    _call(None, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
+    [(plan, _, _, _)] = faked_backward["launches"]
+    assert plan.cfg == config_sets.default_config(dtype, d)
+
+
+@pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
+                                        (89, 64, "compute capability 8.9"),
+                                        (90, 96, "q: d_head 96 is not supported by backward_sm90"),
+                                        (90, 256, "q: d_head 256")])
+def test_cfg_none_falls_back_to_backward_sm80_with_a_reason(sm80_launches, cc, d, why):
+    from cupyflash.backward_api import hopper_reason
+
+    sm80_launches["cc"] = cc
+    a, _ = _call(None, b=1, sq=100, sk=100, h=2, hk=2, d=d)
+    assert not sm80_launches["launches"]
+    [(cfg, causal, det)] = sm80_launches["sm80"]
+    assert isinstance(cfg, BackwardKernelConfig) and cfg.d_head == d and causal and not det
+    assert why in hopper_reason(a["dout"], a["q"], a["k"], a["v"])
+
+
+def test_hopper_reason_names_a_layout_tma_cannot_read(faked_backward):
+    from cupyflash.backward_api import hopper_reason
+
+    a = _args(b=2, sq=64, sk=64, h=2, hk=2, d=64)
+    assert hopper_reason(a["dout"], a["q"], a["k"], a["v"]) is None
+    k = view((2, 64, 2, 64), DType.BF16, strides=(0, 128, 64, 1))  # broadcast over the batch
+    assert hopper_reason(a["dout"], a["q"], k, a["v"]).startswith("k: the batch stride is 0")
+
+
+def test_hopper_reason_without_a_device(monkeypatch):
+    from cupyflash import api
+    from cupyflash.backward_api import hopper_reason
+
+    def no_gpu(device):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(api, "_compute_capability", no_gpu)
+    a = _args()
+    assert "no CUDA device" in hopper_reason(a["dout"], a["q"], a["k"], a["v"])

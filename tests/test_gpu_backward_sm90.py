@@ -143,19 +143,53 @@ def test_agrees_with_backward_sm80(causal, rng):
         assert rel < 1e-2, rel
 
 
-def test_default_pick_stays_backward_sm80(rng):
-    """cfg=None never runs this family (not yet validated on a GPU): the selector returns a
-    backward_sm80 config, and cfg=None gives that config's bits."""
-    from cupyflash.backward_api import _select
-    from cupyflash.families.backward_sm80.config import BackwardKernelConfig
+def test_default_pick_is_backward_sm90(rng):
+    """cfg=None runs backward_sm90's default on the H100 (same bits as the explicit config in
+    deterministic mode), and backward_sm80 where the Hopper family does not apply (d_head 96)."""
+    from cupyflash.backward_api import _select, hopper_reason
+    from cupyflash.interop import as_view
 
-    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 256, 256, 2, 2, False, rng)
-    chosen = _select(DType.BF16, 128, 256, 256, q.device.id, False)
-    assert isinstance(chosen, BackwardKernelConfig)
-    auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)
-    explicit = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True, cfg=chosen)
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, True, rng)
+    assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
+    auto = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    explicit = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True,
+                                  cfg=default_config(DType.BF16, 128))
     for a, b in zip(auto, explicit):
         assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 96, 1, 200, 200, 2, 2, False, rng)
+    assert "d_head 96" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
+    auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)
+    sm80 = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True,
+                              cfg=_select(DType.BF16, 96, 200, 200, q.device.id, False))
+    for a, b in zip(auto, sm80):
+        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_autograd_runs_the_hopper_family(causal):
+    """loss.backward() through cupyflash.torch.attention (cfg=None inside: backward_sm90 here)
+    against fp32 SDPA's gradients: GQA, ragged lengths, seq_q < seq_k."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 270, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 333, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, 270, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cft.attention(q, k, v, causal=causal).backward(dout)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    kr, vr = (x.repeat_interleave(4, dim=2) for x in (k32, v32))
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:  # bottom-right aligned
+        mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq)
+    ref = torch.nn.functional.scaled_dot_product_attention(q32.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
+                                                           attn_mask=mask).transpose(1, 2)
+    ref.backward(dout.float())  # seq_q < seq_k: every row sees a key (SDPA would give NaN rows)
+    for got, want in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < 1e-2, rel
 
 
 def test_torch_tensors(rng):

@@ -7,9 +7,9 @@ same fp32 workspaces and `BackwardParams` for the three kernels it reuses from b
 (preprocess, convert, the deterministic dQ pass, instantiated with `companion_config(cfg)`);
 only the dK/dV kernel is new, with its own `HopperBackwardParams` (TMA descriptors first).
 
-Compile-tested only (no GPU run yet), so `backward(cfg=None)` never picks it: `pick_family`
-would (priority 1 on compute capability 9.0), but the backward API selects through
-backward_sm80's tables; an explicit `cfg` of this family reaches it (see launch.py).
+`backward(cfg=None)` runs it where `pick_family("backward", cc)` prefers it (priority 1, compute
+capability 9.0) and the call suits it (d_head 64/128, TMA-readable layouts):
+`backward_api.hopper_reason` says why not otherwise, and backward_sm80 runs the call.
 """
 from __future__ import annotations
 
@@ -50,8 +50,7 @@ class BackwardSm90Family(KernelFamily):
     arch_suffix = "a"
     exact_compute_capability = 90
     set_keys = config_sets.KERNEL_SET_KEYS
-    # Above backward_sm80's 0 on Hopper. backward(cfg=None) does not consult pick_family (it
-    # reads backward_sm80's tables), so this only orders the families for tools that do.
+    # Above backward_sm80's 0: backward(cfg=None) runs this family on Hopper where it applies.
     priority = 1
 
     def parse(self, text: str) -> HopperBackwardKernelConfig:
