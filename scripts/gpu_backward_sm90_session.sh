@@ -7,7 +7,7 @@
 #   OUT=/tmp/out bash scripts/gpu_backward_sm90_session.sh
 # Environment: STAGES (default "smoke,tests,autograd,bench,memcheck"; also racecheck, synccheck),
 # BENCH_ARGS (bench.py --mode backward arguments; default bf16 d128, S 1k..16k, causal both),
-# BENCH_TIMEOUT (s, default 150), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
+# BENCH_TIMEOUT (s, default 150), SAN_TIMEOUT (s per tool, default 100), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
 set -uo pipefail
 OUT="${OUT:-/tmp/cupyflash-backward-sm90}"
 mkdir -p "$OUT"
@@ -61,7 +61,7 @@ EOF
 fi
 for tool in memcheck racecheck synccheck; do
     has $tool || continue
-    timeout 100 compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/sanitize_check.py \
+    timeout "${SAN_TIMEOUT:-100}" compute-sanitizer --tool $tool --error-exitcode 1 python3 scripts/sanitize_check.py \
         --family backward_sm90 --quick >>"$OUT/sanitize.log" 2>&1
     echo "$tool exit $? ($((SECONDS - t0)) s): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|sanitize_check:' "$OUT/sanitize.log" | tail -n 2 | tr '\n' ' ')"
 done
