@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-heads", default="128,64")
     p.add_argument("--seqs", default="1k,4k,16k", help="sequence lengths ('k' = 1024)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated columns to measure (default all: {IMPLS})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median reported)")
     p.add_argument("--json", default="bench_backward.json")
@@ -88,7 +89,7 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
 
 
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
-                  reps: int, jax: Any = None) -> list[dict]:
+                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -156,6 +157,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
     runs["fa3"] = fa3_run
     records = []
     for name, make in runs.items():
+        if name not in impls:
+            continue
         holder: dict[str, Callable] = {}
 
         def check(make: Callable = make, name: str = name) -> float:
@@ -220,6 +223,10 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         for d in d_heads:
             if d not in (64, 96, 128, 256):
                 raise ValueError(f"--d-heads: {d} is not supported (expected 64, 96, 128 or 256)")
+        impls = tuple(x.strip() for x in args.impls.split(",") if x.strip())
+        unknown = sorted(set(impls) - set(IMPLS))
+        if unknown or not impls:
+            raise ValueError(f"--impls: expected names from {IMPLS}, got {args.impls!r}")
         if args.reps < 1 or args.warmup < 0:
             raise ValueError("--reps must be >= 1 and --warmup >= 0")
     except ValueError as exc:
@@ -241,7 +248,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         for dtype in dtypes:
             for seq, batch in grid(seqs):
                 for causal in causals:
-                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax)
+                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax,
+                                                   impls)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
     failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]

@@ -59,7 +59,7 @@ def test_mode_help_exits_0(mode, capsys):
     ["--mode", "decode", "--rows", "12"], ["--mode", "decode", "--rows", "x"], ["--mode", "decode", "--d-heads", "32"],
     ["--mode", "decode", "--samples", "0"],
     ["--mode", "backward", "--d-heads", "80"], ["--mode", "backward", "--seqs", "0"],
-    ["--mode", "backward", "--reps", "0"],
+    ["--mode", "backward", "--reps", "0"], ["--mode", "backward", "--impls", "cupyflash,nope"],
 ])
 def test_bad_mode_arguments_exit_2(argv, capsys):
     assert bench.main(argv) == 2
