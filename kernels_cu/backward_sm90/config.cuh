@@ -37,13 +37,14 @@ struct StaticHopperBackwardConfig {
     static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;
     static constexpr int STAGE_BYTES = (STAGE_LOAD_BYTES + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
+    static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int K_OFFSET = 0;
     static constexpr int V_OFFSET = KV_BYTES;
     static constexpr int STAGE_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = STAGE_OFFSET + STAGES * STAGE_BYTES;
-    static constexpr int BAR_OFFSET = DS_OFFSET + CONSUMERS * DS_BYTES;
+    static constexpr int BAR_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
     static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
@@ -63,7 +64,10 @@ struct BwdSmem {
     CF_DEVICE u32 dout(int s) const { return q(s) + Cfg::Q_BYTES; }
     CF_DEVICE u32 lse2(int s) const { return q(s) + 2 * Cfg::Q_BYTES; }
     CF_DEVICE u32 dvec(int s) const { return lse2(s) + Cfg::STAT_BYTES; }
-    CF_DEVICE u32 ds(int wg) const { return base + Cfg::DS_OFFSET + wg * Cfg::DS_BYTES; }
+    // dS^T of warpgroup wg in buffer buf; a buffer's warpgroups are contiguous (keys 0..B_c-1).
+    CF_DEVICE u32 ds(int buf, int wg) const {
+        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS + wg) * Cfg::DS_BYTES;
+    }
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }

@@ -8,8 +8,12 @@
 //          causal keys after the query's diagonal); dS^T = P^T * (dP^T - dvec[q])
 //   dV  += P^T dO      wgmma rs, A = P^T from registers, B = dO (MN-major)
 //   dK  += dS^T Q      wgmma rs, A = dS^T from registers, B = Q (MN-major)
-//   dQ_w = dS_w K_w    (atomic variant) dS^T staged in shared memory [key][query], wgmma ss with
-//                      both operands MN-major, added to the fp32 dq_accum with red.global.add.v2
+//   dQ   = dS K       (atomic variant) dS^T staged in shared memory [key][query] (two buffers,
+//                      alternating per iteration), wgmma ss with both operands MN-major, added to
+//                      the fp32 dq_accum with red.global.add.v2. With two warpgroups and d_head
+//                      128 each computes half of dQ's columns over all B_c keys (every dQ
+//                      element is reduced once per CTA); otherwise each warpgroup computes all
+//                      columns over its own 64 keys.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
 #pragma once
 
@@ -18,8 +22,13 @@ struct BwdConsumer {
     static constexpr int NT = Cfg::BR / 8;        // n-tiles of S^T over the queries
     static constexpr int QK = Cfg::BR / 16;       // k-steps over the queries (dV, dK)
     static constexpr int DK = Cfg::D / 16;        // k-steps over d_head (S^T, dP^T)
-    static constexpr int KK = Cfg::WG_KEYS / 16;  // k-steps over the warpgroup's keys (dQ)
-    static constexpr int DS_BARRIER = 1;          // named barriers 1 + wg (0 is __syncthreads)
+    // dQ split over the warpgroups by columns (each reads every warpgroup's dS^T) when each half
+    // is a whole 64-column swizzle block; else by keys (each its own dS^T, all columns).
+    static constexpr bool DQ_SPLIT = Cfg::CONSUMERS == 2 && Cfg::D >= 128;
+    static constexpr int DQ_N = DQ_SPLIT ? Cfg::D / 2 : Cfg::D;                 // dQ columns of a warpgroup
+    static constexpr int DQ_STEPS = (DQ_SPLIT ? Cfg::BC : Cfg::WG_KEYS) / 16;  // k-steps over keys
+    static constexpr int DS_BARRIER = 1;  // named barriers (0 is __syncthreads): 1, or 1 + wg unsplit
+    static constexpr int DS_THREADS = DQ_SPLIT ? 128 * Cfg::CONSUMERS : 128;
 
     const HopperBackwardParams& p;
     BwdSmem<Cfg> smem;
@@ -53,16 +62,22 @@ struct BwdConsumer {
     CF_DEVICE static u64 mnmajor_b_q(u32 tile, int k) {  // Q or dO as the N = d operand, query-steps
         return smem_descriptor_sw128(tile + 16 * k * Cfg::ROW_BYTES, Cfg::BR * Cfg::ROW_BYTES, 1024);
     }
-    CF_DEVICE u64 mnmajor_b_k(int k) const {  // K as the N = d operand of dQ, key-steps
-        return smem_descriptor_sw128(smem.k() + (wg * Cfg::WG_KEYS + 16 * k) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES,
-                                     1024);
+    // First key (inside the CTA's block) and first d column of this warpgroup's dQ GEMM.
+    CF_DEVICE int dq_key0() const { return DQ_SPLIT ? 0 : wg * Cfg::WG_KEYS; }
+    CF_DEVICE int dq_col0() const { return DQ_SPLIT ? wg * DQ_N : 0; }
+    CF_DEVICE u64 mnmajor_b_k(int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
+        return smem_descriptor_sw128(smem.k() + (dq_col0() / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                         (dq_key0() + 16 * k) * Cfg::ROW_BYTES,
+                                     Cfg::BC * Cfg::ROW_BYTES, 1024);
     }
-    CF_DEVICE u64 ds_a(int k) const {  // dS^T [key][query] as the M = queries operand, key-steps
-        return smem_descriptor_sw128(smem.ds(wg) + 16 * k * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024);
+    // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
+    // are contiguous in the key, so key k of the CTA is row k of buffer `buf`.
+    CF_DEVICE u64 ds_a(int buf, int k) const {
+        return smem_descriptor_sw128(smem.ds(buf, 0) + (dq_key0() + 16 * k) * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024);
     }
-    // Shared address of dS^T element (key r, query c) of this warpgroup (128B swizzle).
-    CF_DEVICE u32 ds_address(int r, int c) const {
-        return smem.ds(wg) + r * Cfg::ROW_BYTES + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+    // Shared address of dS^T element (key r of this warpgroup, query c) in buffer `buf` (128B swizzle).
+    CF_DEVICE u32 ds_address(int buf, int r, int c) const {
+        return smem.ds(buf, wg) + r * Cfg::ROW_BYTES + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
     }
 
     // Accumulator pairs of 16 columns -> the A fragment of one k-step (mma.m16n8k16 layout).
@@ -131,42 +146,50 @@ struct BwdConsumer {
             for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
             wgmma_commit();
 
-            if constexpr (!DETERMINISTIC) {
-                // dS^T to shared memory (the previous block's dQ GEMM finished reading it: the
-                // warpgroup synchronised after waiting for it).
+            if constexpr (DETERMINISTIC) {
+                wgmma_wait<0>();
+                fence_registers(dv);
+                fence_registers(dk);
+                release(s);  // Q, dO, lse2, dvec of this stage are no longer read
+            } else {
+                // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
+                // it - 2, which every reader completed before the barrier of iteration it - 1.
+                const int buf = it & 1;
                 const int r = 16 * warp + (lane >> 2);
 #pragma unroll
                 for (int k = 0; k < QK; ++k) {
                     const int c = 16 * k + 2 * (lane & 3);
-                    st_shared_4(ds_address(r, c), dsa[k][0]);
-                    st_shared_4(ds_address(r + 8, c), dsa[k][1]);
-                    st_shared_4(ds_address(r, c + 8), dsa[k][2]);
-                    st_shared_4(ds_address(r + 8, c + 8), dsa[k][3]);
+                    st_shared_4(ds_address(buf, r, c), dsa[k][0]);
+                    st_shared_4(ds_address(buf, r + 8, c), dsa[k][1]);
+                    st_shared_4(ds_address(buf, r, c + 8), dsa[k][2]);
+                    st_shared_4(ds_address(buf, r + 8, c + 8), dsa[k][3]);
                 }
                 fence_proxy_async_shared();
-            }
-            wgmma_wait<0>();
-            fence_registers(dv);
-            fence_registers(dk);
-            release(s);  // Q, dO, lse2, dvec of this stage are no longer read (dQ reads K and dS^T)
-            if constexpr (!DETERMINISTIC) {
-                named_barrier_sync(DS_BARRIER + wg, 128);  // every warp's dS^T rows are written
-                float dq[Cfg::D / 8][4];
+                // Every dS^T row this dQ GEMM reads is written (and, by program order, every
+                // reader's dQ GEMM of the previous iteration has completed).
+                named_barrier_sync(DQ_SPLIT ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
+                // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
+                float dq[DQ_N / 8][4];
                 wgmma_fence();
 #pragma unroll
-                for (int k = 0; k < KK; ++k) wgmma_ss_tt<Cfg::dtype, Cfg::D>(dq, ds_a(k), mnmajor_b_k(k), k > 0);
+                for (int k = 0; k < DQ_STEPS; ++k)
+                    wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(buf, k), mnmajor_b_k(k), k > 0);
                 wgmma_commit();
+                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+                fence_registers(dv);
+                fence_registers(dk);
+                release(s);
                 wgmma_wait<0>();
                 fence_registers(dq);
-                float* acc = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D;
+                float* acc = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D +
+                             dq_col0();
                 const int row = 16 * warp + (lane >> 2);
 #pragma unroll
-                for (int j = 0; j < Cfg::D / 8; ++j) {
+                for (int j = 0; j < DQ_N / 8; ++j) {
                     const int col = 8 * j + 2 * (lane & 3);
                     red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
                     red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
                 }
-                named_barrier_sync(DS_BARRIER + wg, 128);  // the dQ GEMM is done with dS^T everywhere
             }
         }
     }

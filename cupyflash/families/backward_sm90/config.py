@@ -56,7 +56,7 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
-        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, dS^T per warpgroup, 1 KiB) <= "
+        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
                f"{MAX_SMEM_PER_BLOCK} bytes", self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 
     # ------------------------------------------------------------- resources
@@ -76,7 +76,7 @@ class HopperBackwardKernelConfig(KernelConfig):
         kv = 2 * self.B_c * self.d_head * 2
         stage = 2 * self.B_r * self.d_head * 2 + 2 * self.B_r * 4
         stage = -(-stage // 1024) * 1024
-        ds = self.consumer_warpgroups * WG_KEYS * self.B_r * 2
+        ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         barriers = 8 * (1 + 2 * self.n_stages)
         return kv + self.n_stages * stage + ds + barriers + 1024
 
