@@ -7,6 +7,7 @@
 #   OUT=/tmp/out bash scripts/gpu_backward_sm90_session.sh
 # Environment: STAGES (default "smoke,tests,autograd,bench,memcheck"; also racecheck, synccheck),
 # BENCH_ARGS (bench.py --mode backward arguments; default bf16 d128, S 1k..16k, causal both),
+# BENCH_ARGS_2 (a second bench run, e.g. d_head 64 against cuDNN: bench2.json),
 # BENCH_TIMEOUT (s, default 150), SAN_TIMEOUT (s per tool, default 100), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
 set -uo pipefail
 OUT="${OUT:-/tmp/cupyflash-backward-sm90}"
@@ -47,16 +48,21 @@ fi
 if has bench; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         ../../.whl/*.whl >/dev/null 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bench.py --mode backward $BENCH_ARGS --json "$OUT/bench.json" \
-        --plot '' >"$OUT/bench.log" 2>&1
-    echo "bench exit $? ($((SECONDS - t0)) s)"
-    python3 - "$OUT/bench.json" <<'EOF'
+    for run in 1 2; do
+        args="$BENCH_ARGS"; json="$OUT/bench.json"
+        [ "$run" -eq 2 ] && { args="${BENCH_ARGS_2:-}"; json="$OUT/bench2.json"; }
+        [ -z "$args" ] && continue
+        # shellcheck disable=SC2086
+        timeout "${BENCH_TIMEOUT:-150}" python3 scripts/bench.py --mode backward $args --json "$json" \
+            --plot '' >>"$OUT/bench.log" 2>&1
+        echo "bench $run exit $? ($((SECONDS - t0)) s)"
+    done
+    python3 - "$OUT"/bench*.json <<'EOF'
 import json, sys
 sys.path.insert(0, "scripts")
 import bench_mode_backward as m
-data = json.load(open(sys.argv[1]))
-print(m.format_report(data["records"]))
+for path in sys.argv[1:]:
+    print(m.format_report(json.load(open(path))["records"]))
 EOF
 fi
 for tool in memcheck racecheck synccheck; do

@@ -115,26 +115,27 @@ struct BwdConsumer {
 
             wgmma_wait<1>();  // S^T is ready; dP^T may still run
             fence_registers(st);
+            // lse2/dvec of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < NT; ++j) {
+                const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int c = query_col(j, e, lane);
                     const int key = key_base + key_row(e), query = q0 + c;
                     bool keep = key < p.seq_len_k && query < p.seq_len_q;
                     if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
-                    const float l2 = ld_shared_f32(smem.lse2(s) + 4 * c);
-                    st[j][e] = keep ? exp2f(st[j][e] * p.softmax_scale_log2 - l2) : 0.f;
+                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
                 }
+            }
             wgmma_wait<0>();
             fence_registers(dpt);
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
+            for (int j = 0; j < NT; ++j) {
+                const float2 dvec = ld_shared_f32x2(smem.dvec(s) + 4 * query_col(j, 0, lane));
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float dvec = ld_shared_f32(smem.dvec(s) + 4 * query_col(j, e, lane));
-                    dpt[j][e] = st[j][e] * (dpt[j][e] - dvec);  // dS^T
-                }
+                for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
+            }
             u32 pa[QK][4], dsa[QK][4];
             to_fragments(st, pa);
             to_fragments(dpt, dsa);
