@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-heads", default="128,64")
     p.add_argument("--seqs", default="1k,4k,16k", help="sequence lengths ('k' = 1024)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--sm90-config", default=None,
+                   help="short form of the backward_sm90 config the backward_sm90 column runs (default: the family's "
+                        "default for the point's dtype and d_head; its dtype and d_head are replaced by the point's)")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated columns to measure (default all: {IMPLS})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median reported)")
@@ -89,7 +92,7 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
 
 
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
-                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS) -> list[dict]:
+                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS, sm90_config: Any = None) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -124,6 +127,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
             raise Skip(f"backward_sm90 runs on compute capability 9.0 (this GPU: {cc // 10}.{cc % 10})")
         if d not in SM90_D_HEADS:
             raise Skip(f"backward_sm90 has d_head {SM90_D_HEADS}")
+        if sm90_config is not None:
+            return cupyflash_run(sm90_config.replace(dtype=dtype, d_head=d))
         return cupyflash_run(sm90_default(dtype, d))
 
     def sdpa_run(backend: str) -> Callable[[], tuple]:
@@ -227,6 +232,14 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         unknown = sorted(set(impls) - set(IMPLS))
         if unknown or not impls:
             raise ValueError(f"--impls: expected names from {IMPLS}, got {args.impls!r}")
+        sm90_config = None
+        if args.sm90_config:
+            from cupyflash.families.backward_sm90.config import HopperBackwardKernelConfig
+
+            try:
+                sm90_config = HopperBackwardKernelConfig.parse(args.sm90_config)
+            except ValueError as exc:
+                raise ValueError(f"--sm90-config: {exc}") from None
         if args.reps < 1 or args.warmup < 0:
             raise ValueError("--reps must be >= 1 and --warmup >= 0")
     except ValueError as exc:
@@ -249,7 +262,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
             for seq, batch in grid(seqs):
                 for causal in causals:
                     data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax,
-                                                   impls)
+                                                   impls, sm90_config)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
     failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]

@@ -58,6 +58,9 @@ def test_parse_rejects(text):
     ((DType.BF16, 128, 128, 128, 2), "B_r in"),
     ((DType.BF16, 128, 64, 192, 2), "B_c in"),
     ((DType.FP16, 64, 64, 128, 4), "n_stages in"),
+    ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
+    ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
+    ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
 ])
 def test_rules(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -67,6 +70,16 @@ def test_rules(fields, rule):
 def test_rules_registers_and_smem_hold_for_every_config():
     for cfg in config_sets.all_configs():
         assert cfg.accumulator_registers() <= 200 and cfg.smem_bytes() <= 227 * 1024
+
+
+def test_dq_bulk_short_form_and_smem():
+    cfg = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 128, 64, 128, 2): dq_bulk")
+    assert cfg.dq_bulk and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_bulk"
+    plain = cfg.replace(dq_bulk=False)
+    assert plain.short_form() == "backward_sm90(BF16, 128, 64, 128, 2)"
+    assert cfg.smem_bytes() - plain.smem_bytes() == 64 * (128 + 8) * 4  # staged fp32 dQ rows, padded
+    bulk = [c for c in config_sets.get_kernel_configs("all") if c.dq_bulk]
+    assert {(c.d_head, c.B_c) for c in bulk} == {(128, 128)} and len(bulk) == 4  # 2 dtypes x 1-2 stages
 
 
 def test_config_sets():
@@ -149,7 +162,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)

@@ -60,6 +60,7 @@ def test_mode_help_exits_0(mode, capsys):
     ["--mode", "decode", "--samples", "0"],
     ["--mode", "backward", "--d-heads", "80"], ["--mode", "backward", "--seqs", "0"],
     ["--mode", "backward", "--reps", "0"], ["--mode", "backward", "--impls", "cupyflash,nope"],
+    ["--mode", "backward", "--sm90-config", "backward_sm90(BF16, 128)"],
 ])
 def test_bad_mode_arguments_exit_2(argv, capsys):
     assert bench.main(argv) == 2

@@ -50,9 +50,10 @@ def prewarmed_cache():
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = max(1, min(16, os.cpu_count() or 1))
+    bulk = [c.replace(dq_bulk=True) for c in DEFAULTS if c.d_head == 128]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
-        prewarm(DEFAULTS, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()),
+        prewarm(DEFAULTS + bulk, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()),
         prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
                 causal=(False, True)),
     ]
@@ -116,6 +117,14 @@ CASES = [
 def test_default_config_shapes(dtype, d_head, case, rng):
     batch, sq, sk, h, hk, causal = case
     run_case(default_config(dtype, d_head), batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_dq_bulk_shapes(dtype, case, rng):
+    """dQ staged in shared memory and added by bulk reductions (the d128 two-warpgroup tile)."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(default_config(dtype, 128).replace(dq_bulk=True), batch, sq, sk, h, hk, causal, rng)
 
 
 @pytest.mark.parametrize("d_head", D_HEADS)

@@ -16,6 +16,7 @@ struct StaticHopperBackwardConfig {
     static constexpr int BR = C.B_r;   // query rows per iteration
     static constexpr int BC = C.B_c;   // key rows per CTA
     static constexpr int STAGES = C.n_stages;
+    static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a writer warp
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
     static constexpr int CONSUMERS = BC / WG_KEYS;
@@ -38,13 +39,19 @@ struct StaticHopperBackwardConfig {
     static constexpr int STAGE_BYTES = (STAGE_LOAD_BYTES + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
+    static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
+    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : 0;
+    // Named barrier (0 is __syncthreads; the consumers' dS^T barriers are 1 and 2): the staged dQ
+    // is complete (every consumer arrives, the issuing warp waits).
+    static constexpr int DQ_FULL_BARRIER = 3;
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int K_OFFSET = 0;
     static constexpr int V_OFFSET = KV_BYTES;
     static constexpr int STAGE_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = STAGE_OFFSET + STAGES * STAGE_BYTES;
-    static constexpr int BAR_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
+    static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
+    static constexpr int BAR_OFFSET = DQ_OFFSET + DQ_BYTES;
     static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
@@ -52,6 +59,7 @@ struct StaticHopperBackwardConfig {
     static_assert(BR == 64, "one 64-query swizzle block per dS^T row (wgmma m64 for dQ)");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
+    static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
 };
 
 template <class Cfg>
@@ -68,6 +76,7 @@ struct BwdSmem {
     CF_DEVICE u32 ds(int buf, int wg) const {
         return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS + wg) * Cfg::DS_BYTES;
     }
+    CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
@@ -107,6 +116,28 @@ CF_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                  "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar)
                  : "memory");
+}
+
+// Bulk reduction dst[0..bytes/4) += src[...] (fp32, shared -> global, async proxy), tracked by the
+// issuing thread's bulk async-group; 16-byte aligned, size a multiple of 16.
+CF_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+CF_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading shared memory (READ_ONLY) or
+// completed entirely.
+template <bool READ_ONLY>
+CF_DEVICE void bulk_wait_group_0() {
+    if constexpr (READ_ONLY)
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(a), "f"(b));
 }
 
 // dst[0..1] += (a, b) in one vector reduction (sm_90).

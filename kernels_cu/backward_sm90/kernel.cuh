@@ -35,5 +35,6 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
     BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128);
     consumer.run();
+    consumer.drain();
     BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
 }

@@ -167,7 +167,11 @@ struct BwdConsumer {
                 }
                 fence_proxy_async_shared();
                 // Every dS^T row this dQ GEMM reads is written (and, by program order, every
-                // reader's dQ GEMM of the previous iteration has completed).
+                // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
+                // previous block's reductions have read the staged dQ rows).
+                if constexpr (Cfg::DQ_BULK) {
+                    if (issues_dq()) bulk_wait_group_0<true>();
+                }
                 named_barrier_sync(DQ_SPLIT ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
                 // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
                 float dq[DQ_N / 8][4];
@@ -182,16 +186,49 @@ struct BwdConsumer {
                 release(s);
                 wgmma_wait<0>();
                 fence_registers(dq);
-                float* acc = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D +
-                             dq_col0();
                 const int row = 16 * warp + (lane >> 2);
+                if constexpr (Cfg::DQ_BULK) {
+                    // Stage this half of dQ (the previous block's reductions finished reading the
+                    // rows before this iteration's dS^T barrier), then the issuing warp adds the
+                    // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
 #pragma unroll
-                for (int j = 0; j < DQ_N / 8; ++j) {
-                    const int col = 8 * j + 2 * (lane & 3);
-                    red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
-                    red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
+                    for (int j = 0; j < DQ_N / 8; ++j) {
+                        const int col = dq_col0() + 8 * j + 2 * (lane & 3);
+                        st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
+                        st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
+                    }
+                    fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
+                    if (issues_dq()) {
+                        named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                        float* dst = p.dq_accum +
+                                     (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0 + lane) * Cfg::D;
+                        bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
+                        bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
+                        bulk_commit_group();
+                    } else {
+                        named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                    }
+                } else {
+                    float* acc = p.dq_accum +
+                                 (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D + dq_col0();
+#pragma unroll
+                    for (int j = 0; j < DQ_N / 8; ++j) {
+                        const int col = 8 * j + 2 * (lane & 3);
+                        red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
+                        red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
+                    }
                 }
             }
+        }
+    }
+
+    // dq_bulk: the warp that issues the bulk reductions of dQ (warp 0 of the first consumer).
+    CF_DEVICE bool issues_dq() const { return wg == 0 && warp == 0; }
+
+    // The bulk reductions of the last block have completed (before the CTA may exit).
+    CF_DEVICE void drain() const {
+        if constexpr (Cfg::DQ_BULK && !DETERMINISTIC) {
+            if (issues_dq()) bulk_wait_group_0<false>();
         }
     }
 

@@ -4,12 +4,16 @@ Its fields become the C++ struct of the same name (templates/backward_sm90.cu.j2
 name expression and the short form, which names the family:
 
     backward_sm90(BF16, 128, 64, 128, 2)
-    backward_sm90(dtype, d_head, B_r, B_c, n_stages)
+    backward_sm90(BF16, 128, 64, 128, 2): dq_bulk
+    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: dq_bulk]
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
 B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. How dQ
 is accumulated is the variant, not the config: fp32 atomics (red.global.add.v2.f32) into a
-workspace, or with `deterministic` backward_sm80's separate dQ pass.
+workspace, or with `deterministic` backward_sm80's separate dQ pass. `dq_bulk` (two consumer
+warpgroups at d_head 128 only) stages each block's fp32 dQ in shared memory and adds it to the
+workspace with bulk reductions (cp.reduce.async.bulk, one per row) from a warp of the producer
+warpgroup, instead of red.global.add.v2 from every consumer thread.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024
 # with two warpgroups, so more than this leaves too few for addresses and fragments.
 ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
+DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
 @dataclass(frozen=True, order=True)
@@ -47,6 +52,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     B_r: int
     B_c: int
     n_stages: int
+    dq_bulk: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -54,6 +60,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield f"B_r in {B_R_VALUES}", self.B_r in B_R_VALUES
         yield f"B_c in {B_C_VALUES}", self.B_c in B_C_VALUES
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
+        yield ("dq_bulk needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
+               not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
@@ -77,8 +85,9 @@ class HopperBackwardKernelConfig(KernelConfig):
         stage = 2 * self.B_r * self.d_head * 2 + 2 * self.B_r * 4
         stage = -(-stage // 1024) * 1024
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
+        dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         barriers = 8 * (1 + 2 * self.n_stages)
-        return kv + self.n_stages * stage + ds + barriers + 1024
+        return kv + self.n_stages * stage + ds + dq + barriers + 1024
 
     @property
     def pad_rows(self) -> int:
@@ -89,14 +98,15 @@ class HopperBackwardKernelConfig(KernelConfig):
     # ------------------------------------------------------------ short form
     def short_form(self) -> str:
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
-        return f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages})"
+        tail = ": dq_bulk" if self.dq_bulk else ""
+        return f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}){tail}"
 
     def __str__(self) -> str:
         return self.short_form()
 
     _SHORT_RE: ClassVar[re.Pattern] = re.compile(
         r"^backward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
-        r"\s*(?P<st>\d+)\s*\)$")
+        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<bulk>dq_bulk)\s*)?$")
 
     @classmethod
     def parse(cls, text: str) -> "HopperBackwardKernelConfig":
@@ -106,6 +116,6 @@ class HopperBackwardKernelConfig(KernelConfig):
         m = cls._SHORT_RE.match(text.strip())
         if not m:
             raise ValueError(f"cannot parse kernel config {text!r}: expected "
-                             "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)'")
+                             "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("st")))
+                   int(m.group("st")), m.group("bulk") is not None)

@@ -20,9 +20,10 @@ _DEFAULTS = {64: (128, 2), 128: (128, 2)}
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
     out = []
-    for dtype, d, br, bc, st in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES):
+    for dtype, d, br, bc, st, bulk in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
+                                                        (False, True)):
         try:
-            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st))
+            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk))
         except ValueError:
             continue
     return sorted(out)
