@@ -16,7 +16,8 @@ with the reason on a GPU that is not compute capability 9.0), decode (forward_kv
 scripts/sanitize_decode.py's cases: contiguous and paged caches, lengths 0 and page boundaries,
 several splits for the combine kernel, k_new appended), backward_sm80 (scripts/sanitize_backward.py:
 default configs of d_head 64 and 128, atomic and deterministic dQ), backward_sm90 (the same launches
-on the Hopper backward family's bf16 defaults of d_head 64 and 128: its TMA/mbarrier dK/dV kernel,
+on the Hopper backward family's bf16 defaults of d_head 64 and 128 and the d_head 128 one with
+dq_bulk: its TMA/mbarrier dK/dV kernel,
 for synccheck too; skipped with the reason off compute capability 9.0). --varlen adds forward_varlen
 on scripts/sanitize_varlen.py's ragged batches, empty sequences included (also as --family varlen).
 
@@ -145,6 +146,8 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
 
         shapes = sanitize_backward.SHAPES[:2] if args.quick else sanitize_backward.SHAPES
         configs = [sm90_default(DType.BF16, d) for d in (64, 128)]
+        if not args.no_dq_bulk:
+            configs.append(configs[-1].replace(dq_bulk=True))  # dQ by bulk reductions from shared memory
         return list(sanitize_backward.launches(configs, shapes, rng)), None
     if family == "varlen":
         import cupyflash
@@ -189,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward_sm80: which config per head dim (default: the first of the 'all' set)")
     p.add_argument("--quick", action="store_true",
                    help="forward_sm90: 3 configs x 2 shapes; backward_sm80/sm90: the first 2 shapes")
+    p.add_argument("--no-dq-bulk", action="store_true", help="backward_sm90: leave out the dq_bulk config")
     p.add_argument("--seed", type=int, default=0)
     return p
 
