@@ -9,7 +9,7 @@
 # BENCH_ARGS (bench.py --mode backward arguments; default bf16 d128, S 1k..16k, causal both),
 # BENCH_ARGS_2, BENCH_ARGS_3 (more bench runs, e.g. d_head 64 against cuDNN: bench2.json, bench3.json;
 # a --sm90-config short form must be written without spaces), FIGURES=1 (the tests' figures.json),
-# BENCH_TIMEOUT (s, default 150), SAN_TIMEOUT (s per tool, default 100), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
+# BENCH_TIMEOUT (s per run, default 150), TESTS_TIMEOUT (s, default 180), SAN_TIMEOUT (s per tool, default 100), TESTS_K (pytest -k expression for test_gpu_backward_sm90.py).
 set -uo pipefail
 OUT="${OUT:-/tmp/cupyflash-backward-sm90}"
 mkdir -p "$OUT"
@@ -45,7 +45,7 @@ if has smoke; then
     fi
 fi
 if has tests; then
-    CUPYFLASH_TEST_FIGURES="${FIGURES:+$OUT/figures.json}" timeout 180 python3 -m pytest -q -rs -p no:cacheprovider \
+    CUPYFLASH_TEST_FIGURES="${FIGURES:+$OUT/figures.json}" timeout "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -rs -p no:cacheprovider \
         ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu_backward_sm90.py >"$OUT/pytest.log" 2>&1
     echo "tests exit $? ($((SECONDS - t0)) s):"
     grep -E "passed|failed|^FAILED|^ERROR|^E  .*(rel|max|assert)" "$OUT/pytest.log" | head -n 40
