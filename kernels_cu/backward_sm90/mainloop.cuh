@@ -233,7 +233,11 @@ struct BwdConsumer {
     }
 
     // Every warp releases the stage once its GEMMs reading Q/dO have completed (waited above).
+    // __syncwarp orders every lane's reads of the stage (lse2/dvec by ld.shared) before lane 0's
+    // arrive (a release of lane 0's accesses only): without it compute-sanitizer racecheck
+    // reported the producer's next bulk copies into the stage as racing with lanes 1..31's reads.
     CF_DEVICE void release(int s) const {
+        __syncwarp();
         if (lane == 0) mbarrier_arrive(smem.q_empty(s));
     }
 };
