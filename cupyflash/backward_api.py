@@ -9,9 +9,11 @@ import numpy as np
 from .backward_validation import BackwardPlan, check_backward_args, resolve_backward_config
 from .config import DType
 from .families.backward_sm80.config_sets import default_config
+from .families.backward_sm90.config import D_HEADS as SM90_D_HEADS
+from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TORCH, TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream, wrap_output
 
-__all__ = ["backward"]
+__all__ = ["backward", "hopper_reason"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,6 +28,43 @@ def _select(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int, device: i
 
     cfg = tuned_config(dtype, d_head, seq_len_q, seq_len_k, device, causal, "backward_sm80")
     return cfg if cfg is not None else _default(dtype, d_head)
+
+
+@functools.lru_cache(maxsize=64)
+def _hopper_default(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
+    from .families.backward_sm90.config_sets import default_config as sm90_default
+
+    return sm90_default(dtype, d_head)
+
+
+def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView) -> str | None:
+    """Why cfg=None runs backward_sm80 instead of backward_sm90 for these views, or None when the
+    Hopper family takes the call: `pick_family("backward", cc)` prefers it (compute capability
+    9.0), d_head is one it has (64, 128) and every input is a layout TMA can read. Invalid
+    arguments also give a reason here: the shared validation then raises their error."""
+    from . import api as _api
+    from .families import pick_family
+    from .families.backward_sm90 import BACKWARD_SM90
+    from .families.forward_sm90.tma import tma_layout_problem
+
+    try:
+        cc = _api._compute_capability(q.device)
+        family = pick_family("backward", cc)
+    except Exception as exc:  # no device to ask, or one below sm_80 (validation reports it)
+        return f"no compute capability for device {q.device}: {exc}"
+    if family is not BACKWARD_SM90:
+        return f"device {q.device} has compute capability {cc // 10}.{cc % 10}; backward_sm90 needs 9.0"
+    if q.dtype is None or len(q.shape) != 4:
+        return "q: not a 4-D fp16/bf16 array"
+    if q.shape[3] not in SM90_D_HEADS:
+        return f"q: d_head {q.shape[3]} is not supported by backward_sm90 (supported: {SM90_D_HEADS})"
+    for view, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
+        if len(view.shape) != 4:
+            return f"{name}: not 4-D"
+        problem = tma_layout_problem(name, tuple(view.shape), tuple(view.strides))
+        if problem:
+            return problem
+    return None
 
 
 def _workspace(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:
@@ -59,7 +98,11 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         deterministic: True computes dQ by a separate pass per query block instead of fp32 atomics,
             so the results have the same bits on every run (costs S and dP a second time).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
-        cfg: a BackwardKernelConfig, its short form, or None/'auto' (the library picks).
+        cfg: None/'auto' (the library picks: backward_sm90's default on compute capability 9.0
+            when d_head is 64 or 128 and every input is TMA-readable, else backward_sm80's tuned
+            or default config; `hopper_reason` says why not); a BackwardKernelConfig or a
+            HopperBackwardKernelConfig, or either's short form, runs that config (the Hopper
+            family on compute capability 9.0 only: ValueError elsewhere).
 
     Returns:
         (dq, dk, dv) in the framework of q.
@@ -77,8 +120,14 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
     dvv = output_view(dv, "dv") if dv is not None else None
     if qv.device not in _checked_devices:
         _check_device(qv.device)
+    if config is None and hopper_reason(dov, qv, kv, vv) is None:
+        config = _hopper_default(qv.dtype, qv.shape[3])
     plan = check_backward_args(config, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, softmax_scale, causal,
                                deterministic, select=_select)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import check_sm90_problem
+
+        check_sm90_problem(plan, qv, kv, vv, dov, _api._compute_capability(plan.device))
     stream_ptr = resolve_stream(stream, qv)
     if dqv is None:
         dqv = allocate_output(qv, tuple(qv.shape))
@@ -92,16 +141,33 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
             dv if dv is not None else wrap_output(dvv))
 
 
+def _launch_sm90(plan: BackwardPlan, views: tuple[TensorView, ...], params: bytes, workspaces: tuple[int, int, int],
+                 stream_ptr: int) -> None:
+    """The Hopper family's kernels (an explicit backward_sm90 cfg, checked for sm_90 above)."""
+    from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
+
+    qv, kv, vv, _, dov, _, _, dkv, dvv = views
+    acc_ptr, lse2_ptr, dvec_ptr = workspaces
+    hopper = pack_dkdv(plan, qv, kv, vv, dov, dkv.ptr, dvv.ptr, acc_ptr, lse2_ptr, dvec_ptr)
+    with _cupy.cuda.Device(plan.device):
+        launch_backward_sm90(plan, params, hopper, stream_ptr)
+
+
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> None:
     from .families.backward_sm80.kernels import get_launcher
 
     q = views[0]
-    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
+    launcher = None if hopper else get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     acc, acc_ptr = (None, 0) if plan.deterministic else _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
     params = plan.pack(ptrs)
+    if hopper:
+        _launch_sm90(plan, views, params, (acc_ptr, lse2_ptr, dvec_ptr), stream_ptr)
+        del lse2, dvec, acc
+        return
     if _cupy.cuda.runtime.getDevice() == plan.device:
         launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
                         stream_ptr)

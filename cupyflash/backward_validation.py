@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 from .config import SUPPORTED_D_HEADS, DType
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm80.params import pack_params
+from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, contiguous_strides
 from .validation import (INT32_MAX, LOG2_E, MAX_GRID_YZ, _check_layout, _dtype_name, _is_float32,
                          check_flag, check_softmax_scale)
@@ -55,19 +56,21 @@ class BackwardPlan(NamedTuple):
                            self.softmax_scale, self.softmax_scale * LOG2_E)
 
 
-def resolve_backward_config(cfg: Any) -> BackwardKernelConfig | None:
-    """A config for `cfg` (object or short-form str), None for None/'auto'."""
-    if cfg is None or isinstance(cfg, BackwardKernelConfig):
+def resolve_backward_config(cfg: Any) -> BackwardKernelConfig | HopperBackwardKernelConfig | None:
+    """A config for `cfg` (object or short-form str of either backward family), None for None/'auto'."""
+    if cfg is None or isinstance(cfg, (BackwardKernelConfig, HopperBackwardKernelConfig)):
         return cfg
     if isinstance(cfg, str):
         if cfg.strip().lower() == "auto":
             return None
+        parse = (HopperBackwardKernelConfig.parse if cfg.strip().startswith(HopperBackwardKernelConfig.FAMILY)
+                 else BackwardKernelConfig.parse)
         try:
-            return BackwardKernelConfig.parse(cfg)
+            return parse(cfg)
         except ValueError as exc:
             raise ValueError(f"cfg: {exc}") from None
-    raise TypeError(f"cfg: expected a BackwardKernelConfig, a short-form str, 'auto' or None, "
-                    f"got {type(cfg).__name__}")
+    raise TypeError(f"cfg: expected a BackwardKernelConfig or HopperBackwardKernelConfig, a short-form str, "
+                    f"'auto' or None, got {type(cfg).__name__}")
 
 
 def _check_same(view: TensorView, name: str, shape: tuple, dtype: DType, device: int, like: str) -> None:

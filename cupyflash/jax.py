@@ -17,7 +17,8 @@ map over independent problems), so a vmapped call is one launch; an unmapped k/v
 the mapped size first.
 
 Gradients: `attention(..., return_lse=False)` is a `jax.custom_vjp` whose forward also keeps the
-log-sum-exp and whose backward runs `cupyflash.backward` (the backward_sm80 family) in a second
+log-sum-exp and whose backward runs `cupyflash.backward` (backward_sm90 on Hopper where it applies, else
+backward_sm80) in a second
 buffer_callback on XLA's buffers and stream (not command-buffer compatible: the backward takes
 its fp32 scratch from CuPy's stream-ordered allocator). `jax.grad`, `jax.jit(jax.grad(...))` and
 `jax.vmap(jax.grad(...))` work: the backward is a `custom_vmap` operation too, folding the mapped

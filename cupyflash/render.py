@@ -85,6 +85,8 @@ def render_family_source(family: str | KernelFamily) -> str:
         config_name=fam.config_type.__name__,
         config_fields=[(f.name, cpp_type(f)) for f in dataclasses.fields(fam.config_type)],
         param_structs=structs,
+        extra_configs=[(t.__name__, [(f.name, cpp_type(f)) for f in dataclasses.fields(t)])
+                       for t in fam.extra_config_types],
         # Headers are passed as text, not Jinja includes: their inline PTX is full of "{%".
         headers=[(name, (kernels_dir() / name).read_text()) for name in fam.headers],
     )

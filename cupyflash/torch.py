@@ -22,8 +22,8 @@ tracing, and return exactly what the CUDA kernels return: a contiguous output of
 dtype, and a contiguous float32 lse of shape (batch, heads, seq_q).
 
 Gradients: a third operator, `cupyflash::attention_backward(dout, q, k, v, out, lse, causal,
-softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (the backward_sm80
-family), and `attention_forward_lse` carries an autograd formula over it
+softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (backward_sm90 on
+Hopper where it applies, else backward_sm80; replayed launch plans for backward_sm80 only), and `attention_forward_lse` carries an autograd formula over it
 (`torch.library.register_autograd`, so it composes with torch.compile). `attention()` routes
 calls that need a gradient through the lse variant, which saves what the backward needs; the lse
 output itself is not differentiable (as in FlashAttention). `attention_forward` called directly
@@ -272,6 +272,10 @@ def _remember_backward(key: tuple, tensors: tuple[torch.Tensor, ...], causal: bo
     if _launch_kernel is None:
         _bind_launch()
     views = [as_view(x, name) for x, name in zip(tensors, ("dout", "q", "k", "v", "out", "lse"))]
+    from .backward_api import hopper_reason
+
+    if hopper_reason(*views[:4]) is None:
+        return  # backward ran the Hopper family (TMA descriptors per call): no replay plan for it
     plan = check_backward_args(None, *views, None, None, None, softmax_scale, causal, deterministic, select=_select)
     if not plan.launch or _BWD_POINTERS.size != 8 * len(POINTER_FIELDS):
         return  # nothing to replay (or a changed parameter ABI: the full path serves every call)

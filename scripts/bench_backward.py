@@ -38,7 +38,7 @@ except ImportError:
 
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
-from cupyflash.families.backward_sm80.config import BackwardKernelConfig  # noqa: E402
+from cupyflash.backward_validation import resolve_backward_config  # noqa: E402
 from cupyflash.families.backward_sm80.config_sets import default_config  # noqa: E402
 
 TOKENS = 16384
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
         extra = [c for c in tune_configs() if c.dtype is DType.BF16]
     else:
-        extra = [BackwardKernelConfig.parse(s) for s in args.cfgs.split("|") if s.strip()]
+        extra = [resolve_backward_config(s) for s in args.cfgs.split("|") if s.strip()]  # either family
     dtypes = [DType.parse(x.replace("bf16", "BF16").replace("fp16", "FP16")) for x in args.dtypes.split(",")]
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[args.causal]
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}

@@ -6,8 +6,10 @@ working on its own, with its config sweeps and rounds).
                             [--causal both|yes|no] [--warmup 3] [--reps 10] [--json bench_backward.json]
 
 Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only the backward is
-timed: cupyflash.backward(dout, q, k, v, out, lse) (the library's choice of config) on the output
-and lse of cupyflash.forward; SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
+timed: cupyflash.backward(dout, q, k, v, out, lse) on the output and lse of cupyflash.forward,
+three times: `cupyflash` with cfg=None (the library's choice: backward_sm90 on an H100 where it
+applies), `backward_sm80` with that family's tuned-or-default config, `backward_sm90` with the
+Hopper family's default config (skipped off compute capability 9.0 and for d_head 96/256); SDPA flash and SDPA cuDNN: torch.autograd.grad of their forward's
 output (backend forced, retain_graph); FlashAttention-3 (flash_attn3_jax, d_head 128, when the wheel
 is installed): bench_backward.fa3_backward (the jitted VJP of flash_mha), timed with its host clock
 (bench_backward.time_host). Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
@@ -15,7 +17,7 @@ half when causal). Every implementation's (dq, dk, dv) is checked once, before i
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
 each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls.
 Targets (issue 12, printed beside the figures, never a failure): the sm_80 backward family
->= 1.00x SDPA flash at every S >= 1k; a Hopper backward family (when it lands) >= 1.00x cuDNN.
+>= 1.00x SDPA flash at every S >= 1k; the Hopper backward family >= 1.00x cuDNN, then FA3.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
-IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn", "fa3")
+IMPLS = ("cupyflash", "backward_sm80", "backward_sm90", "sdpa_flash", "sdpa_cudnn", "fa3")
+OURS = IMPLS[:3]  # cupyflash's columns: a refusal or error in any of them makes the mode exit 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-heads", default="128,64")
     p.add_argument("--seqs", default="1k,4k,16k", help="sequence lengths ('k' = 1024)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--sm90-config", default=None,
+                   help="short form of the backward_sm90 config the backward_sm90 column runs (default: the family's "
+                        "default for the point's dtype and d_head; its dtype and d_head are replaced by the point's)")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated columns to measure (default all: {IMPLS})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median reported)")
     p.add_argument("--json", default="bench_backward.json")
@@ -85,7 +92,7 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
 
 
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
-                  reps: int, jax: Any = None) -> list[dict]:
+                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS, sm90_config: Any = None) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -100,10 +107,29 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
              "causal": causal, "flops": flops, "point": f"{dtype.name.lower()} d{d} S={seq} causal={int(causal)}"}
     runs: dict[str, Callable[[], Callable[[], tuple]]] = {}
 
-    def cupyflash_run() -> Callable[[], tuple]:
+    def cupyflash_run(cfg: Any = None) -> Callable[[], tuple]:
         out, lse = cupyflash.forward(None, q, k, v, causal=causal, return_lse=True)
         grads = tuple(torch.full_like(x, math.nan) for x in (q, k, v))  # poisoned before the checked run
-        return lambda: cupyflash.backward(do, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])
+        return lambda: cupyflash.backward(do, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2],
+                                          cfg=cfg)
+
+    def family_run(family: str) -> Callable[[], tuple]:
+        from cupyflash.backward_api import _select
+        from cupyflash.device import compute_capability
+        from cupyflash.families.backward_sm90.config import D_HEADS as SM90_D_HEADS
+        from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+
+        device = q.get_device()
+        if family == "backward_sm80":
+            return cupyflash_run(_select(dtype, d, seq, seq, device, causal))
+        cc = compute_capability(device)
+        if cc != 90:
+            raise Skip(f"backward_sm90 runs on compute capability 9.0 (this GPU: {cc // 10}.{cc % 10})")
+        if d not in SM90_D_HEADS:
+            raise Skip(f"backward_sm90 has d_head {SM90_D_HEADS}")
+        if sm90_config is not None:
+            return cupyflash_run(sm90_config.replace(dtype=dtype, d_head=d))
+        return cupyflash_run(sm90_default(dtype, d))
 
     def sdpa_run(backend: str) -> Callable[[], tuple]:
         if not hasattr(SDPBackend, backend):
@@ -118,6 +144,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
         return lambda: tuple(g.transpose(1, 2) for g in torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True))
 
     runs["cupyflash"] = cupyflash_run
+    runs["backward_sm80"] = lambda: family_run("backward_sm80")
+    runs["backward_sm90"] = lambda: family_run("backward_sm90")
     runs["sdpa_flash"] = lambda: sdpa_run("FLASH_ATTENTION")
     runs["sdpa_cudnn"] = lambda: sdpa_run("CUDNN_ATTENTION")
     fa3: dict[str, Callable] = {}
@@ -134,6 +162,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
     runs["fa3"] = fa3_run
     records = []
     for name, make in runs.items():
+        if name not in impls:
+            continue
         holder: dict[str, Callable] = {}
 
         def check(make: Callable = make, name: str = name) -> float:
@@ -167,14 +197,14 @@ def target_flash(seq: int) -> float | None:
 
 
 def format_report(records: list[dict]) -> str:
-    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["cf/flash", "target", "cf/cuDNN", "cf/FA3"]
+    header = ["dtype", "d_head", "causal", "S"] + list(IMPLS) + ["sm80/flash", "target", "sm90/cuDNN", "sm90/FA3"]
     rows = []
     for key in dict.fromkeys((r["dtype"], r["d_head"], r["causal"], r["seq"]) for r in records):
         got = {r["impl"]: r for r in records if (r["dtype"], r["d_head"], r["causal"], r["seq"]) == key}
         tf = {n: got[n]["tflops"] if n in got and got[n]["status"] == "ok" else None for n in IMPLS}
         cells = [fmt(tf[n], 0) if tf[n] is not None else (got[n]["status"].upper() if n in got else "-") for n in IMPLS]
-        r_fl, r_cu = ratio(tf["cupyflash"], tf["sdpa_flash"]), ratio(tf["cupyflash"], tf["sdpa_cudnn"])
-        r_fa3 = ratio(tf["cupyflash"], tf["fa3"])
+        r_fl, r_cu = ratio(tf["backward_sm80"], tf["sdpa_flash"]), ratio(tf["backward_sm90"], tf["sdpa_cudnn"])
+        r_fa3 = ratio(tf["backward_sm90"], tf["fa3"])
         tgt = target_flash(key[3])
         rows.append([key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])] + cells +
                     [fmt(r_fl, 2) + ("x" if r_fl else ""), f"{verdict(r_fl, tgt)}>={tgt:.2f}" if tgt else "-",
@@ -198,6 +228,18 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         for d in d_heads:
             if d not in (64, 96, 128, 256):
                 raise ValueError(f"--d-heads: {d} is not supported (expected 64, 96, 128 or 256)")
+        impls = tuple(x.strip() for x in args.impls.split(",") if x.strip())
+        unknown = sorted(set(impls) - set(IMPLS))
+        if unknown or not impls:
+            raise ValueError(f"--impls: expected names from {IMPLS}, got {args.impls!r}")
+        sm90_config = None
+        if args.sm90_config:
+            from cupyflash.families.backward_sm90.config import HopperBackwardKernelConfig
+
+            try:
+                sm90_config = HopperBackwardKernelConfig.parse(args.sm90_config)
+            except ValueError as exc:
+                raise ValueError(f"--sm90-config: {exc}") from None
         if args.reps < 1 or args.warmup < 0:
             raise ValueError("--reps must be >= 1 and --warmup >= 0")
     except ValueError as exc:
@@ -219,10 +261,11 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
         for dtype in dtypes:
             for seq, batch in grid(seqs):
                 for causal in causals:
-                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax)
+                    data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax,
+                                                   impls, sm90_config)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
-    failures = collect_failures(data["records"])
+    failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]
     data.update(complete=True, failures=failures)
     write_json(args.json, data)
     print()

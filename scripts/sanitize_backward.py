@@ -29,6 +29,7 @@ except ImportError:
 
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
+from cupyflash.backward_validation import resolve_backward_config  # noqa: E402
 from cupyflash.families.backward_sm80.config import BackwardKernelConfig  # noqa: E402
 from cupyflash.families.backward_sm80.config_sets import default_config  # noqa: E402
 from sanitize_common import Launch, run_launches  # noqa: E402
@@ -72,7 +73,8 @@ def pick_configs(d_heads: str, extra: str = "") -> list[BackwardKernelConfig]:
     """The bf16 default config of each head dim in `d_heads` ('64,128'), then the '|'-separated
     short forms in `extra`."""
     configs = [default_config(DType.BF16, int(d)) for d in d_heads.split(",") if d.strip()]
-    return configs + [BackwardKernelConfig.parse(s) for s in extra.split("|") if s.strip()]
+    # either backward family's short forms (backward_sm90 ones run on sm_90 only)
+    return configs + [resolve_backward_config(s) for s in extra.split("|") if s.strip()]
 
 
 def launches(configs: list[BackwardKernelConfig], shapes: tuple, rng: np.random.Generator) -> Iterator[Launch]:
@@ -84,7 +86,7 @@ def launches(configs: list[BackwardKernelConfig], shapes: tuple, rng: np.random.
                 for det in (False, True):
                     batch, sq, sk, h, hk = shape
                     label = f"{cfg} B={batch} S_q={sq} S_k={sk} H={h}/{hk} causal={int(causal)} det={int(det)}"
-                    yield Launch("backward_sm80", label, functools.partial(_once, cfg, shape, causal, det, rng))
+                    yield Launch(cfg.FAMILY, label, functools.partial(_once, cfg, shape, causal, det, rng))
 
 
 def _once(cfg: BackwardKernelConfig, shape: tuple, causal: bool, det: bool,

@@ -15,7 +15,10 @@ progression configs and the d_head 64/256 defaults on scripts/sanitize_sm90.py's
 with the reason on a GPU that is not compute capability 9.0), decode (forward_kvcache on
 scripts/sanitize_decode.py's cases: contiguous and paged caches, lengths 0 and page boundaries,
 several splits for the combine kernel, k_new appended), backward_sm80 (scripts/sanitize_backward.py:
-default configs of d_head 64 and 128, atomic and deterministic dQ). --varlen adds forward_varlen
+default configs of d_head 64 and 128, atomic and deterministic dQ), backward_sm90 (the same launches
+on the Hopper backward family's bf16 defaults of d_head 64 and 128 and the d_head 128 one with
+dq_bulk: its TMA/mbarrier dK/dV kernel,
+for synccheck too; skipped with the reason off compute capability 9.0). --varlen adds forward_varlen
 on scripts/sanitize_varlen.py's ragged batches, empty sequences included (also as --family varlen).
 
 Inputs and NaN-poisoned outputs are uploaded from the host, results copied back, and float64
@@ -48,7 +51,7 @@ from cupyflash.families.forward_sm80.config import FlashForwardKernelConfig  # n
 from cupyflash.families.forward_sm80.config_sets import default_config, get_kernel_configs  # noqa: E402
 from sanitize_common import LSE_BOUND, REL_L2_BOUND, Launch, check, reference, run_launches  # noqa: E402,F401
 
-FAMILIES = ("forward_sm80", "forward_sm90", "decode", "backward_sm80")
+FAMILIES = ("forward_sm80", "forward_sm90", "decode", "backward_sm80", "backward_sm90")
 
 # (batch, S_q, S_k, n_heads, n_kv_heads)
 SHAPES = ((1, 77, 200, 4, 1),    # MQA, S_q < S_k: bottom-right causal offset +123
@@ -134,6 +137,18 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
 
         shapes = sanitize_backward.SHAPES[:2] if args.quick else sanitize_backward.SHAPES
         return list(sanitize_backward.launches(sanitize_backward.pick_configs("64,128"), shapes, rng)), None
+    if family == "backward_sm90":
+        cc = _device_cc()
+        if cc != 90:
+            return [], f"the Hopper backward family needs compute capability 9.0 (this GPU: {cc // 10}.{cc % 10})"
+        import sanitize_backward
+        from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+
+        shapes = sanitize_backward.SHAPES[:2] if args.quick else sanitize_backward.SHAPES
+        configs = [sm90_default(DType.BF16, d) for d in (64, 128)]
+        if not args.no_dq_bulk:
+            configs.append(configs[-1].replace(dq_bulk=True))  # dQ by bulk reductions from shared memory
+        return list(sanitize_backward.launches(configs, shapes, rng)), None
     if family == "varlen":
         import cupyflash
 
@@ -176,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pick", choices=("first", "default", "both"), default="first",
                    help="forward_sm80: which config per head dim (default: the first of the 'all' set)")
     p.add_argument("--quick", action="store_true",
-                   help="forward_sm90: 3 configs x 2 shapes; backward_sm80: the first 2 shapes")
+                   help="forward_sm90: 3 configs x 2 shapes; backward_sm80/sm90: the first 2 shapes")
+    p.add_argument("--no-dq-bulk", action="store_true", help="backward_sm90: leave out the dq_bulk config")
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -59,7 +59,8 @@ def test_mode_help_exits_0(mode, capsys):
     ["--mode", "decode", "--rows", "12"], ["--mode", "decode", "--rows", "x"], ["--mode", "decode", "--d-heads", "32"],
     ["--mode", "decode", "--samples", "0"],
     ["--mode", "backward", "--d-heads", "80"], ["--mode", "backward", "--seqs", "0"],
-    ["--mode", "backward", "--reps", "0"],
+    ["--mode", "backward", "--reps", "0"], ["--mode", "backward", "--impls", "cupyflash,nope"],
+    ["--mode", "backward", "--sm90-config", "backward_sm90(BF16, 128)"],
 ])
 def test_bad_mode_arguments_exit_2(argv, capsys):
     assert bench.main(argv) == 2
@@ -221,12 +222,14 @@ def test_backward_report_targets():
         return {"impl": impl, "tflops": tflops, "status": "ok", "reason": None, "dtype": "bf16", "d_head": 128,
                 "seq": seq, "causal": causal, "point": "p"}
 
-    text = bench_mode_backward.format_report([rec("cupyflash", 330.0), rec("sdpa_flash", 300.0),
-                                              rec("sdpa_cudnn", 500.0), rec("cupyflash", 200.0, seq=512),
+    text = bench_mode_backward.format_report([rec("cupyflash", 520.0), rec("backward_sm80", 330.0),
+                                              rec("backward_sm90", 520.0), rec("sdpa_flash", 300.0),
+                                              rec("sdpa_cudnn", 500.0), rec("fa3", 650.0),
+                                              rec("backward_sm80", 200.0, seq=512),
                                               rec("sdpa_flash", 250.0, seq=512)])
     at_4k, at_512 = _table_rows(text)
-    assert at_4k[4:] == ["330", "300", "500", "-", "1.10x", "ok>=1.00", "0.66x", "-"]
-    assert at_512[4:] == ["200", "250", "-", "-", "0.80x", "-", "-", "-"]  # no target below S = 1k
+    assert at_4k[4:] == ["520", "330", "520", "300", "500", "650", "1.10x", "ok>=1.00", "1.04x", "0.80x"]
+    assert at_512[4:] == ["-", "200", "-", "250", "-", "-", "0.80x", "-", "-", "-"]  # no target below S = 1k
     assert bench_mode_backward.target_flash(1024) == 1.0 and bench_mode_backward.target_flash(512) is None
     assert bench_mode_backward.grid((1024, 32768)) == [(1024, 16), (32768, 1)]
 

@@ -38,7 +38,7 @@ def test_info_json(tmp_path):
     info = json.loads(done.stdout)
     assert set(info["packages"]) == {"cupyflash", "cupy", "numpy", "jinja2", "ml_dtypes"}
     assert info["cache"] == {"dir": str(tmp_path), "entries": 0, "size_bytes": 0, "entries_per_family": {}}
-    assert [f["family"] for f in info["families"]] == ["forward_sm80", "forward_sm90", "backward_sm80", "decode"]
+    assert [f["family"] for f in info["families"]] == ["forward_sm80", "forward_sm90", "backward_sm80", "backward_sm90", "decode"]
     assert "sm_90" in info["nvrtc"]["archs"]
     assert isinstance(info["cuda"]["devices"], list)
 

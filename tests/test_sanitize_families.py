@@ -26,6 +26,8 @@ def test_parse_families():
     assert sanitize_check.parse_families("all", varlen=False) == list(sanitize_check.FAMILIES)
     assert sanitize_check.parse_families("decode,forward_sm80", varlen=False) == ["decode", "forward_sm80"]
     assert sanitize_check.parse_families("backward_sm80", varlen=True) == ["backward_sm80", "varlen"]
+    assert sanitize_check.parse_families("backward_sm90", varlen=False) == ["backward_sm90"]
+    assert "backward_sm90" in sanitize_check.FAMILIES
     assert sanitize_check.parse_families("varlen,all", varlen=True) == ["varlen", *sanitize_check.FAMILIES]
     for bad in ("", "forward", "all,nope"):
         with pytest.raises(ValueError, match="--family"):

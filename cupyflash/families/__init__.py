@@ -17,6 +17,7 @@ from .decode import DECODE
 from .forward_sm80 import FORWARD_SM80
 from .forward_sm90 import FORWARD_SM90
 from .backward_sm80 import BACKWARD_SM80
+from .backward_sm90 import BACKWARD_SM90
 
 __all__ = ["FAMILIES", "KernelFamily", "KernelRole", "ParamStruct", "Variant", "get_family", "family_of",
            "parse_config", "pick_family", "register_family", "DEFAULT_FAMILY"]
@@ -84,4 +85,5 @@ def parse_config(text: str) -> KernelConfig:
 register_family(FORWARD_SM80)
 register_family(FORWARD_SM90)
 register_family(BACKWARD_SM80)
+register_family(BACKWARD_SM90)
 register_family(DECODE)

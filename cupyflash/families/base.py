@@ -91,6 +91,9 @@ class KernelFamily:
     kind: str = ""                        # what it computes: "forward", "decode", "backward", ...
     description: str = ""
     config_type: type[KernelConfig] = KernelConfig
+    # Config types of other families whose kernels this family's module also instantiates (their
+    # C++ structs are rendered too), e.g. backward_sm90 reusing backward_sm80's row kernels.
+    extra_config_types: tuple[type[KernelConfig], ...] = ()
     template: str = ""                    # templates/<family>.cu.j2
     headers: tuple[str, ...] = ()         # kernels_cu/-relative paths, in include order
     static_wrapper: str = ""              # C++ template wrapping the config value (derived constants)

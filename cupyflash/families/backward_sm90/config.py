@@ -1,0 +1,121 @@
+"""The Hopper backward family's configuration (sm_90a): `HopperBackwardKernelConfig`.
+
+Its fields become the C++ struct of the same name (templates/backward_sm90.cu.j2), the NVRTC
+name expression and the short form, which names the family:
+
+    backward_sm90(BF16, 128, 64, 128, 2)
+    backward_sm90(BF16, 128, 64, 128, 2): dq_bulk
+    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: dq_bulk]
+
+B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
+B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. How dQ
+is accumulated is the variant, not the config: fp32 atomics (red.global.add.v2.f32) into a
+workspace, or with `deterministic` backward_sm80's separate dQ pass. `dq_bulk` (two consumer
+warpgroups at d_head 128 only) stages each block's fp32 dQ in shared memory and adds it to the
+workspace with bulk reductions (cp.reduce.async.bulk, one per row) from a warp of the producer
+warpgroup, instead of red.global.add.v2 from every consumer thread.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
+
+from ...config import DType, KernelConfig
+
+__all__ = ["HopperBackwardKernelConfig", "FAMILY", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
+           "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS"]
+
+FAMILY = "backward_sm90"
+D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
+B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
+B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
+STAGE_VALUES = (1, 2, 3)
+WG_KEYS = 64
+MAX_SMEM_PER_BLOCK = 227 * 1024
+# fp32 accumulator registers a consumer thread holds at its peak (dK + dV = d_head, plus the
+# larger of S^T + dP^T = B_r and dQ = d_head / 2); the consumers get 240 registers (setmaxnreg)
+# with two warpgroups, so more than this leaves too few for addresses and fragments.
+ACCUMULATOR_BUDGET = 200
+_ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
+DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
+
+
+@dataclass(frozen=True, order=True)
+class HopperBackwardKernelConfig(KernelConfig):
+    """Static configuration of one Hopper backward kernel set (field order = C++ order)."""
+
+    FAMILY: ClassVar[str] = FAMILY
+
+    dtype: DType
+    d_head: int
+    B_r: int
+    B_c: int
+    n_stages: int
+    dq_bulk: bool = False
+
+    # ------------------------------------------------------------------ rules
+    def _rules(self) -> Iterator[tuple[str, bool]]:
+        yield f"d_head in {D_HEADS}", self.d_head in D_HEADS
+        yield f"B_r in {B_R_VALUES}", self.B_r in B_R_VALUES
+        yield f"B_c in {B_C_VALUES}", self.B_c in B_C_VALUES
+        yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
+        yield ("dq_bulk needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
+               not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
+               self.accumulator_registers() <= ACCUMULATOR_BUDGET)
+        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
+               f"{MAX_SMEM_PER_BLOCK} bytes", self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
+
+    # ------------------------------------------------------------- resources
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.B_c // WG_KEYS
+
+    @property
+    def n_threads(self) -> int:
+        return 128 * (self.consumer_warpgroups + 1)  # + the producer warpgroup
+
+    def accumulator_registers(self) -> int:
+        return self.d_head + max(self.B_r, self.d_head // 2)
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the dK/dV kernel; must equal StaticHopperBackwardConfig::SMEM_BYTES."""
+        kv = 2 * self.B_c * self.d_head * 2
+        stage = 2 * self.B_r * self.d_head * 2 + 2 * self.B_r * 4
+        stage = -(-stage // 1024) * 1024
+        ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
+        dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
+        barriers = 8 * (1 + 2 * self.n_stages)
+        return kv + self.n_stages * stage + ds + dq + barriers + 1024
+
+    @property
+    def pad_rows(self) -> int:
+        """Query rows are padded to a multiple of this in the fp32 workspaces (lse2, dvec,
+        dq_accum): the query block and the row kernels' 64 rows."""
+        return max(self.B_r, _ROW_KERNEL_ROWS)
+
+    # ------------------------------------------------------------ short form
+    def short_form(self) -> str:
+        dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
+        tail = ": dq_bulk" if self.dq_bulk else ""
+        return f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}){tail}"
+
+    def __str__(self) -> str:
+        return self.short_form()
+
+    _SHORT_RE: ClassVar[re.Pattern] = re.compile(
+        r"^backward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
+        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<bulk>dq_bulk)\s*)?$")
+
+    @classmethod
+    def parse(cls, text: str) -> "HopperBackwardKernelConfig":
+        """Inverse of `short_form()`; ValueError on anything else."""
+        if not isinstance(text, str):
+            raise TypeError(f"short form must be a str, got {type(text).__name__}")
+        m = cls._SHORT_RE.match(text.strip())
+        if not m:
+            raise ValueError(f"cannot parse kernel config {text!r}: expected "
+                             "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
+        return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
+                   int(m.group("st")), m.group("bulk") is not None)

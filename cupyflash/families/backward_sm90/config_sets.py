@@ -1,0 +1,67 @@
+"""Named config sets of the Hopper backward family and its default per (dtype, d_head)."""
+from __future__ import annotations
+
+import itertools
+
+from ...config import DType
+from ..backward_sm80.config import BackwardKernelConfig
+from ..backward_sm80.config_sets import default_config as sm80_default
+from .config import B_C_VALUES, B_R_VALUES, D_HEADS, STAGE_VALUES, HopperBackwardKernelConfig
+
+__all__ = ["KERNEL_SET_KEYS", "all_configs", "tune_configs", "progression_configs", "default_config",
+           "get_kernel_configs", "companion_config"]
+
+KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
+
+# (B_c, n_stages) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a double
+# Q/dO ring, dQ by red.global.add.v2 (dq_bulk measured 14-18% slower on the H100). The other
+# tiles were checked for correctness on the H100, not timed: a `tune` sweep is still to do.
+_DEFAULTS = {64: (128, 2), 128: (128, 2)}
+
+
+def all_configs() -> list[HopperBackwardKernelConfig]:
+    out = []
+    for dtype, d, br, bc, st, bulk in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
+                                                        (False, True)):
+        try:
+            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk))
+        except ValueError:
+            continue
+    return sorted(out)
+
+
+def default_config(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
+    if d_head not in _DEFAULTS:
+        raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
+    bc, stages = _DEFAULTS[d_head]
+    return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages)
+
+
+def tune_configs() -> list[HopperBackwardKernelConfig]:
+    """Every valid config with at least two stages (one stage serialises loads and GEMMs)."""
+    return [c for c in all_configs() if c.n_stages >= 2]
+
+
+def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperBackwardKernelConfig]:
+    """The optimisation history at (dtype, d_head): so far the first kernel only."""
+    return [default_config(dtype, d_head)] if d_head in _DEFAULTS else []
+
+
+def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:
+    k = key.strip().lower()
+    if k == "all":
+        return all_configs()
+    if k == "defaults":
+        return sorted({default_config(dt, d) for dt in DType for d in D_HEADS})
+    if k == "tune":
+        return tune_configs()
+    if k == "prog":
+        return progression_configs()
+    raise ValueError(f"KERNELS: unknown backward_sm90 set {key!r}; expected one of {KERNEL_SET_KEYS}")
+
+
+def companion_config(cfg: HopperBackwardKernelConfig) -> BackwardKernelConfig:
+    """The backward_sm80 config whose row kernels (preprocess, convert) and deterministic dQ
+    kernel this family's module instantiates: backward_sm80's default for (dtype, d_head) with
+    this config's query block, so both families pad the fp32 workspaces alike."""
+    return sm80_default(cfg.dtype, cfg.d_head).replace(B_r=cfg.B_r)

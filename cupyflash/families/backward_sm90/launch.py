@@ -1,0 +1,102 @@
+"""Launching the Hopper backward family on a validated `BackwardPlan` (backward_validation).
+
+`check_sm90_problem` adds this family's rules to the shared validation (d_head, TMA-readable
+layouts, compute capability 9.0), `pack_dkdv` builds `HopperBackwardParams` (four cached TMA
+descriptors, then the outputs and workspaces), `launch_sequence` lists the kernels of one call
+in order with their grids and parameter structs, and `launch_backward_sm90` runs them. Only an
+explicit `cfg` of this family reaches it (`cupyflash.backward(..., cfg=...)`).
+"""
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+from ...backward_validation import BackwardPlan
+from ...validation import LOG2_E
+from ..forward_sm90 import tma
+from . import BACKWARD_SM90, roles_for
+from .config import D_HEADS, HopperBackwardKernelConfig
+from .params import pack_params
+
+__all__ = ["check_sm90_problem", "pack_dkdv", "LaunchStep", "launch_sequence", "launch_backward_sm90",
+           "get_kernels"]
+
+
+def check_sm90_problem(plan: BackwardPlan, q, k, v, dout, compute_capability: int | None) -> None:
+    """ValueError (naming the argument) when this family cannot run the validated problem.
+    `compute_capability` None skips the device check (CPU planning in tests)."""
+    cfg = plan.cfg
+    if not isinstance(cfg, HopperBackwardKernelConfig):
+        raise TypeError(f"cfg: expected a HopperBackwardKernelConfig, got {type(cfg).__name__}")
+    if compute_capability is not None and not BACKWARD_SM90.supports(compute_capability):
+        raise ValueError(f"cfg: {cfg.short_form()} is a backward_sm90 config (wgmma/TMA, sm_90a): it runs on "
+                         f"compute capability 9.0 only, device {plan.device} has "
+                         f"{compute_capability // 10}.{compute_capability % 10}; pass cfg=None or a "
+                         "backward_sm80 config")
+    if plan.d_head not in D_HEADS:
+        raise ValueError(f"q: d_head {plan.d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
+    for view, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
+        problem = tma.tma_layout_problem(name, tuple(view.shape), tuple(view.strides))
+        if problem:
+            raise ValueError(problem)
+
+
+def pack_dkdv(plan: BackwardPlan, q, k, v, dout, dk_ptr: int, dv_ptr: int, dq_accum_ptr: int, lse2_ptr: int,
+              dvec_ptr: int) -> bytes:
+    """HopperBackwardParams of one call: Q/dO boxes of B_r rows, K/V boxes of B_c rows."""
+    cfg = plan.cfg
+    dtype = cfg.dtype
+    descs = [tma.descriptor(view.ptr, dtype, tuple(view.shape), tuple(view.strides), rows)
+             for view, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c), (dout, cfg.B_r))]
+    dk_strides, dv_strides = plan.strides[6], plan.strides[7]
+    return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *dk_strides, *dv_strides,
+                       plan.seq_len_q, plan.seq_len_k, plan.seq_len_q_pad, plan.n_heads, plan.n_kv_heads,
+                       plan.n_heads // plan.n_kv_heads, plan.softmax_scale, plan.softmax_scale * LOG2_E)
+
+
+class LaunchStep(NamedTuple):
+    role: str
+    grid: tuple[int, int, int]
+    block: int
+    smem: int
+    hopper_params: bool  # HopperBackwardParams (dkdv) or BackwardParams (the reused kernels)
+
+
+def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
+    """The kernels of one call in launch order (empty grids left out)."""
+    cfg = plan.cfg
+    out = []
+    for role in roles_for(plan.deterministic):
+        grid = BACKWARD_SM90.grid(cfg, role, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
+                                  plan.seq_len_k)
+        if grid[0]:
+            out.append(LaunchStep(role, grid, BACKWARD_SM90.block_threads(cfg, role),
+                                  BACKWARD_SM90.smem_bytes(cfg, role), role == "dkdv"))
+    return out
+
+
+_lock = threading.Lock()
+_kernels: dict[tuple, dict] = {}
+
+
+def get_kernels(cfg: HopperBackwardKernelConfig, device: int, causal: bool, deterministic: bool) -> dict:
+    """role -> LoadedKernel of the variant (compiled for sm_90a through the registry and cache)."""
+    key = (device, cfg, causal, deterministic)
+    kernels = _kernels.get(key)
+    if kernels is None:
+        from ...registry import get_registry
+
+        kernels = get_registry().get_all(cfg, device, variant=BACKWARD_SM90.variant(causal=causal,
+                                                                                    deterministic=deterministic))
+        with _lock:
+            _kernels[key] = kernels
+    return kernels
+
+
+def launch_backward_sm90(plan: BackwardPlan, sm80_params: bytes, hopper_params: bytes, stream_ptr: int) -> None:
+    """Launch the variant's kernels in order on `stream_ptr` (the current device is plan.device):
+    `sm80_params` (BackwardParams) for the reused kernels, `hopper_params` for dkdv."""
+    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    for step in launch_sequence(plan):
+        kernels[step.role].launch(step.grid, step.block, step.smem, stream_ptr,
+                                  hopper_params if step.hopper_params else sm80_params)

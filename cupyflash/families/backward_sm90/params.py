@@ -1,0 +1,54 @@
+"""The Hopper backward dK/dV kernel's parameter struct, `HopperBackwardParams`, passed by value as
+a `const __grid_constant__` argument (the reused backward_sm80 kernels take `BackwardParams`).
+
+The four TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned) come first, at offsets 0, 128,
+256 and 384, as for forward_sm90; a tail pad makes the packed size sizeof(HopperBackwardParams),
+a multiple of 64.
+"""
+from __future__ import annotations
+
+import struct
+
+from ..base import ParamStruct
+
+__all__ = ["HOPPER_BACKWARD_PARAMS", "PARAM_FIELDS", "PARAMS_SIZE", "DESCRIPTOR_OFFSETS", "pack_params"]
+
+_TMA = 128
+_ALIGN = 64
+
+_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("tma_q", "TmaDescriptor", f"{_TMA}s"),
+    ("tma_k", "TmaDescriptor", f"{_TMA}s"),
+    ("tma_v", "TmaDescriptor", f"{_TMA}s"),
+    ("tma_do", "TmaDescriptor", f"{_TMA}s"),
+    ("dk", "void*", "Q"),
+    ("dv", "void*", "Q"),
+    ("dq_accum", "float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad, d_head); 0 if deterministic
+    ("lse2", "const float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad): lse * log2(e), +inf for no key
+    ("dvec", "const float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad): rowsum(dO * O)
+    ("dk_batch_stride", "long long", "q"),
+    ("dk_seq_stride", "long long", "q"),
+    ("dk_head_stride", "long long", "q"),
+    ("dv_batch_stride", "long long", "q"),
+    ("dv_seq_stride", "long long", "q"),
+    ("dv_head_stride", "long long", "q"),
+    ("seq_len_q", "int", "i"),
+    ("seq_len_k", "int", "i"),
+    ("seq_len_q_pad", "int", "i"),
+    ("n_heads", "int", "i"),
+    ("n_kv_heads", "int", "i"),
+    ("kv_group_size", "int", "i"),
+    ("softmax_scale", "float", "f"),
+    ("softmax_scale_log2", "float", "f"),
+)
+_unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
+_pad = -_unpadded % _ALIGN
+PARAM_FIELDS = _FIELDS + ((f"tail_padding[{_pad}]", "char", f"{_pad}x"),) if _pad else _FIELDS
+HOPPER_BACKWARD_PARAMS = ParamStruct("HopperBackwardParams", PARAM_FIELDS)
+PARAMS_SIZE = HOPPER_BACKWARD_PARAMS.size
+DESCRIPTOR_OFFSETS = {"tma_q": 0, "tma_k": 128, "tma_v": 256, "tma_do": 384}
+
+
+def pack_params(*values) -> bytes:
+    """The kernel's parameter bytes from values in field order (the padding takes none)."""
+    return HOPPER_BACKWARD_PARAMS.pack(*values)

@@ -1,0 +1,146 @@
+// Static configuration of the Hopper backward dK/dV kernel, its shared-memory layout and the two
+// PTX instructions it needs beyond kernels_cu/common/ptx_sm90.cuh (1-D bulk copy, vector fp32
+// reduction).
+//
+// One CTA owns B_c keys of one (batch, kv head): K and V are loaded once; per query block
+// (B_r rows of one query head of the GQA group) the producer loads Q, dO, lse2 and dvec into a
+// ring stage. Tiles are stored as TMA writes them with 128-byte swizzling (D/64 column blocks of
+// R rows x 128 bytes), so every wgmma operand is a canonical 128B-swizzled layout.
+#pragma once
+
+template <HopperBackwardKernelConfig C>
+struct StaticHopperBackwardConfig {
+    static constexpr HopperBackwardKernelConfig cfg = C;
+    static constexpr DType dtype = C.dtype;
+    static constexpr int D = C.d_head;
+    static constexpr int BR = C.B_r;   // query rows per iteration
+    static constexpr int BC = C.B_c;   // key rows per CTA
+    static constexpr int STAGES = C.n_stages;
+    static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a writer warp
+
+    static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
+    static constexpr int CONSUMERS = BC / WG_KEYS;
+    static constexpr int N_THREADS = 128 * (CONSUMERS + 1);  // + the producer warpgroup
+    static constexpr int PRODUCER_REGS = 24;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 240;
+
+    // The backward_sm80 row kernels (preprocess, convert) reused in this family's module read
+    // these two from their Cfg; they must match cupyflash/families/backward_sm80 (ROW_KERNEL_ROWS).
+    static constexpr int ROW_KERNEL_ROWS = 64;
+    static constexpr int ROW_KERNEL_THREADS = 256;
+
+    static constexpr int COL_BLOCK = 64;   // 16-bit elements per 128-byte swizzled row
+    static constexpr int D_BLOCKS = D / COL_BLOCK;
+    static constexpr int ROW_BYTES = 128;
+    static constexpr int Q_BYTES = BR * D * 2;
+    static constexpr int KV_BYTES = BC * D * 2;
+    static constexpr int STAT_BYTES = BR * 4;          // lse2 or dvec of one query block
+    static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;
+    static constexpr int STAGE_BYTES = (STAGE_LOAD_BYTES + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+    static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
+    static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
+    static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
+    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : 0;
+    // Named barrier (0 is __syncthreads; the consumers' dS^T barriers are 1 and 2): the staged dQ
+    // is complete (every consumer arrives, the issuing warp waits).
+    static constexpr int DQ_FULL_BARRIER = 3;
+
+    // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
+    static constexpr int K_OFFSET = 0;
+    static constexpr int V_OFFSET = KV_BYTES;
+    static constexpr int STAGE_OFFSET = 2 * KV_BYTES;
+    static constexpr int DS_OFFSET = STAGE_OFFSET + STAGES * STAGE_BYTES;
+    static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
+    static constexpr int BAR_OFFSET = DQ_OFFSET + DQ_BYTES;
+    static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
+    static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
+
+    static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
+    static_assert(BR == 64, "one 64-query swizzle block per dS^T row (wgmma m64 for dQ)");
+    static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
+    static_assert(STAGES >= 1, "at least one Q/dO stage");
+    static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
+};
+
+template <class Cfg>
+struct BwdSmem {
+    u32 base;
+
+    CF_DEVICE u32 k() const { return base + Cfg::K_OFFSET; }
+    CF_DEVICE u32 v() const { return base + Cfg::V_OFFSET; }
+    CF_DEVICE u32 q(int s) const { return base + Cfg::STAGE_OFFSET + s * Cfg::STAGE_BYTES; }
+    CF_DEVICE u32 dout(int s) const { return q(s) + Cfg::Q_BYTES; }
+    CF_DEVICE u32 lse2(int s) const { return q(s) + 2 * Cfg::Q_BYTES; }
+    CF_DEVICE u32 dvec(int s) const { return lse2(s) + Cfg::STAT_BYTES; }
+    // dS^T of warpgroup wg in buffer buf; a buffer's warpgroups are contiguous (keys 0..B_c-1).
+    CF_DEVICE u32 ds(int buf, int wg) const {
+        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS + wg) * Cfg::DS_BYTES;
+    }
+    CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
+    CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
+    CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
+    CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
+};
+
+// Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
+// least one of the CTA's keys (causal, bottom-right aligned: query i sees key j <= i + seq_k - seq_q).
+struct BwdSchedule {
+    int n_block, kv_head, batch;
+    int m_begin, m_blocks, group;
+
+    template <class Cfg, bool CAUSAL>
+    CF_DEVICE static BwdSchedule make(const HopperBackwardParams& p) {
+        BwdSchedule s;
+        s.n_block = blockIdx.x;
+        s.kv_head = blockIdx.y;
+        s.batch = blockIdx.z;
+        s.group = p.kv_group_size;
+        const int m_end = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
+        int first = 0;
+        if constexpr (CAUSAL) first = max(0, s.n_block * Cfg::BC - (p.seq_len_k - p.seq_len_q)) / Cfg::BR;
+        s.m_begin = first;
+        s.m_blocks = max(0, m_end - first);
+        return s;
+    }
+    CF_DEVICE int iterations() const { return group * m_blocks; }
+    CF_DEVICE int q_head(int it) const { return kv_head * group + it / m_blocks; }
+    CF_DEVICE int m_block(int it) const { return m_begin + it % m_blocks; }
+};
+
+CF_DEVICE int bwd_stage(int it, int stages) { return it % stages; }
+CF_DEVICE u32 bwd_phase(int it, int stages) { return (u32)(it / stages) & 1u; }
+
+// 1-D bulk copy global -> shared completing `bytes` on mbarrier `bar` (16-byte aligned, size a
+// multiple of 16).
+CF_DEVICE void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+
+// Bulk reduction dst[0..bytes/4) += src[...] (fp32, shared -> global, async proxy), tracked by the
+// issuing thread's bulk async-group; 16-byte aligned, size a multiple of 16.
+CF_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+CF_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's bulk groups have finished reading shared memory (READ_ONLY) or
+// completed entirely.
+template <bool READ_ONLY>
+CF_DEVICE void bulk_wait_group_0() {
+    if constexpr (READ_ONLY)
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(a), "f"(b));
+}
+
+// dst[0..1] += (a, b) in one vector reduction (sm_90).
+CF_DEVICE void red_add_v2(float* dst, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}

@@ -1,0 +1,40 @@
+// Hopper (sm_90a) FlashAttention backward, dK/dV kernel: one CTA per (key block, kv head,
+// batch); warpgroup 0 is the TMA producer (one thread, registers given away with setmaxnreg),
+// warpgroups 1.. are consumers of 64 keys each (mainloop.cuh). The preprocess (dvec, lse2,
+// dq_accum zeroed), the dQ conversion and the deterministic dQ pass are backward_sm80's kernels,
+// instantiated in the same module.
+#pragma once
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::N_THREADS, 1)
+    backward_sm90_dkdv_kernel(const __grid_constant__ HopperBackwardParams params) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    const BwdSmem<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
+    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params);
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        tma_prefetch_descriptor(&params.tma_q);
+        tma_prefetch_descriptor(&params.tma_k);
+        tma_prefetch_descriptor(&params.tma_v);
+        tma_prefetch_descriptor(&params.tma_do);
+        mbarrier_init(smem.kv_full(), 1);
+        for (int s = 0; s < Cfg::STAGES; ++s) {
+            mbarrier_init(smem.q_full(s), 1);
+            mbarrier_init(smem.q_empty(s), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+        if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run();
+        return;
+    }
+    setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128);
+    consumer.run();
+    consumer.drain();
+    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+}

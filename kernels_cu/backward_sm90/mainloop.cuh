@@ -1,0 +1,243 @@
+// Consumer warpgroup of the backward dK/dV kernel: 64 keys of the CTA's block (rows of every
+// wgmma m64 tile are keys, so dK and dV stay in registers for the whole CTA).
+//
+// Per query block (Q, dO, lse2, dvec in a ring stage):
+//   S^T  = K Q^T       wgmma ss, A = K (K-major), B = Q (K-major), N = B_r
+//   dP^T = V dO^T      wgmma ss, same shapes
+//   P^T  = exp2(S^T * scale * log2 e - lse2[q]) (masked: keys past seq_k, queries past seq_q,
+//          causal keys after the query's diagonal); dS^T = P^T * (dP^T - dvec[q])
+//   dV  += P^T dO      wgmma rs, A = P^T from registers, B = dO (MN-major)
+//   dK  += dS^T Q      wgmma rs, A = dS^T from registers, B = Q (MN-major)
+//   dQ   = dS K       (atomic variant) dS^T staged in shared memory [key][query] (two buffers,
+//                      alternating per iteration), wgmma ss with both operands MN-major, added to
+//                      the fp32 dq_accum with red.global.add.v2. With two warpgroups and d_head
+//                      128 each computes half of dQ's columns over all B_c keys (every dQ
+//                      element is reduced once per CTA); otherwise each warpgroup computes all
+//                      columns over its own 64 keys.
+// The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
+#pragma once
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+struct BwdConsumer {
+    static constexpr int NT = Cfg::BR / 8;        // n-tiles of S^T over the queries
+    static constexpr int QK = Cfg::BR / 16;       // k-steps over the queries (dV, dK)
+    static constexpr int DK = Cfg::D / 16;        // k-steps over d_head (S^T, dP^T)
+    // dQ split over the warpgroups by columns (each reads every warpgroup's dS^T) when each half
+    // is a whole 64-column swizzle block; else by keys (each its own dS^T, all columns).
+    static constexpr bool DQ_SPLIT = Cfg::CONSUMERS == 2 && Cfg::D >= 128;
+    static constexpr int DQ_N = DQ_SPLIT ? Cfg::D / 2 : Cfg::D;                 // dQ columns of a warpgroup
+    static constexpr int DQ_STEPS = (DQ_SPLIT ? Cfg::BC : Cfg::WG_KEYS) / 16;  // k-steps over keys
+    static constexpr int DS_BARRIER = 1;  // named barriers (0 is __syncthreads): 1, or 1 + wg unsplit
+    static constexpr int DS_THREADS = DQ_SPLIT ? 128 * Cfg::CONSUMERS : 128;
+
+    const HopperBackwardParams& p;
+    BwdSmem<Cfg> smem;
+    BwdSchedule sched;
+    const int wg, tid, lane, warp;
+
+    float dk[Cfg::D / 8][4];
+    float dv[Cfg::D / 8][4];
+
+    CF_DEVICE BwdConsumer(const HopperBackwardParams& params, BwdSmem<Cfg> layout, BwdSchedule s, int warpgroup,
+                          int thread)
+        : p(params), smem(layout), sched(s), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5) {
+#pragma unroll
+        for (int n = 0; n < Cfg::D / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+    }
+
+    // Key index (inside the CTA's block) of accumulator element e of this thread.
+    CF_DEVICE int key_row(int e) const { return wg * Cfg::WG_KEYS + 16 * warp + (lane >> 2) + 8 * (e >> 1); }
+    CF_DEVICE static int query_col(int j, int e, int lane) { return 8 * j + 2 * (lane & 3) + (e & 1); }
+
+    // ---- descriptors ----
+    CF_DEVICE u64 kmajor_a(u32 tile, int k) const {  // K or V rows of this warpgroup, d-steps
+        return smem_descriptor_sw128(tile + (k / 4) * Cfg::BC * Cfg::ROW_BYTES + wg * Cfg::WG_KEYS * Cfg::ROW_BYTES +
+                                         32 * (k % 4), 16, 1024);
+    }
+    CF_DEVICE static u64 kmajor_b(u32 tile, int k) {  // Q or dO as the N = B_r operand, d-steps
+        return smem_descriptor_sw128(tile + (k / 4) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % 4), 16, 1024);
+    }
+    CF_DEVICE static u64 mnmajor_b_q(u32 tile, int k) {  // Q or dO as the N = d operand, query-steps
+        return smem_descriptor_sw128(tile + 16 * k * Cfg::ROW_BYTES, Cfg::BR * Cfg::ROW_BYTES, 1024);
+    }
+    // First key (inside the CTA's block) and first d column of this warpgroup's dQ GEMM.
+    CF_DEVICE int dq_key0() const { return DQ_SPLIT ? 0 : wg * Cfg::WG_KEYS; }
+    CF_DEVICE int dq_col0() const { return DQ_SPLIT ? wg * DQ_N : 0; }
+    CF_DEVICE u64 mnmajor_b_k(int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
+        return smem_descriptor_sw128(smem.k() + (dq_col0() / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                         (dq_key0() + 16 * k) * Cfg::ROW_BYTES,
+                                     Cfg::BC * Cfg::ROW_BYTES, 1024);
+    }
+    // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
+    // are contiguous in the key, so key k of the CTA is row k of buffer `buf`.
+    CF_DEVICE u64 ds_a(int buf, int k) const {
+        return smem_descriptor_sw128(smem.ds(buf, 0) + (dq_key0() + 16 * k) * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024);
+    }
+    // Shared address of dS^T element (key r of this warpgroup, query c) in buffer `buf` (128B swizzle).
+    CF_DEVICE u32 ds_address(int buf, int r, int c) const {
+        return smem.ds(buf, wg) + r * Cfg::ROW_BYTES + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+    }
+
+    // Accumulator pairs of 16 columns -> the A fragment of one k-step (mma.m16n8k16 layout).
+    CF_DEVICE static void to_fragments(const float (&x)[NT][4], u32 (&a)[QK][4]) {
+#pragma unroll
+        for (int k = 0; k < QK; ++k) {
+            a[k][0] = pack_pair<Cfg::dtype>(x[2 * k][0], x[2 * k][1]);
+            a[k][1] = pack_pair<Cfg::dtype>(x[2 * k][2], x[2 * k][3]);
+            a[k][2] = pack_pair<Cfg::dtype>(x[2 * k + 1][0], x[2 * k + 1][1]);
+            a[k][3] = pack_pair<Cfg::dtype>(x[2 * k + 1][2], x[2 * k + 1][3]);
+        }
+    }
+
+    CF_DEVICE void run() {
+        mbarrier_wait(smem.kv_full(), 0);
+        const int n = sched.iterations();
+        const int key_base = sched.n_block * Cfg::BC;
+        const int causal_offset = p.seq_len_k - p.seq_len_q;
+        for (int it = 0; it < n; ++it) {
+            const int s = bwd_stage(it, Cfg::STAGES);
+            const int head = sched.q_head(it);
+            const int q0 = sched.m_block(it) * Cfg::BR;
+            mbarrier_wait(smem.q_full(s), bwd_phase(it, Cfg::STAGES));
+
+            float st[NT][4], dpt[NT][4];
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < DK; ++k)
+                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(smem.k(), k), kmajor_b(smem.q(s), k), k > 0);
+            wgmma_commit();
+#pragma unroll
+            for (int k = 0; k < DK; ++k)
+                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(smem.v(), k), kmajor_b(smem.dout(s), k), k > 0);
+            wgmma_commit();
+
+            wgmma_wait<1>();  // S^T is ready; dP^T may still run
+            fence_registers(st);
+            // lse2/dvec of the thread's two query columns per n-tile: one 8-byte load each
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = query_col(j, e, lane);
+                    const int key = key_base + key_row(e), query = q0 + c;
+                    bool keep = key < p.seq_len_k && query < p.seq_len_q;
+                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
+                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
+                }
+            }
+            wgmma_wait<0>();
+            fence_registers(dpt);
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                const float2 dvec = ld_shared_f32x2(smem.dvec(s) + 4 * query_col(j, 0, lane));
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
+            }
+            u32 pa[QK][4], dsa[QK][4];
+            to_fragments(st, pa);
+            to_fragments(dpt, dsa);
+
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dv, pa[k], mnmajor_b_q(smem.dout(s), k), 1);
+#pragma unroll
+            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+            wgmma_commit();
+
+            if constexpr (DETERMINISTIC) {
+                wgmma_wait<0>();
+                fence_registers(dv);
+                fence_registers(dk);
+                release(s);  // Q, dO, lse2, dvec of this stage are no longer read
+            } else {
+                // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
+                // it - 2, which every reader completed before the barrier of iteration it - 1.
+                const int buf = it & 1;
+                const int r = 16 * warp + (lane >> 2);
+#pragma unroll
+                for (int k = 0; k < QK; ++k) {
+                    const int c = 16 * k + 2 * (lane & 3);
+                    st_shared_4(ds_address(buf, r, c), dsa[k][0]);
+                    st_shared_4(ds_address(buf, r + 8, c), dsa[k][1]);
+                    st_shared_4(ds_address(buf, r, c + 8), dsa[k][2]);
+                    st_shared_4(ds_address(buf, r + 8, c + 8), dsa[k][3]);
+                }
+                fence_proxy_async_shared();
+                // Every dS^T row this dQ GEMM reads is written (and, by program order, every
+                // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
+                // previous block's reductions have read the staged dQ rows).
+                if constexpr (Cfg::DQ_BULK) {
+                    if (issues_dq()) bulk_wait_group_0<true>();
+                }
+                named_barrier_sync(DQ_SPLIT ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
+                // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
+                float dq[DQ_N / 8][4];
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < DQ_STEPS; ++k)
+                    wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(buf, k), mnmajor_b_k(k), k > 0);
+                wgmma_commit();
+                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+                fence_registers(dv);
+                fence_registers(dk);
+                release(s);
+                wgmma_wait<0>();
+                fence_registers(dq);
+                const int row = 16 * warp + (lane >> 2);
+                if constexpr (Cfg::DQ_BULK) {
+                    // Stage this half of dQ (the previous block's reductions finished reading the
+                    // rows before this iteration's dS^T barrier), then the issuing warp adds the
+                    // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
+#pragma unroll
+                    for (int j = 0; j < DQ_N / 8; ++j) {
+                        const int col = dq_col0() + 8 * j + 2 * (lane & 3);
+                        st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
+                        st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
+                    }
+                    fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
+                    if (issues_dq()) {
+                        named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                        float* dst = p.dq_accum +
+                                     (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0 + lane) * Cfg::D;
+                        bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
+                        bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
+                        bulk_commit_group();
+                    } else {
+                        named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                    }
+                } else {
+                    float* acc = p.dq_accum +
+                                 (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D + dq_col0();
+#pragma unroll
+                    for (int j = 0; j < DQ_N / 8; ++j) {
+                        const int col = 8 * j + 2 * (lane & 3);
+                        red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
+                        red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // dq_bulk: the warp that issues the bulk reductions of dQ (warp 0 of the first consumer).
+    CF_DEVICE bool issues_dq() const { return wg == 0 && warp == 0; }
+
+    // The bulk reductions of the last block have completed (before the CTA may exit).
+    CF_DEVICE void drain() const {
+        if constexpr (Cfg::DQ_BULK && !DETERMINISTIC) {
+            if (issues_dq()) bulk_wait_group_0<false>();
+        }
+    }
+
+    // Every warp releases the stage once its GEMMs reading Q/dO have completed (waited above).
+    // __syncwarp orders every lane's reads of the stage (lse2/dvec by ld.shared) before lane 0's
+    // arrive (a release of lane 0's accesses only): without it compute-sanitizer racecheck
+    // reported the producer's next bulk copies into the stage as racing with lanes 1..31's reads.
+    CF_DEVICE void release(int s) const {
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(smem.q_empty(s));
+    }
+};

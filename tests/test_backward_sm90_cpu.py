@@ -1,0 +1,394 @@
+"""CPU tests of the Hopper backward family: config rules and short form, parameter packing,
+registration next to backward_sm80, name expressions and the launch plan (no GPU, no driver)."""
+from __future__ import annotations
+
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupyflash.backward_validation import check_backward_args, resolve_backward_config
+from cupyflash.config import DType
+from cupyflash.families import FAMILIES, family_of, get_family, parse_config, pick_family
+from cupyflash.families.backward_sm80 import BACKWARD_SM80
+from cupyflash.families.backward_sm80.config import BackwardKernelConfig
+from cupyflash.families.backward_sm90 import BACKWARD_SM90, HopperBackwardKernelConfig
+from cupyflash.families.backward_sm90 import config_sets, launch
+from cupyflash.families.backward_sm90.params import DESCRIPTOR_OFFSETS, HOPPER_BACKWARD_PARAMS, PARAMS_SIZE, pack_params
+from cupyflash.render import render_family_source
+
+from fake_views import view
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------ config
+def test_short_form_round_trip_every_config():
+    configs = config_sets.get_kernel_configs("all")
+    assert len(configs) == len(set(configs)) >= 8
+    for cfg in configs:
+        text = cfg.short_form()
+        assert text.startswith("backward_sm90(")
+        assert HopperBackwardKernelConfig.parse(text) == cfg
+        assert parse_config(text) == cfg and family_of(cfg) is BACKWARD_SM90
+
+
+def test_default_config_text():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2)"
+    assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
+    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB each)
+    # + barriers + 1 KiB
+    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 40 + 1024
+
+
+@pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
+                                  "backward_sm90(BF16, 128, 64, 128, 2): tma", "backward_sm80(BF16, 128, 64, 128, 2)"])
+def test_parse_rejects(text):
+    with pytest.raises(ValueError, match="backward_sm90"):
+        HopperBackwardKernelConfig.parse(text)
+
+
+@pytest.mark.parametrize("fields, rule", [
+    ((DType.BF16, 96, 64, 128, 2), "d_head in"),
+    ((DType.BF16, 256, 64, 64, 2), "d_head in"),
+    ((DType.BF16, 128, 128, 128, 2), "B_r in"),
+    ((DType.BF16, 128, 64, 192, 2), "B_c in"),
+    ((DType.FP16, 64, 64, 128, 4), "n_stages in"),
+    ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
+    ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
+    ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
+])
+def test_rules(fields, rule):
+    with pytest.raises(ValueError, match=rule):
+        HopperBackwardKernelConfig(*fields)
+
+
+def test_rules_registers_and_smem_hold_for_every_config():
+    for cfg in config_sets.all_configs():
+        assert cfg.accumulator_registers() <= 200 and cfg.smem_bytes() <= 227 * 1024
+
+
+def test_dq_bulk_short_form_and_smem():
+    cfg = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 128, 64, 128, 2): dq_bulk")
+    assert cfg.dq_bulk and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_bulk"
+    plain = cfg.replace(dq_bulk=False)
+    assert plain.short_form() == "backward_sm90(BF16, 128, 64, 128, 2)"
+    assert cfg.smem_bytes() - plain.smem_bytes() == 64 * (128 + 8) * 4  # staged fp32 dQ rows, padded
+    bulk = [c for c in config_sets.get_kernel_configs("all") if c.dq_bulk]
+    assert {(c.d_head, c.B_c) for c in bulk} == {(128, 128)} and len(bulk) == 4  # 2 dtypes x 1-2 stages
+
+
+def test_config_sets():
+    assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
+    assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
+    assert config_sets.get_kernel_configs("prog") == [config_sets.default_config(DType.BF16, 128)]
+    with pytest.raises(ValueError, match="KERNELS"):
+        config_sets.get_kernel_configs("nope")
+    with pytest.raises(ValueError, match="^q: d_head 96"):
+        config_sets.default_config(DType.BF16, 96)
+
+
+def test_companion_config_pads_like_this_family():
+    for cfg in config_sets.all_configs():
+        comp = config_sets.companion_config(cfg)
+        assert isinstance(comp, BackwardKernelConfig)
+        assert (comp.dtype, comp.d_head, comp.B_r) == (cfg.dtype, cfg.d_head, cfg.B_r)
+        assert cfg.pad_rows % 64 == 0 and cfg.pad_rows % comp.B_r == 0
+
+
+# ------------------------------------------------------------------------------ params
+def test_params_layout():
+    assert PARAMS_SIZE % 64 == 0
+    names = HOPPER_BACKWARD_PARAMS.names()
+    assert names[:4] == ("tma_q", "tma_k", "tma_v", "tma_do")
+    fmt = "<"
+    for name, _, f in HOPPER_BACKWARD_PARAMS.fields:
+        if name in DESCRIPTOR_OFFSETS:
+            assert struct.calcsize(fmt) == DESCRIPTOR_OFFSETS[name]
+        fmt += f
+    assert struct.calcsize(fmt) == PARAMS_SIZE
+
+
+def test_params_pack_round_trip():
+    descs = [bytes([i]) * 128 for i in range(1, 5)]
+    values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2, 4, 0.125, 0.18)
+    raw = pack_params(*values)
+    assert len(raw) == PARAMS_SIZE
+    back = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
+    assert back[:4] == tuple(descs) and back[4:21] == values[4:21]
+    assert back[21] == pytest.approx(0.125) and back[22] == pytest.approx(0.18, rel=1e-6)
+
+
+def test_rendered_source_has_both_param_structs_and_configs():
+    src = render_family_source("backward_sm90")
+    for text in ("struct HopperBackwardParams", "struct BackwardParams", "struct HopperBackwardKernelConfig",
+                 "struct BackwardKernelConfig", "struct alignas(64) TmaDescriptor", "backward_sm90_dkdv_kernel",
+                 "backward_preprocess_kernel", "wgmma_ss_tt"):
+        assert text in src, text
+    assert src.count("struct BackwardKernelConfig {") == 1
+    assert render_family_source("backward_sm80").count("struct BackwardKernelConfig {") == 1
+
+
+def test_wgmma_wrapper_header_is_generated():
+    rc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_wgmma_bwd_wrappers.py"), "--check"],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+
+
+# ------------------------------------------------------------------------------ family
+def test_registered_next_to_backward_sm80():
+    assert FAMILIES["backward_sm90"] is BACKWARD_SM90 and get_family("backward_sm90") is BACKWARD_SM90
+    assert BACKWARD_SM90.kind == BACKWARD_SM80.kind == "backward"
+    assert BACKWARD_SM90.variant_flags == BACKWARD_SM80.variant_flags
+    assert [r.role for r in BACKWARD_SM90.roles] == [r.role for r in BACKWARD_SM80.roles]
+    assert pick_family("backward", 90) is BACKWARD_SM90
+    assert pick_family("backward", 80) is BACKWARD_SM80 and pick_family("backward", 100) is BACKWARD_SM80
+    BACKWARD_SM90.check_arch("sm_90a")
+    for arch in ("sm_90", "sm_80"):
+        with pytest.raises(ValueError, match="^arch: family backward_sm90"):
+            BACKWARD_SM90.check_arch(arch)
+    assert BACKWARD_SM90.default_archs() == ("sm_90a",)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_name_expressions(causal, deterministic):
+    cfg = config_sets.default_config(DType.FP16, 64)
+    exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=causal, deterministic=deterministic))
+    assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
+    flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
+    assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
+                             "{DType::FP16, 64, 64, 128, 2, false}>" + flags)
+    comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
+    for role in list(exprs)[1:]:
+        assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
+
+
+def test_geometry():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert BACKWARD_SM90.block_threads(cfg) == 384 and BACKWARD_SM90.smem_bytes(cfg) == cfg.smem_bytes()
+    assert BACKWARD_SM90.block_threads(cfg, "preprocess") == 256 and BACKWARD_SM90.smem_bytes(cfg, "convert") == 0
+    assert BACKWARD_SM90.grid(cfg, "dkdv", 2, 8, 2, 300, 257) == (3, 2, 2)
+    assert BACKWARD_SM90.grid(cfg, "dq", 2, 8, 2, 300, 257) == (5, 8, 2)
+    assert BACKWARD_SM90.grid(cfg, "preprocess", 2, 8, 2, 300, 257) == (5, 8, 2)
+    with pytest.raises(ValueError, match="role"):
+        BACKWARD_SM90.block_threads(cfg, "nope")
+
+
+# ------------------------------------------------------------------------------ launch plan
+def _args(b=2, sq=100, sk=70, h=4, hk=2, d=128, dtype=DType.BF16):
+    return dict(dout=view((b, sq, h, d), dtype), q=view((b, sq, h, d), dtype), k=view((b, sk, hk, d), dtype),
+                v=view((b, sk, hk, d), dtype), out=view((b, sq, h, d), dtype),
+                lse=view((b, h, sq), None, raw=np.dtype(np.float32)))
+
+
+def _plan(cfg, deterministic=False, causal=False, **kw):
+    a = _args(**kw)
+    p = check_backward_args(cfg, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=causal,
+                            deterministic=deterministic, select=None)
+    return p, a
+
+
+def test_resolve_config_accepts_the_hopper_family():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert resolve_backward_config(cfg) is cfg
+    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2)") == cfg
+    with pytest.raises(ValueError, match="^cfg: cannot parse"):
+        resolve_backward_config("backward_sm90(BF16, 128)")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_launch_sequence(deterministic):
+    cfg = config_sets.default_config(DType.BF16, 128)
+    p, _ = _plan(cfg, deterministic, b=2, sq=100, sk=200, h=4, hk=2)
+    assert p.seq_len_q_pad == 128
+    steps = launch.launch_sequence(p)
+    assert [s.role for s in steps] == ["preprocess", "dkdv", "dq" if deterministic else "convert"]
+    dkdv = steps[1]
+    assert dkdv.grid == (2, 2, 2) and dkdv.block == 384 and dkdv.smem == cfg.smem_bytes() and dkdv.hopper_params
+    assert steps[0].grid == (2, 4, 2) and not steps[0].hopper_params
+
+
+def test_launch_sequence_no_query_rows_runs_dkdv_only():
+    cfg = config_sets.default_config(DType.BF16, 64)
+    p, _ = _plan(cfg, sq=0, sk=70, d=64)
+    assert [s.role for s in launch.launch_sequence(p)] == ["dkdv"]
+
+
+def test_pack_dkdv(monkeypatch):
+    calls = []
+
+    def fake_descriptor(ptr, dtype, shape, strides, rows):
+        calls.append((ptr, shape, rows))
+        return bytes([len(calls)]) * 128
+
+    monkeypatch.setattr(launch.tma, "descriptor", fake_descriptor)
+    cfg = config_sets.default_config(DType.FP16, 128)
+    p, a = _plan(cfg, b=1, sq=77, sk=130, h=8, hk=2, dtype=DType.FP16)
+    raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
+    assert [c[2] for c in calls] == [64, 128, 128, 64] and calls[0][0] == a["q"].ptr and calls[3][0] == a["dout"].ptr
+    vals = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
+    assert vals[:4] == tuple(bytes([i]) * 128 for i in range(1, 5))
+    assert vals[4:9] == (0x10, 0x20, 0x30, 0x40, 0x50)
+    assert vals[9:15] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
+    assert vals[15:21] == (77, 130, 128, 8, 2, 4)
+    assert vals[21] == pytest.approx(128 ** -0.5)
+
+
+def test_check_sm90_problem():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    p, a = _plan(cfg)
+    launch.check_sm90_problem(p, a["q"], a["k"], a["v"], a["dout"], 90)
+    launch.check_sm90_problem(p, a["q"], a["k"], a["v"], a["dout"], None)
+    for cc in (80, 89, 100):
+        with pytest.raises(ValueError, match="^cfg: backward_sm90.*compute capability 9.0 only"):
+            launch.check_sm90_problem(p, a["q"], a["k"], a["v"], a["dout"], cc)
+    bcast = view((2, 70, 2, 128), strides=(0, 256, 128, 1))
+    with pytest.raises(ValueError, match="^k: the batch stride"):
+        launch.check_sm90_problem(p, a["q"], bcast, a["v"], a["dout"], 90)
+
+
+# ------------------------------------------------------------------------------ backward() wiring
+class _FakeDevice:
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeCupy:
+    class cuda:
+        Device = _FakeDevice
+
+
+@pytest.fixture
+def faked_backward(monkeypatch):
+    """cupyflash.backward end to end on fake views: compute capability and launches captured."""
+    from cupyflash import api, backward_api
+
+    state = {"cc": 90, "launches": [], "workspaces": []}
+    monkeypatch.setattr(api, "_gpu_ready", True)
+    monkeypatch.setattr(api, "_checked_devices", {0})
+    monkeypatch.setattr(api, "_compute_capability", lambda device: state["cc"])
+    monkeypatch.setattr(backward_api, "as_view", lambda x, name: x)
+    monkeypatch.setattr(backward_api, "output_view", lambda x, name: x)
+    monkeypatch.setattr(backward_api, "resolve_stream", lambda stream, like: 0x1234)
+    monkeypatch.setattr(backward_api, "allocate_output", lambda like, shape: view(shape, like.dtype))
+    monkeypatch.setattr(backward_api, "wrap_output", lambda v: v)
+    monkeypatch.setattr(backward_api, "_cupy", _FakeCupy)
+
+    def workspace(like, shape, stream_ptr):
+        state["workspaces"].append(shape)
+        return None, 0x7000000 + 0x100000 * len(state["workspaces"])
+
+    monkeypatch.setattr(backward_api, "_workspace", workspace)
+    monkeypatch.setattr(launch.tma, "descriptor", lambda ptr, dtype, shape, strides, rows: ptr.to_bytes(8, "little") * 16)
+    monkeypatch.setattr(launch, "launch_backward_sm90",
+                        lambda plan, sm80, hopper, stream: state["launches"].append((plan, sm80, hopper, stream)))
+    return state
+
+
+def _call(cfg, deterministic=False, **kw):
+    import cupyflash
+
+    a = _args(**kw)
+    return a, cupyflash.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=True,
+                                 deterministic=deterministic, cfg=cfg)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launches_the_hopper_family(faked_backward, deterministic):
+    cfg = config_sets.default_config(DType.BF16, 128)
+    a, (dq, dk, dv) = _call(cfg.short_form(), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
+    assert dq.shape == a["q"].shape and dk.shape == a["k"].shape
+    [(plan, sm80, hopper, stream)] = faked_backward["launches"]
+    assert plan.cfg == cfg and plan.causal and plan.deterministic is deterministic and stream == 0x1234
+    # the workspaces: lse2, dvec (and dq_accum unless deterministic), padded to B_r rows
+    assert faked_backward["workspaces"][:2] == [(2, 4, 128)] * 2
+    assert len(faked_backward["workspaces"]) == (2 if deterministic else 3)
+    vals = HOPPER_BACKWARD_PARAMS.layout.unpack(hopper)
+    assert vals[0] == a["q"].ptr.to_bytes(8, "little") * 16 and vals[3] == a["dout"].ptr.to_bytes(8, "little") * 16
+    assert vals[4:6] == (dk.ptr, dv.ptr)
+    assert vals[6] == (0 if deterministic else 0x7300000) and vals[7:9] == (0x7100000, 0x7200000)
+    assert vals[15:21] == (100, 200, 128, 4, 2, 2)
+    from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
+
+    assert len(sm80) == PARAMS_STRUCT.size
+
+
+def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
+    faked_backward["cc"] = 80
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\) .*compute capability 9.0 only"):
+        _call(config_sets.default_config(DType.BF16, 128))
+    assert not faked_backward["launches"]
+
+
+# ------------------------------------------------------------------------------ cfg=None picks
+@pytest.fixture
+def sm80_launches(faked_backward, monkeypatch):
+    """backward_sm80's launcher faked too: (cfg, causal, deterministic) of each launch."""
+    from cupyflash.families.backward_sm80 import kernels
+
+    class FakeLauncher:
+        def __init__(self, cfg, device, causal, deterministic):
+            self.key = (cfg, causal, deterministic)
+
+        def launch(self, params, *sizes):
+            faked_backward.setdefault("sm80", []).append(self.key)
+
+    monkeypatch.setattr(kernels, "get_launcher", FakeLauncher)
+    monkeypatch.setattr("cupyflash.backward_api._cupy.cuda.runtime",
+                        type("rt", (), {"getDevice": staticmethod(lambda: 0)}), raising=False)
+    return faked_backward
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", list(DType))
+def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d):
+    _call(None, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
+    [(plan, _, _, _)] = faked_backward["launches"]
+    assert plan.cfg == config_sets.default_config(dtype, d)
+
+
+@pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
+                                        (89, 64, "compute capability 8.9"),
+                                        (90, 96, "q: d_head 96 is not supported by backward_sm90"),
+                                        (90, 256, "q: d_head 256")])
+def test_cfg_none_falls_back_to_backward_sm80_with_a_reason(sm80_launches, cc, d, why):
+    from cupyflash.backward_api import hopper_reason
+
+    sm80_launches["cc"] = cc
+    a, _ = _call(None, b=1, sq=100, sk=100, h=2, hk=2, d=d)
+    assert not sm80_launches["launches"]
+    [(cfg, causal, det)] = sm80_launches["sm80"]
+    assert isinstance(cfg, BackwardKernelConfig) and cfg.d_head == d and causal and not det
+    assert why in hopper_reason(a["dout"], a["q"], a["k"], a["v"])
+
+
+def test_hopper_reason_names_a_layout_tma_cannot_read(faked_backward):
+    from cupyflash.backward_api import hopper_reason
+
+    a = _args(b=2, sq=64, sk=64, h=2, hk=2, d=64)
+    assert hopper_reason(a["dout"], a["q"], a["k"], a["v"]) is None
+    k = view((2, 64, 2, 64), DType.BF16, strides=(0, 128, 64, 1))  # broadcast over the batch
+    assert hopper_reason(a["dout"], a["q"], k, a["v"]).startswith("k: the batch stride is 0")
+
+
+def test_hopper_reason_without_a_device(monkeypatch):
+    from cupyflash import api
+    from cupyflash.backward_api import hopper_reason
+
+    def no_gpu(device):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(api, "_compute_capability", no_gpu)
+    a = _args()
+    assert "no CUDA device" in hopper_reason(a["dout"], a["q"], a["k"], a["v"])

@@ -1,0 +1,223 @@
+"""GPU tests of the Hopper backward family (explicit `cfg=backward_sm90(...)`): gradients of every
+config and of the defaults over lengths (tails, seq_q != seq_k), causal masking (bottom-right),
+GQA/MQA, d_head 64/128 and both dtypes against a float64 reference (SPEC §5 on dq, dk, dv);
+deterministic mode bit-identical over 3 runs; agreement with backward_sm80. Skipped cleanly
+without a GPU, and on GPUs that are not compute capability 9.0 (sm_90a code)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.device import has_gpu
+from cupyflash.families.backward_sm90 import BACKWARD_SM90
+from cupyflash.families.backward_sm90.config_sets import default_config, get_kernel_configs
+from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
+
+
+def _is_sm90() -> bool:
+    if not has_gpu():
+        return False
+    from cupyflash.device import compute_capability
+
+    return compute_capability(0) == 90
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU"),
+              pytest.mark.skipif(has_gpu() and not _is_sm90(), reason="backward_sm90 runs on compute capability 9.0")]
+
+if has_gpu():
+    import cupy as cp
+
+    import cupyflash
+    from gpu_backward_reference import check_gradients
+    from gpu_reference import poisoned, random_inputs
+
+D_HEADS = (64, 128)
+ALL = get_kernel_configs("all")
+DEFAULTS = get_kernel_configs("defaults")
+FIGURES: list[dict] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed_cache():
+    """Compile every module the tests use in parallel (NVRTC needs no GPU), then run them warm."""
+    from cupyflash.device import device_arch
+    from cupyflash.prewarm import prewarm
+
+    arch, _ = device_arch(cp.cuda.runtime.getDevice())
+    jobs = max(1, min(16, os.cpu_count() or 1))
+    bulk = [c.replace(dq_bulk=True) for c in DEFAULTS if c.d_head == 128]
+    reports = [
+        prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
+        prewarm(DEFAULTS + bulk, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()),
+        prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
+                causal=(False, True)),
+    ]
+    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
+    assert not failed, "\n".join(failed[:3])
+    yield
+    path = os.environ.get("CUPYFLASH_TEST_FIGURES")
+    if path:
+        with open(path, "w") as f:
+            json.dump(FIGURES, f, indent=1)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def _inputs(dtype, d_head, batch, seq_q, seq_k, heads, kv_heads, causal, rng, scale=None):
+    q = random_inputs(cp, dtype, (batch, seq_q, heads, d_head), rng)
+    k, v = (random_inputs(cp, dtype, (batch, seq_k, kv_heads, d_head), rng) for _ in range(2))
+    dout = random_inputs(cp, dtype, q.shape, rng)
+    out, lse = cupyflash.forward(forward_default(dtype, d_head), q, k, v, causal=causal, softmax_scale=scale,
+                                 return_lse=True)
+    return q, k, v, dout, out, lse
+
+
+def run_case(cfg, batch, seq_q, seq_k, heads, kv_heads, causal, rng, deterministic=False, scale=None):
+    q, k, v, dout, out, lse = _inputs(cfg.dtype, cfg.d_head, batch, seq_q, seq_k, heads, kv_heads, causal, rng, scale)
+    dq, dk, dv = (poisoned(cp, cfg.dtype, x.shape) for x in (q, k, v))
+    res = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale, dq=dq, dk=dk, dv=dv,
+                             deterministic=deterministic, cfg=cfg)
+    assert res[0] is dq and res[1] is dk and res[2] is dv
+    context = f"{cfg} B={batch} Sq={seq_q} Sk={seq_k} H={heads}/{kv_heads} causal={causal} det={deterministic}"
+    figures = check_gradients(cp, cfg.dtype, q, k, v, dout, (dq, dk, dv), scale, causal=causal, context=context)
+    FIGURES.append({"case": context, **figures})
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("cfg", ALL, ids=str)
+def test_every_config_matches_reference(cfg, rng):
+    # tails in both directions, two q heads per k/v head, several query blocks per CTA
+    run_case(cfg, 2, 3 * cfg.B_r + 37, 2 * cfg.B_c + 19, 4, 2, False, rng)
+
+
+CASES = [
+    # (batch, seq_q, seq_k, heads, kv_heads, causal)
+    (2, 256, 256, 2, 2, False),
+    (1, 300, 300, 2, 2, True),
+    (2, 77, 203, 4, 1, True),      # seq_q < seq_k, MQA, causal (bottom-right)
+    (1, 203, 77, 4, 2, True),      # seq_q > seq_k: the first rows see no key
+    (1, 1, 129, 2, 2, False),
+    (2, 129, 1, 2, 1, False),
+    (1, 640, 513, 4, 4, False),
+    (1, 100, 2100, 3, 3, True),    # most key blocks of a CTA row fully masked: skipped
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_default_config_shapes(dtype, d_head, case, rng):
+    batch, sq, sk, h, hk, causal = case
+    run_case(default_config(dtype, d_head), batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_dq_bulk_shapes(dtype, case, rng):
+    """dQ staged in shared memory and added by bulk reductions (the d128 two-warpgroup tile)."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(default_config(dtype, 128).replace(dq_bulk=True), batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_correct_and_bit_identical(dtype, d_head, causal, rng):
+    cfg = default_config(dtype, d_head)
+    run_case(cfg, 2, 333, 270, 4, 2, causal, rng, deterministic=True, scale=0.2)
+    q, k, v, dout, out, lse = _inputs(dtype, d_head, 2, 333, 270, 4, 2, causal, rng)
+    runs = [cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, cfg=cfg) for _ in range(3)]
+    for name, i in (("dq", 0), ("dk", 1), ("dv", 2)):
+        bits = [r[i].view(cp.uint16) for r in runs]
+        assert bool((bits[0] == bits[1]).all()) and bool((bits[0] == bits[2]).all()), f"{name} differs between runs"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_agrees_with_backward_sm80(causal, rng):
+    dtype, d = DType.BF16, 128
+    q, k, v, dout, out, lse = _inputs(dtype, d, 2, 1000, 1000, 4, 2, causal, rng)
+    hopper = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, cfg="backward_sm90(BF16, 128, 64, 128, 2)")
+    ampere = cupyflash.backward(dout, q, k, v, out, lse, causal=causal)
+    for a, b in zip(hopper, ampere):
+        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
+        rel = float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32))
+        assert rel < 1e-2, rel
+
+
+def test_default_pick_is_backward_sm90(rng):
+    """cfg=None runs backward_sm90's default on the H100 (same bits as the explicit config in
+    deterministic mode), and backward_sm80 where the Hopper family does not apply (d_head 96)."""
+    from cupyflash.backward_api import _select, hopper_reason
+    from cupyflash.interop import as_view
+
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, True, rng)
+    assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
+    auto = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    explicit = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True,
+                                  cfg=default_config(DType.BF16, 128))
+    for a, b in zip(auto, explicit):
+        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 96, 1, 200, 200, 2, 2, False, rng)
+    assert "d_head 96" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
+    auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)
+    sm80 = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True,
+                              cfg=_select(DType.BF16, 96, 200, 200, q.device.id, False))
+    for a, b in zip(auto, sm80):
+        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_autograd_runs_the_hopper_family(causal):
+    """loss.backward() through cupyflash.torch.attention (cfg=None inside: backward_sm90 here)
+    against fp32 SDPA's gradients: GQA, ragged lengths, seq_q < seq_k."""
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 270, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 333, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    dout = torch.randn(2, 270, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cft.attention(q, k, v, causal=causal).backward(dout)
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    kr, vr = (x.repeat_interleave(4, dim=2) for x in (k32, v32))
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:  # bottom-right aligned
+        mask = torch.ones(sq, sk, dtype=torch.bool, device="cuda").tril(sk - sq)
+    ref = torch.nn.functional.scaled_dot_product_attention(q32.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
+                                                           attn_mask=mask).transpose(1, 2)
+    ref.backward(dout.float())  # seq_q < seq_k: every row sees a key (SDPA would give NaN rows)
+    for got, want in ((q.grad, q32.grad), (k.grad, k32.grad), (v.grad, v32.grad)):
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < 1e-2, rel
+
+
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    q, k, v, dout = (torch.randn(2, 150, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = cupyflash.forward(forward_default(DType.BF16, 64), q, k, v, causal=True, return_lse=True)
+    dq, dk, dv = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=default_config(DType.BF16, 64))
+    q32, k32, v32 = (x.float().requires_grad_() for x in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q32.transpose(1, 2), k32.transpose(1, 2), v32.transpose(1, 2), is_causal=True).transpose(1, 2)
+    ref.backward(dout.float())
+    for got, want in ((dq, q32.grad), (dk, k32.grad), (dv, v32.grad)):
+        rel = float((got.float() - want).norm() / want.norm())
+        assert rel < 1e-2, rel
+
+
+def test_bad_layout_names_the_argument(rng):
+    dtype, d = DType.FP16, 64
+    q, k, v, dout, out, lse = _inputs(dtype, d, 2, 64, 64, 2, 2, False, rng)
+    k_b = cp.broadcast_to(k[:1], k.shape)  # zero batch stride: no TMA descriptor
+    with pytest.raises(ValueError, match="^k"):
+        cupyflash.backward(dout, q, k_b, v, out, lse, cfg=default_config(dtype, d))
