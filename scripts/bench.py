@@ -182,8 +182,10 @@ def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
     from cupyflash.tuning import device_name, explain_choice
 
     used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
-    if family_of(used).name != DEFAULT_FAMILY:  # the Hopper family on Hopper: its default config
-        return used, f"{family_of(used).name} default"
+    family = family_of(used).name
+    if family != DEFAULT_FAMILY:  # the Hopper family on Hopper: its tuning table, else its default config
+        tuned, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal, family=family)
+        return used, (f"{family} {source}" if tuned == used else f"{family} default")
     cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal)
     if cfg is None:
         cfg, source = get_family(DEFAULT_FAMILY).default_config(dtype, d_head), "heuristic"

@@ -6,6 +6,7 @@
     compute-sanitizer --tool racecheck python scripts/sanitize_sm90.py
     compute-sanitizer --tool synccheck python scripts/sanitize_sm90.py
     ... python scripts/sanitize_sm90.py --quick           # 2 configs x 2 shapes x 2
+    ... python scripts/sanitize_sm90.py --multi-tile      # persistent CTAs taking several tiles
 
 Every progression config of bf16 d_head 128 plus the d_head 64 and 256 defaults, on three
 shapes (ragged lengths, S_q < S_k and S_q > S_k, MQA/GQA), causal off and on, LSE on. CuPy's
@@ -35,6 +36,12 @@ from sanitize_common import Launch, run_launches  # noqa: E402
 
 SHAPES = ((1, 77, 200, 4, 1), (2, 130, 63, 4, 2), (1, 257, 257, 2, 2))  # (B, S_q, S_k, H, H_kv)
 THREE_CONSUMERS = "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap"  # ping-pong ring of 3
+# --multi-tile: persistent configs with two Q tiles on 48 heads of 3 query blocks each (144 tiles,
+# 96 causal pairs: more than 132 SMs' worth, so CTAs go on to a second tile, alternating Q tiles,
+# and under causal masking from a pair's long tile to its short one; the middle block runs alone).
+MULTI_TILE = ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2",
+              "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2")
+MULTI_TILE_HEADS = (48, 8)
 
 
 def reference(q, k, v, causal):
@@ -60,6 +67,17 @@ def sanitize_configs(quick: bool = False) -> list[HopperForwardKernelConfig]:
     configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
                                        HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
     return [configs[0], configs[4], configs[-1]] if quick else configs
+
+
+def multi_tile_launches(rng: np.random.Generator) -> Iterator[Launch]:
+    """MULTI_TILE's configs, causal off and on, on 3 query blocks (the last one ragged) x 48 heads."""
+    for text in MULTI_TILE:
+        cfg = HopperForwardKernelConfig.parse(text)
+        seq = 2 * cfg.B_r + 44
+        shape = (1, seq, seq, *MULTI_TILE_HEADS)
+        for causal in (False, True):
+            yield Launch("forward_sm90", f"{cfg} {shape} causal={causal}",
+                         functools.partial(_once, cfg, shape, causal, rng))
 
 
 def launches(rng: np.random.Generator, quick: bool = False) -> Iterator[Launch]:
@@ -95,11 +113,14 @@ def _once(cfg: HopperForwardKernelConfig, shape: tuple, causal: bool, rng: np.ra
 
 def main(argv: list[str] | None = None) -> int:
     """Thin wrapper: the same launches run by `sanitize_check.py --family forward_sm90`."""
-    quick = "--quick" in (sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    quick = "--quick" in args
     import cupy as cp
 
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
-    done = run_launches(launches(np.random.default_rng(0), quick), lambda line: print(line, flush=True))
+    rng = np.random.default_rng(0)
+    todo = multi_tile_launches(rng) if "--multi-tile" in args else launches(rng, quick)
+    done = run_launches(todo, lambda line: print(line, flush=True))
     print(f"sanitize_sm90: {len(done.failures)} failure(s) in {done.runs} launches")
     return 1 if done.failures else 0
 

@@ -21,11 +21,16 @@ _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
 
 def _modules():
     defaults = config_sets.get_kernel_configs("defaults")
-    configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog")
-                                 + [c for c in config_sets.get_kernel_configs("tune")
-                                    if c.dtype is DType.BF16 and c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
-    # causal instantiations of the defaults only: the mask adds code, not structure
-    return [(c, False) for c in configs] + [(c, True) for c in defaults]
+    tune = [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16]
+    # the tune set's second-Q-tile configs and their exp2-emulation twins (a knob outside the tune
+    # set), causal too: the emulation's temporaries and the pair schedule of causal persistent
+    # CTAs add registers
+    knobs = [c for c in tune if c.double_q and c.n_stages == 2]
+    knobs += [c.replace(exp_emulation=1) for c in knobs if c.d_head == 64]
+    configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog") + knobs
+                                 + [c for c in tune if c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
+    # other causal instantiations: the defaults only (the mask adds code, not structure)
+    return [(c, False) for c in configs] + [(c, True) for c in dict.fromkeys(defaults + knobs)]
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,13 @@ parameter struct and TMA descriptor layout, validation, rendering. No GPU, no NV
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cupyflash.config import DType
@@ -31,7 +33,19 @@ def test_short_form_names_the_family_and_round_trips():
             assert c.short_form().startswith("forward_sm90(")
 
 
+def test_second_q_tile_and_exp_emulation_in_the_short_form():
+    cfg = H(DType.FP16, 64, 192, 128, 3, True, True, True, True, True, 1)
+    assert cfg.short_form() == "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+emu1"
+    assert H.parse(cfg.short_form()) == cfg
+    assert H.parse("forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+emu2").exp_emulation == 2
+    # the second Q tile is counted in shared memory, with its two barriers
+    single = cfg.replace(double_q=False)
+    assert cfg.smem_bytes() - single.smem_bytes() == 192 * 64 * 2 + 16
+
+
 @pytest.mark.parametrize("text, message", [
+    ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+overlap+emu1+emu2", "given twice"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+overlap+emu0", "written as no feature"),
     ("(BF16, 128, 128, 128, 2): tma", "expected 'forward_sm90"),
     ("forward_sm90(BF16, 128, 128, 128, 2): ws", "start with 'tma'"),
     ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+ws", "given twice"),
@@ -57,6 +71,9 @@ def test_parse_rejects(text, message):
     ((DType.BF16, 128, 128, 128, 2, False, False, False, True), "persistent needs warp_specialized"),
     ((DType.BF16, 256, 128, 128, 2, True, False, False, False), "accumulator registers"),
     ((DType.BF16, 128, 128, 128, 4, True, False, False, False), "shared memory"),
+    ((DType.BF16, 128, 128, 128, 2, True, True, True, False, True), "double_q needs persistent"),
+    ((DType.BF16, 128, 128, 176, 2, True, True, True, True, True), "shared memory"),
+    ((DType.BF16, 128, 128, 128, 2, True, True, True, False, False, 3), "exp_emulation in"),
 ])
 def test_rules_name_the_violation(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -105,6 +122,33 @@ def test_tune_set_follows_the_rule_and_covers_every_head_dim():
         config_sets.get_kernel_configs("fastest")
 
 
+def test_exp2_emulation_constants_meet_the_stated_error():
+    """The header's poly_exp2, re-run in float32 with its own constants: relative error <= 1.1e-4
+    over the clamped range, exact zeros at -127 and below (masked scores), 1 at 0."""
+    text = (ROOT / "kernels_cu" / "common" / "online_softmax.cuh").read_text()
+    body = text[text.index("CF_DEVICE float poly_exp2"):]
+    body = body[:body.index("\n}")]
+    c3, c2, c1 = (np.float32(x) for x in re.findall(r"fmaf\(fmaf\(fmaf\(([0-9.e-]+)f, f, ([0-9.e-]+)f\), f, "
+                                                    r"([0-9.e-]+)f\), f, 1\.f\)", body)[0])
+    shift = np.float32(float(re.search(r"__fadd_rn\(x, ([0-9.]+)f\)", body).group(1)))
+
+    def poly_exp2(x):
+        x = np.maximum(np.float32(x), np.float32(-127))
+        shifted = (x + shift).astype(np.float32)
+        j = (shifted - shift).astype(np.float32)
+        f = (x - j).astype(np.float32)
+        p = ((c3 * f + c2) * f + c1) * f + np.float32(1)
+        bits = p.astype(np.float32).view(np.int32) + (shifted.view(np.int32) << 23)
+        return bits.astype(np.int32).view(np.float32)
+
+    x = np.linspace(-120, 0, 200001, dtype=np.float32)
+    rel = np.abs(poly_exp2(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() <= 1.1e-4
+    assert poly_exp2(np.array([0.0], np.float32))[0] == 1.0
+    assert (poly_exp2(np.array([-127.0, -300.0, -np.inf], np.float32)) == 0.0).all()
+    assert (poly_exp2(np.linspace(-127, -120, 1001, dtype=np.float32)) >= 0).all()
+
+
 # ----------------------------------------------------------------------------- params
 def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
@@ -134,7 +178,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true}>, true, false>")
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0}>, true, false>")
 
 
 def test_registered_as_a_family_of_the_seam():
@@ -196,7 +240,10 @@ def test_plan_uses_the_library_validation_and_family_rules():
     assert plan_sm90(None, q, k, k).cfg == config_sets.default_config(DType.BF16, 128, causal=False)
     assert plan.n_tiles == 3 * 8 * 2 and plan.base.kv_group_size == 4 and plan.base.causal
     persistent = plan._replace(cfg=config_sets.progression_configs()[4])
-    assert persistent._replace(sm_count=132).grid == (48, 1, 1) and persistent._replace(sm_count=20).grid == (20, 1, 1)
+    # causal persistent CTAs take pairs of query blocks (3 blocks: pairs {2, 0} and {1}): 2 per (head, batch)
+    assert persistent._replace(sm_count=132).grid == (32, 1, 1) and persistent._replace(sm_count=20).grid == (20, 1, 1)
+    full = plan_sm90(config_sets.progression_configs()[4], q, k, k)
+    assert full._replace(sm_count=132).grid == (48, 1, 1)
     plain = plan_sm90(config_sets.progression_configs()[3], q, k, k)
     assert plain.grid == (3, 8, 2)
     with pytest.raises(ValueError, match="^v: seq_len"):

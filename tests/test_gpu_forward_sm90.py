@@ -36,6 +36,12 @@ if _is_sm90():
                                   "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent",
                                   "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap",
                                   "forward_sm90(FP16, 64, 192, 64, 3): tma+ws+overlap+persistent")]
+    # the second Q tile and the FMA-unit exp2 (one and two quarters of the scores)
+    KNOBS = [H.parse(t) for t in ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2",
+                                  "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+emu1",
+                                  "forward_sm90(FP16, 64, 128, 176, 2): tma+ws+pingpong+overlap+emu2",
+                                  "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+emu1")]
+    EXTRA += KNOBS
     CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
 else:
     CONFIGS = []
@@ -69,6 +75,22 @@ def test_config_matches_reference(cfg, causal, rng):
     q, k, v = _inputs(rng, cfg.dtype, 2, seq, seq, 3, 3, cfg.d_head)
     out = poisoned(cp, cfg.dtype, q.shape)
     assert forward_sm90(cfg, q, k, v, out=out, causal=causal) is out
+    check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, context=str(cfg))
+
+
+PERSISTENT = [c for c in CONFIGS if c.persistent]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", PERSISTENT, ids=str)
+def test_persistent_over_many_tiles(cfg, causal, rng):
+    """More tiles (and causal pairs of tiles) than SMs, an odd query-block count (the middle block
+    of each causal pair list runs alone) and a ragged last block: every CTA takes several tiles,
+    so the K/V ring, the Q tile(s) and their phases carry across tiles."""
+    seq = 3 * cfg.B_r - 17
+    q, k, v = _inputs(rng, cfg.dtype, 2, seq, seq + 5, 40, 8, cfg.d_head)
+    out = poisoned(cp, cfg.dtype, q.shape)
+    forward_sm90(cfg, q, k, v, out=out, causal=causal)
     check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, context=str(cfg))
 
 

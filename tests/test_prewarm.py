@@ -21,7 +21,10 @@ CONFIGS = progression_configs(DType.FP16, 64)[-2:]  # two small, fast configs
 
 
 def _run(args, env_extra=None):
-    env = dict(os.environ, **(env_extra or {}))
+    # the script must import this tree's cupyflash (as the test does), not another installed copy
+    # whose kernel sources, and so cache keys, may differ
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, **(env_extra or {}))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 

@@ -10,10 +10,27 @@
 #define CF_NEG_INF (-__int_as_float(0x7f800000))
 #define CF_LOG2E 1.4426950408889634f
 
-template <int M_TILES, int N_TILES, bool OPTIMIZED>
+// 2^x for x <= 0 on the FMA/ALU pipes instead of MUFU.EX2 (16 results per clock per SM): x is
+// split as j + f with j = round(x) (the 1.5 * 2^23 shift puts j in the low mantissa bits, no
+// conversion instruction) and f in [-1/2, 1/2]; 2^f by a degree-3 polynomial (relative error
+// 1.0e-4, under the 16-bit rounding of P), then j added to the exponent field. x is clamped at
+// -127, where f = 0 and p = 1 exactly give +0.0 (masked scores, -inf, come out as exact zeros).
+CF_DEVICE float poly_exp2(float x) {
+    x = fmaxf(x, -127.f);
+    const float shifted = __fadd_rn(x, 12582912.f);
+    const float j = __fsub_rn(shifted, 12582912.f);
+    const float f = __fsub_rn(x, j);
+    const float p = fmaf(fmaf(fmaf(0.05500871f, f, 0.24221069f), f, 0.6932829f), f, 1.f);
+    return __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+}
+
+// EMU_QUARTERS: of every four 8-column tiles of scores, this many take their exponentials from
+// poly_exp2 (the optimized path only; 0 = all on MUFU.EX2).
+template <int M_TILES, int N_TILES, bool OPTIMIZED, int EMU_QUARTERS = 0>
 struct OnlineSoftmax {
     // OPTIMIZED keeps the running max in raw score units and folds scale*log2(e) into one FFMA
     // that feeds ex2; the plain path scales every score first and converts to base 2 separately.
+    static_assert(EMU_QUARTERS == 0 || OPTIMIZED, "exp2 emulation is a variant of the optimized path");
     float row_max[M_TILES][2];
     float row_sum[M_TILES][2];
 
@@ -65,7 +82,8 @@ struct OnlineSoftmax {
                     for (int n = 0; n < N_TILES; ++n)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            const float p = fast_exp2(fmaf(s[m][n][2 * h + e], scale_log2, -max_scaled));
+                            const float x = fmaf(s[m][n][2 * h + e], scale_log2, -max_scaled);
+                            const float p = (n % 4 < EMU_QUARTERS) ? poly_exp2(x) : fast_exp2(x);
                             s[m][n][2 * h + e] = p;
                             sum += p;
                         }

@@ -18,6 +18,8 @@ struct StaticHopperForwardConfig {
     static constexpr bool PINGPONG = C.pingpong;
     static constexpr bool OVERLAP = C.intra_wg_overlap;
     static constexpr bool PERSISTENT = C.persistent;
+    static constexpr int Q_BUFFERS = C.double_q ? 2 : 1;  // tile t uses Q tile t % Q_BUFFERS
+    static constexpr int EXP_EMULATION = C.exp_emulation;  // quarters of the scores: exp2 on FMA
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -37,11 +39,12 @@ struct StaticHopperForwardConfig {
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int Q_OFFSET = 0;
-    static constexpr int K_OFFSET = Q_OFFSET + Q_BYTES;
+    static constexpr int K_OFFSET = Q_OFFSET + Q_BUFFERS * Q_BYTES;
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
     static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
-    // q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
-    static constexpr int BAR_BYTES = 8 * (2 + 4 * STAGES);
+    // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
+    static constexpr int Q_BARS = 2 * Q_BUFFERS;
+    static constexpr int BAR_BYTES = 8 * (Q_BARS + 4 * STAGES);
     // + 1024: the kernel rounds the dynamic shared memory base up to a 1024-byte boundary (the
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
@@ -53,6 +56,8 @@ struct StaticHopperForwardConfig {
     static_assert(!PINGPONG || (CONSUMERS >= 2 && WARP_SPECIALIZED), "ping-pong rotates two or three consumer warpgroups");
     static_assert(STAGES >= 1, "at least one K/V stage");
     static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
+    static_assert(Q_BUFFERS == 1 || PERSISTENT, "a second Q tile serves only a CTA's next tile");
+    static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
 };
 
 // Shared-memory addresses (shared window, 32-bit) of one CTA's tiles and barriers.
@@ -60,16 +65,23 @@ template <class Cfg>
 struct SmemLayout {
     u32 base;
 
-    CF_DEVICE u32 q() const { return base + Cfg::Q_OFFSET; }
+    CF_DEVICE u32 q(int buf = 0) const { return base + Cfg::Q_OFFSET + buf * Cfg::Q_BYTES; }
     CF_DEVICE u32 k(int stage) const { return base + Cfg::K_OFFSET + stage * Cfg::KV_BYTES; }
     CF_DEVICE u32 v(int stage) const { return base + Cfg::V_OFFSET + stage * Cfg::KV_BYTES; }
-    CF_DEVICE u32 q_full() const { return base + Cfg::BAR_OFFSET; }
-    CF_DEVICE u32 q_empty() const { return base + Cfg::BAR_OFFSET + 8; }  // the Q tile (and O staging) is free
-    CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + stage); }
-    CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + Cfg::STAGES + stage); }
-    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 2 * Cfg::STAGES + stage); }
-    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 3 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 q_full(int buf = 0) const { return base + Cfg::BAR_OFFSET + 16 * buf; }
+    // the Q tile (and O staging in it) is free
+    CF_DEVICE u32 q_empty(int buf = 0) const { return base + Cfg::BAR_OFFSET + 16 * buf + 8; }
+    CF_DEVICE u32 k_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + stage); }
+    CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + Cfg::STAGES + stage); }
+    CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 2 * Cfg::STAGES + stage); }
+    CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 3 * Cfg::STAGES + stage); }
 };
+
+// Q tile of a CTA's `tile_iter`-th tile, and the parity of that tile's use of it.
+template <class Cfg>
+CF_DEVICE int q_buffer(int tile_iter) { return tile_iter % Cfg::Q_BUFFERS; }
+template <class Cfg>
+CF_DEVICE u32 q_phase(int tile_iter) { return (u32)(tile_iter / Cfg::Q_BUFFERS) & 1u; }
 
 // Stage and phase parity of key block `block` in the K/V ring.
 CF_DEVICE int ring_stage(int block, int stages) { return block % stages; }

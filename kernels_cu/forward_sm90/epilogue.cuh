@@ -20,7 +20,7 @@ struct Epilogue {
         const float inv0 = total[0][0] > 0.f ? 1.f / total[0][0] : 0.f;
         const float inv1 = total[0][1] > 0.f ? 1.f / total[0][1] : 0.f;
         const int r0 = 16 * c.warp + (c.lane >> 2);  // row inside the warpgroup's 64
-        const u32 q_base = c.smem.q();
+        const u32 q_base = c.q_tile();
         // Every wgmma of this warpgroup that read its Q rows has completed (waited in the
         // mainloop), and the Q load itself has landed (q_full waited), so the rows are free.
 #pragma unroll
@@ -57,7 +57,7 @@ struct Epilogue {
             // consumer warp is done with them: order this warp's generic-proxy accesses first.
             fence_proxy_async_shared();
             __syncwarp();
-            if (c.lane == 0) mbarrier_arrive(c.smem.q_empty());
+            if (c.lane == 0) mbarrier_arrive(c.smem.q_empty(q_buffer<Cfg>(c.tile_iter)));
         }
     }
 };

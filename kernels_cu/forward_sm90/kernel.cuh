@@ -21,8 +21,10 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
         tma_prefetch_descriptor(&params.tma_q);
         tma_prefetch_descriptor(&params.tma_k);
         tma_prefetch_descriptor(&params.tma_v);
-        mbarrier_init(smem.q_full(), 1);
-        mbarrier_init(smem.q_empty(), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        for (int b = 0; b < Cfg::Q_BUFFERS; ++b) {
+            mbarrier_init(smem.q_full(b), 1);
+            mbarrier_init(smem.q_empty(b), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+        }
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.k_full(s), 1);
             mbarrier_init(smem.v_full(s), 1);

@@ -47,9 +47,10 @@ struct Consumer {
     CF_DEVICE int row() const { return wg_row0() + 16 * warp + (lane >> 2); }
 
     // ---- GEMM issue ----
+    CF_DEVICE u32 q_tile() const { return smem.q(q_buffer<Cfg>(tile_iter)); }  // this tile's Q (and O staging)
     CF_DEVICE u64 q_descriptor(int k) const {
         const int c = k / 4, kk = k % 4;  // 4 k-steps of 16 elements per 128-byte row
-        return smem_descriptor_sw128(smem.q() + c * Cfg::BR * Cfg::ROW_BYTES + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * kk,
+        return smem_descriptor_sw128(q_tile() + c * Cfg::BR * Cfg::ROW_BYTES + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * kk,
                                      16, 1024);
     }
     CF_DEVICE u64 k_descriptor(int stage, int k) const {
@@ -116,7 +117,7 @@ struct Consumer {
     // issue the next loads from there).
     template <class Refill>
     CF_DEVICE void run(int n_blocks, Refill&& refill) {
-        mbarrier_wait(smem.q_full(), (u32)tile_iter & 1u);
+        mbarrier_wait(smem.q_full(q_buffer<Cfg>(tile_iter)), q_phase<Cfg>(tile_iter));
         if (n_blocks <= 0) return;
         if constexpr (Cfg::PINGPONG)
             if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first

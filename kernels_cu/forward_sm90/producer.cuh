@@ -18,11 +18,12 @@ struct Producer {
     // Q of the tile; `tile_iter` counts this CTA's tiles (persistent CTAs wait until the
     // consumers' epilogue of the previous tile has released the Q tile it stages O in).
     CF_DEVICE void load_q(int tile_iter) const {
-        if constexpr (Cfg::PERSISTENT) mbarrier_wait(smem.q_empty(), ((u32)tile_iter & 1u) ^ 1u);
-        mbarrier_arrive_expect_tx(smem.q_full(), Cfg::Q_BYTES);
+        const int buf = q_buffer<Cfg>(tile_iter);
+        if constexpr (Cfg::PERSISTENT) mbarrier_wait(smem.q_empty(buf), q_phase<Cfg>(tile_iter) ^ 1u);
+        mbarrier_arrive_expect_tx(smem.q_full(buf), Cfg::Q_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c)
-            tma_load_4d(smem.q() + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(), c * Cfg::COL_BLOCK,
+            tma_load_4d(smem.q(buf) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(buf), c * Cfg::COL_BLOCK,
                         tile.q_coord(), tile.head, tile.tma_batch());
     }
 
@@ -47,11 +48,12 @@ struct Producer {
                         c * Cfg::COL_BLOCK, tile.k_coord(key0), kv_head, tile.tma_batch());
     }
 
-    // The whole schedule of a tile (warp-specialised producer thread). A persistent CTA's later
-    // tiles load their first K/V blocks before Q: Q waits for the previous tile's epilogue
-    // (q_empty), the K/V stages free up during its mainloop, so those loads run ahead.
+    // The whole schedule of a tile (warp-specialised producer thread). With one Q tile, a
+    // persistent CTA's later tiles load their first K/V blocks before Q: Q waits for the
+    // previous tile's epilogue (q_empty), the K/V stages free up during its mainloop, so those
+    // loads run ahead. With two, Q goes first: its tile was freed by the epilogue before last.
     CF_DEVICE void run(int n_blocks, int ring_base, int tile_iter) const {
-        const int ahead = (Cfg::PERSISTENT && tile_iter > 0) ? min(n_blocks, Cfg::STAGES) : 0;
+        const int ahead = (Cfg::PERSISTENT && Cfg::Q_BUFFERS == 1 && tile_iter > 0) ? min(n_blocks, Cfg::STAGES) : 0;
         for (int block = 0; block < ahead; ++block) load_block(block, ring_base + block);
         load_q(tile_iter);
         for (int block = ahead; block < n_blocks; ++block) load_block(block, ring_base + block);

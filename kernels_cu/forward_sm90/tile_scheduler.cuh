@@ -1,13 +1,16 @@
 // Which (query block, head, batch) tiles a CTA computes, and how many key blocks each visits.
 //
-// Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch). Persistent: a
+// Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch); under causal
+// masking each head's query blocks go last to first (longest first). Persistent, no masking: a
 // grid of G (about one CTA per SM) takes the tile list in rounds of G tiles, CTA c taking tile
-// c of even rounds and G-1-c of odd ones (a snake): under causal masking tile lengths repeat
-// with the query-block period, and a plain stride of G hands some CTAs only the long tiles
-// (e.g. 4 query blocks and G = 132: CTA c always gets length 4 - c % 4); the snake pairs each
-// long tile with a short one. Either way consecutive tiles are the query blocks of one (head,
-// batch), so CTAs running at the same time share its K/V in L2; under causal masking each
-// head's query blocks go last to first (longest first).
+// c of even rounds and G-1-c of odd ones; consecutive tiles are the query blocks of one (head,
+// batch), so CTAs running at the same time share its K/V in L2.
+// Persistent, causal: the unit of work is a pair of one (head, batch)'s query blocks i and
+// nqb-1-i (the longer first), whose key blocks add up to the same count for every i; CTA c
+// takes pairs c, c+G, c+2G, ... Equal units dealt round-robin balance the CTAs to within one
+// pair. (The earlier snake over single tiles paired tile lengths by position in a round; with
+// nqb not dividing G its pairing drifted from round to round and lost 25% at 16k.) Consecutive
+// pairs still belong to one (head, batch), for L2.
 //
 // VARLEN: the grid (or tile list) is sized for max_seqlen_q (params.seq_len_q); each tile reads
 // its sequence's lengths and first tokens from cu_seqlens_q/k, and tiles past the end of their
@@ -32,17 +35,32 @@ struct TileScheduler {
     CF_DEVICE static int q_blocks(const HopperForwardParams& p) { return (p.seq_len_q + Cfg::BR - 1) / Cfg::BR; }
     CF_DEVICE static int tiles(const HopperForwardParams& p) { return q_blocks(p) * p.n_heads * p.batch; }
 
+    // Persistent schedules. `round` counts this CTA's steps: a tile per step without masking,
+    // half a pair per step under causal masking (even: the pair's long tile, odd: its short one).
     CF_DEVICE static TileScheduler decode(const HopperForwardParams& p, int round) {
         const int g = gridDim.x, c = blockIdx.x;
+        const int nqb = q_blocks(p);
         for (;; ++round) {
-            const int index = round * g + ((round & 1) ? g - 1 - c : c);
             TileScheduler t;
-            t.index = index;
             t.round = round;
-            t.valid = index < tiles(p);
-            const int nqb = q_blocks(p);
-            const int rest = index / nqb;
-            t.q_block = CAUSAL ? nqb - 1 - index % nqb : index % nqb;
+            int rest;
+            if constexpr (CAUSAL) {
+                const int per = (nqb + 1) / 2;  // pairs per (head, batch); odd nqb: the middle block alone
+                const int pair = (round >> 1) * g + c;
+                const int i = pair % per;
+                t.index = pair;
+                t.valid = pair < per * p.n_heads * p.batch;
+                if (!t.valid) return t;  // every later step's pair is larger
+                if ((round & 1) && 2 * i == nqb - 1) continue;  // the middle block has no partner
+                t.q_block = (round & 1) ? i : nqb - 1 - i;
+                rest = pair / per;
+            } else {
+                const int index = round * g + ((round & 1) ? g - 1 - c : c);
+                t.index = index;
+                t.valid = index < tiles(p);
+                t.q_block = index % nqb;
+                rest = index / nqb;
+            }
             t.head = rest % p.n_heads;
             t.batch = rest / p.n_heads;
             if constexpr (Cfg::VARLEN) {

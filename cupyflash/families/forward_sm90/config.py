@@ -8,8 +8,9 @@ the short form, which names the family:
     forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent
     forward_sm90(dtype, d_head, B_r, B_c, n_stages): features
 
-`tma` is always present (every config loads through TMA); `ws`, `pingpong`, `overlap` and
-`persistent` are the optional features. Invalid combinations raise ValueError naming the rule.
+`tma` is always present (every config loads through TMA); `ws`, `pingpong`, `overlap`,
+`persistent`, `qbuf2` (two Q tiles) and `emuN` (exp2 of N quarters of the scores on the FMA
+units) are the optional features. Invalid combinations raise ValueError naming the rule.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import ClassVar, Iterator
 
 from ...config import DType, KernelConfig
 
-__all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
+__all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES", "EXP_EMULATION_VALUES",
            "MAX_SMEM_PER_BLOCK", "FAMILY"]
 
 FAMILY = "forward_sm90"
@@ -27,6 +28,7 @@ D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
 B_R_VALUES = (64, 128, 192)   # 64 query rows per consumer warpgroup (one wgmma m64 tile)
 B_C_VALUES = (64, 80, 128, 176)  # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256)
 STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
+EXP_EMULATION_VALUES = (0, 1, 2)  # quarters of each row's score columns whose exp2 runs on the FMA units
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
@@ -51,6 +53,12 @@ class HopperForwardKernelConfig(KernelConfig):
     pingpong: bool           # two consumer warpgroups take turns on the tensor cores (named barriers)
     intra_wg_overlap: bool   # QK^T of block j issued with P V of block j-1; softmax overlaps P V
     persistent: bool         # ~one CTA per SM loops over tiles; loads run ahead across tile boundaries
+    # Two Q tiles (persistent only): the next tile's Q loads while this tile's epilogue stages O
+    # in its own Q tile, so a short tile's prologue no longer waits for the previous epilogue.
+    double_q: bool = False
+    # exp2 of `exp_emulation` quarters of the score columns by a polynomial on the FMA units,
+    # the rest by MUFU.EX2: at d_head 64 the 16 ex2/clock/SM take as long as the GEMMs.
+    exp_emulation: int = 0
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -64,12 +72,15 @@ class HopperForwardKernelConfig(KernelConfig):
             self.B_r != 192 or self.warp_specialized
         yield "persistent needs warp_specialized (the producer runs ahead across tiles)", \
             not self.persistent or self.warp_specialized
+        yield "double_q needs persistent (only a CTA with a next tile can load its Q early)", \
+            not self.double_q or self.persistent
+        yield f"exp_emulation in {EXP_EMULATION_VALUES}", self.exp_emulation in EXP_EMULATION_VALUES
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
         yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {budget} per consumer thread "
                f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
-        yield (f"shared memory (Q tile + n_stages K and V tiles + 1 KiB) <= {MAX_SMEM_PER_BLOCK} bytes",
+        yield (f"shared memory (Q tile(s) + n_stages K and V tiles + 1 KiB) <= {MAX_SMEM_PER_BLOCK} bytes",
                self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 
     # ------------------------------------------------------------- resources
@@ -81,22 +92,30 @@ class HopperForwardKernelConfig(KernelConfig):
     def n_threads(self) -> int:
         return 128 * (self.consumer_warpgroups + (1 if self.warp_specialized else 0))
 
+    @property
+    def q_buffers(self) -> int:
+        return 2 if self.double_q else 1
+
     def accumulator_registers(self) -> int:
         return self.B_c // 2 + self.d_head // 2 + self.B_c // 4
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
         itemsize = 2
-        tiles = (self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
-        barriers = 8 * (2 + 4 * self.n_stages)  # q full/empty; per stage k/v full and empty
+        tiles = (self.q_buffers * self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
+        barriers = 8 * (2 * self.q_buffers + 4 * self.n_stages)  # per Q tile full/empty; per stage k/v full and empty
         return tiles + barriers + 1024
 
     # ------------------------------------------------------------ short form
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
-                                        "overlap": "intra_wg_overlap", "persistent": "persistent"}
+                                        "overlap": "intra_wg_overlap", "persistent": "persistent",
+                                        "qbuf2": "double_q"}
+    _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
         features = ["tma"] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
+        if self.exp_emulation:
+            features.append(f"emu{self.exp_emulation}")
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
         return (f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}): "
                 + "+".join(features))
@@ -121,7 +140,16 @@ class HopperForwardKernelConfig(KernelConfig):
         if feats[0] != "tma":
             raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma'")
         flags = dict.fromkeys(cls._FLAGS.values(), False)
+        emulation = None
         for feat in feats[1:]:
+            emu = cls._EMU_RE.match(feat)
+            if emu:
+                if emulation is not None:
+                    raise ValueError(f"cannot parse kernel config {text!r}: feature 'emuN' given twice")
+                emulation = int(emu.group("q"))
+                if emulation == 0:
+                    raise ValueError(f"cannot parse kernel config {text!r}: 'emu0' is written as no feature")
+                continue
             if feat not in cls._FLAGS:
                 raise ValueError(f"cannot parse kernel config {text!r}: unknown feature {feat!r}")
             if flags[cls._FLAGS[feat]]:
@@ -129,4 +157,4 @@ class HopperForwardKernelConfig(KernelConfig):
             flags[cls._FLAGS[feat]] = True
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
-                   flags["persistent"])
+                   flags["persistent"], flags["double_q"], emulation or 0)

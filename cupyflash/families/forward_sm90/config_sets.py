@@ -70,23 +70,46 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     ]
 
 
+# The tune set, per d_head: (B_r, B_c) tiles, ring stages, and the knobs worth timing there.
+# Every candidate has the producer warpgroup, intra-warpgroup overlap and (but at d256)
+# ping-pong: each progression step that removed one of these lost. Narrow key tiles (B_c <= 80)
+# only at d256, where shared memory allows nothing wider with two stages: Q K^T with N <= 80
+# reads more shared memory per FLOP than the 128 B/clock an SM delivers at full wgmma rate.
+# Schedules: one CTA per tile ('plain'), persistent, persistent with two Q tiles (qbuf2; at d64
+# only that one: it was level or better than plain persistent at d128). The FMA-unit exp2
+# (exp_emulation) stays out: on the H100 (2026-11-23, docs/autotune_sm90_candidates_h100.jsonl)
+# a quarter of the scores on the FMA units lost a median 6% (0.83-1.04x over 192 d64 pairs,
+# 0.88-1.06x over 24 d128 ones), causal or not: the softmax is bound by issue, not by MUFU.
+_TUNE_TILES = {64: ((192, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
+_TUNE_STAGES = {64: (2, 3), 128: (2, 3), 256: (2,)}
+_TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
+_SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
+
+
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
-    """Worth timing: warp-specialised with two or three consumer warpgroups, intra-warpgroup
-    overlap on (every progression step that removed one of these lost); B_r, B_c, stages,
-    ping-pong and persistence are tuned."""
-    return cfg.warp_specialized and cfg.B_r >= 128 and cfg.intra_wg_overlap
+    """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
+    stages and ping-pong listed for its d_head, at d64 persistent CTAs only with two Q tiles, and
+    every exponential on MUFU.EX2."""
+    d = cfg.d_head
+    return (cfg.warp_specialized and cfg.intra_wg_overlap
+            and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
+            and cfg.n_stages in _TUNE_STAGES[d] and cfg.pingpong in _TUNE_PINGPONG[d]
+            and not (d == 64 and cfg.persistent and not cfg.double_q)
+            and cfg.exp_emulation == 0)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
     out = []
-    for dtype, d, b_r, b_c, stages, pingpong, persistent in itertools.product(
-            dtypes, d_heads, (128, 192), B_C_VALUES, (2, 3), (False, True), (False, True)):
-        try:
-            cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent)
-        except ValueError:
-            continue  # over the register or shared-memory budget
-        if should_autotune(cfg):
-            out.append(cfg)
+    for dtype, d in itertools.product(dtypes, d_heads):
+        for (b_r, b_c), stages, pingpong, (persistent, double_q) in itertools.product(
+                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES):
+            try:
+                cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent,
+                                                double_q)
+            except ValueError:
+                continue  # over the register or shared-memory budget
+            if should_autotune(cfg):
+                out.append(cfg)
     return sorted(out)
 
 

@@ -35,9 +35,18 @@ class Sm90Plan(NamedTuple):
         return -(-self.base.seq_len_q // self.cfg.B_r) * self.base.n_heads * self.base.out_shape[0]
 
     @property
+    def n_work_units(self) -> int:
+        """What a persistent CTA takes at a time: a tile, or under causal masking a pair of one
+        head's query blocks (tile_scheduler.cuh)."""
+        if not self.base.causal:
+            return self.n_tiles
+        q_blocks = -(-self.base.seq_len_q // self.cfg.B_r)
+        return (q_blocks + 1) // 2 * self.base.n_heads * self.base.out_shape[0]
+
+    @property
     def grid(self) -> tuple[int, int, int]:
-        if self.cfg.persistent:  # one CTA per SM (these kernels fit one per SM), never more than tiles
-            return (max(1, min(self.n_tiles, self.sm_count or self.n_tiles)), 1, 1)
+        if self.cfg.persistent:  # one CTA per SM (these kernels fit one per SM), never more than work units
+            return (max(1, min(self.n_work_units, self.sm_count or self.n_work_units)), 1, 1)
         return (-(-self.base.seq_len_q // self.cfg.B_r), self.base.n_heads, self.base.out_shape[0])
 
 
