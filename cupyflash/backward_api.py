@@ -76,9 +76,30 @@ def _workspace(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tup
 
         t = torch.empty(shape, dtype=torch.float32, device=like.base.device)
         return t, t.data_ptr()
-    with _cupy.cuda.Device(like.device), _cupy.cuda.ExternalStream(stream_ptr, like.device):
+    with _cupy.cuda.Device(like.device), _external_stream(stream_ptr, like.device):
         a = _cupy.empty(shape, dtype=np.float32)
     return a, a.data.ptr
+
+
+class _StreamHandle:
+    """A raw stream handle behind the CUDA stream protocol (what Stream.from_external reads)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def _external_stream(stream_ptr: int, device: int) -> Any:
+    """A CuPy stream object for the raw handle `stream_ptr`: Stream.from_external where CuPy has it
+    (ExternalStream is deprecated since CuPy 14), else ExternalStream."""
+    stream_type = _cupy.cuda.Stream
+    if hasattr(stream_type, "from_external"):
+        return stream_type.from_external(_StreamHandle(stream_ptr))
+    return _cupy.cuda.ExternalStream(stream_ptr, device)
 
 
 def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,

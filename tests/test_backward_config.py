@@ -68,6 +68,10 @@ def test_parse_rejects_bad_short_forms(text):
     ({"pds_smem": True, "double_buffer": True, "kv_regs": True}, "K/V fragments"),  # d_head 128: 192 + 128
     ({"pipelined": True}, "pipelined needs pds_smem"),
     ({"pds_smem": True, "double_buffer": True, "pipelined": True, "d_head": 64, "B_r": 128}, "shared memory"),
+    ({"mbarrier": True}, "mbarrier needs pipelined"),
+    ({"pds_smem": True, "double_buffer": True, "mbarrier": True}, "mbarrier needs pipelined"),
+    ({"dq_first": True}, "dq_first needs pds_smem"),
+    ({"load_mid": True, "double_buffer": True}, "load_mid needs pds_smem"),
     ({"pds_smem": True, "double_buffer": True, "d_head": 256, "d_split": 1}, "accumulators"),
 ])
 def test_invalid_combinations_name_the_rule(changes, rule):
@@ -131,6 +135,22 @@ def test_smem_and_threads():
     assert pipe.smem_bytes() == pds.smem_bytes() + 2 * 64 * 128 * 2 + 8 * 64 + 2 * 64 * 128 * 2
     assert pipe.short_form().endswith("+pds+pipe") and BackwardKernelConfig.parse(pipe.short_form()) == pipe
     assert CFG.dq_smem_bytes() == 2 * 64 * 128 * 2 + 2 * 128 * 128 * 2
+    # mbarrier: back to two Q/dO/statistics buffers, plus two 8-byte mbarriers; d_head 64's 128 x 128
+    # tiles then fit pipelined (226 KB), which three buffers do not
+    mbar = pipe.replace(mbarrier=True)
+    assert mbar.smem_bytes() == pds.smem_bytes() + 2 * 64 * 128 * 2 + 16
+    d64 = mbar.replace(d_head=64, B_r=128)
+    assert d64.smem_bytes() == 2 * 128 * 64 * 2 + 2 * (2 * 128 * 64 * 2 + 8 * 128) + 4 * 128 * 128 * 2 + 16
+    assert d64.smem_bytes() <= 227 * 1024
+    with pytest.raises(ValueError, match="shared memory"):
+        d64.replace(mbarrier=False)
+    # dq_first / load_mid change the order of the work only
+    order = pds.replace(dq_first=True, load_mid=True)
+    assert order.smem_bytes() == pds.smem_bytes()
+    assert d64.replace(dq_first=True, load_mid=True).short_form().endswith("+pds+pipe+mbar+dqf+ldmid")
+    for text in ("backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+ldmid",
+                 "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+ldmid"):
+        assert BackwardKernelConfig.parse(text).short_form() == text
 
 
 # ----------------------------------------------------------------------------- render / ABI
@@ -165,7 +185,8 @@ def test_name_expressions_per_variant():
     assert list(plain)[0] == "dkdv" and roles_for(False)[0] == "preprocess"  # main kernel first; launch order
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
-    literal = "BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false}"
+    literal = ("BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false, false, false, "
+               "false}")
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 

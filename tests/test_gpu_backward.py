@@ -40,6 +40,14 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (FP16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf+pds+kvreg",
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe",  # one barrier per iteration
     "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+kvreg+pipe",
+    # two Q/dO buffers with mbarrier arrival, dQ before dK/dV, copies issued after the first k-step
+    "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+ldmid",
+    "backward_sm80 (FP16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar",
+    "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+dqf+ldmid",
+    "backward_sm80 (FP16, 64, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+kvreg+pipe+mbar+ldmid",
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+ldmid",
+    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+ldmid",
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+ldmid",
 )]
 FIGURES: list[dict] = []
 

@@ -76,12 +76,22 @@ struct StaticBackwardKernelConfig {
     // iteration (backward_dkdv_2d.cuh).
     static constexpr bool PIPELINED = C.pipelined;
     static_assert(!PIPELINED || PDS_SMEM, "pipelined needs pds_smem");
-    static constexpr int PDS_Q_BUFFERS = PIPELINED ? 3 : 2;
+    // mbarrier (pipelined only): two Q/dO/statistics buffers whose arrival each thread signals on
+    // the buffer's mbarrier (cp.async.mbarrier.arrive) instead of a third buffer.
+    static constexpr bool MBARRIER = C.mbarrier;
+    static_assert(!MBARRIER || PIPELINED, "mbarrier needs pipelined");
+    // dq_first: phase C (dQ and its atomics) before phase B; load_mid: the next block's copies
+    // issued after the first k-step of the phase that follows the barrier (pds_smem only).
+    static constexpr bool DQ_FIRST = C.dq_first;
+    static constexpr bool LOAD_MID = C.load_mid;
+    static_assert(!(DQ_FIRST || LOAD_MID) || PDS_SMEM, "dq_first and load_mid need pds_smem");
+    static constexpr int PDS_Q_BUFFERS = PIPELINED ? (MBARRIER ? 2 : 3) : 2;
     static constexpr int P_BUFFERS = PIPELINED ? 2 : 1;
     static constexpr int P_BUFFER_SHIFT = 2 * PTile::BYTES;  // P(1) - P(0) = dS(1) - dS(0)
+    static constexpr int MBARRIER_BYTES = MBARRIER ? 2 * 8 : 0;  // one 8-byte mbarrier per Q/dO buffer
     static constexpr int SMEM_BYTES =
         PDS_SMEM ? 2 * KVTile::BYTES + PDS_Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) +
-                       P_BUFFERS * 2 * PTile::BYTES
+                       P_BUFFERS * 2 * PTile::BYTES + MBARRIER_BYTES
                  : 2 * KVTile::BYTES + Q_BUFFERS * (2 * QTile::BYTES + ROW_STATS_BYTES) + DSTile::BYTES;
     static_assert(!PDS_SMEM || (C.double_buffer && C.d_split == 1), "pds_smem needs double_buffer, d_split 1");
     static_assert(!PDS_SMEM || (BR % 32 == 0 && BC % 32 == 0 && N_WARPS % (BR / 32) == 0 &&
@@ -163,6 +173,42 @@ CF_DEVICE void atomic_add_f32x2(float* addr, float a, float b) {
 #else
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(a) : "memory");
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+
+// ---- mbarriers for cp.async arrival (sm_80+; named apart from the Hopper families' TMA wrappers) --
+CF_DEVICE void mbar_init(u32 bar, u32 arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+
+// One arrival on `bar`, made when every cp.async this thread issued before it has completed
+// (.noinc: the barrier's expected count already includes it).
+CF_DEVICE void mbar_arrive_on_copies(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Blocks until the phase of parity `parity` has completed; its copies are then visible.
+CF_DEVICE void mbar_wait_parity(u32 bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "MBAR_WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+#else
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "MBAR_WAIT_%=:\n"
+        "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
 #endif
 }
 

@@ -19,7 +19,19 @@
 // phase A (it also publishes the next block, waited for just before it), and the next-but-one
 // block is copied right after it into the buffer that phases B/C of the previous iteration read.
 // A warp done with phases B/C goes on to the next phase A without waiting for the others.
+// mbarrier (with pipelined): two Q/dO/statistics buffers; block it + 1 is copied right after the
+// barrier of iteration it into the buffer phases B/C of it - 1 read, each thread signals its
+// copies on that buffer's mbarrier, and phase A of it + 1 waits on the mbarrier (not on a second
+// barrier).
+// dq_first: phase C before phase B (the dQ reductions drain under phase B's mma).
+// load_mid: the next block's copies are issued after the first k-step of the first phase after
+// the barrier (phase A without pipelined, else phase B or C), beside mma already issued.
 #pragma once
+
+// The no-op hook of a phase (see load_mid).
+struct NoHook {
+    CF_DEVICE void operator()() const {}
+};
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 struct BackwardKVCTA2D {
@@ -213,12 +225,15 @@ struct BackwardKVCTA2D {
     }
 
     // Phase A for one query block: P and dS of this warp's X_S_ROWS x 32 tile into shared memory.
-    CF_DEVICE void phase_a(int q0, int buf, int pbuf) {
+    // `hook` runs after the S product (load_mid).
+    template <class Hook = NoHook>
+    CF_DEVICE void phase_a(int q0, int buf, int pbuf, Hook&& hook = Hook{}) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
         const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
         const u32 st = stats_of(buf);
         float s[S_M][S_N][4];
         query_by_key_product(s, qt, shifted(q_a, buf), k_tile, k_b, k_frag);
+        hook();
         const int keys_valid = p.seq_len_k - k0();
         bool need_mask = a_k0 + 32 > keys_valid;
         if constexpr (CAUSAL)  // warp-uniform: does the tile's last key lie after its first row's diagonal?
@@ -278,8 +293,10 @@ struct BackwardKVCTA2D {
             }
     }
 
-    // Phase B: dV += P^T dO and dK += dS^T Q for this warp's 32 keys and column slice.
-    CF_DEVICE void phase_b(int buf, int pbuf) {
+    // Phase B: dV += P^T dO and dK += dS^T Q for this warp's 32 keys and column slice; `hook`
+    // runs after the first k-step (load_mid).
+    template <class Hook = NoHook>
+    CF_DEVICE void phase_b(int buf, int pbuf, Hook&& hook = Hook{}) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
         const auto q_cur = shifted(q_bt, buf), do_cur = shifted(do_bt, buf);
         const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
@@ -308,12 +325,15 @@ struct BackwardKVCTA2D {
                     mma_m16n8k16<Cfg::dtype>(dk[m][n + 1], da[m], b1[0], b1[1]);
                 }
             }
+            if (ks == 0) hook();
         }
     }
 
     // Phase C: dq_accum rows c_q0.. (32), columns c_d0.. += dS K. `dq_rows` points at this lane's
-    // element (row c_q0 + lane/4, column c_d0 + 2*(lane%4)) of the query block.
-    CF_DEVICE void phase_c(float* dq_rows, int pbuf) {
+    // element (row c_q0 + lane/4, column c_d0 + 2*(lane%4)) of the query block; `hook` runs after
+    // the first k-step (load_mid).
+    template <class Hook = NoHook>
+    CF_DEVICE void phase_c(float* dq_rows, int pbuf, Hook&& hook = Hook{}) {
         const PTile dst = pshifted(ds_tile, pbuf);
         const auto ds_cur = pshifted(ds_a, pbuf);
         float acc[2][DQ_N][4];
@@ -338,6 +358,7 @@ struct BackwardKVCTA2D {
                     mma_m16n8k16<Cfg::dtype>(acc[m][n + 1], a[m], b1[0], b1[1]);
                 }
             }
+            if (ks == 0) hook();
         }
 #pragma unroll
         for (int m = 0; m < 2; ++m)
@@ -369,6 +390,31 @@ struct BackwardKVCTA2D {
                lane_elem;
     }
 
+    // Phases B and C of block (head, qb) in the configured order; `hook` runs inside the first.
+    template <class Hook>
+    CF_DEVICE void phases_bc(int head, int qb, int buf, int pbuf, Hook&& hook) {
+        if constexpr (DETERMINISTIC) {
+            phase_b(buf, pbuf, hook);
+        } else if constexpr (Cfg::DQ_FIRST) {
+            phase_c(dq_rows_of(head, qb), pbuf, hook);
+            phase_b(buf, pbuf);
+        } else {
+            phase_b(buf, pbuf, hook);
+            phase_c(dq_rows_of(head, qb), pbuf);
+        }
+    }
+
+    // Phases B and C with `issue` (the next copies) before them, or inside the first (load_mid).
+    template <class Issue>
+    CF_DEVICE void issue_then_phases_bc(int head, int qb, int buf, int pbuf, Issue&& issue) {
+        if constexpr (Cfg::LOAD_MID) {
+            phases_bc(head, qb, buf, pbuf, issue);
+        } else {
+            issue();
+            phases_bc(head, qb, buf, pbuf, NoHook{});
+        }
+    }
+
     CF_DEVICE void run() {
         const int n_qb_all = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
         const int qb_begin = first_query_block();
@@ -376,10 +422,42 @@ struct BackwardKVCTA2D {
         const int total = n_qb > 0 ? n_qb * p.kv_group_size : 0;
         const int qb_first = n_qb > 0 ? qb_begin + (int)((unsigned)key_block() % (unsigned)n_qb) : 0;
         int head = kv_head_index() * p.kv_group_size, qb = qb_first;
-        load_kv();
-        if (total > 0) load_q_block(head, qb, 0);
-        cp_async_commit();
-        if constexpr (Cfg::PIPELINED) {
+        if constexpr (Cfg::MBARRIER) {
+            // mbarrier of Q/dO buffer b at mbar + 8 b: N_THREADS arrivals (one per thread's copies)
+            const u32 mbar = stats_of(Cfg::PDS_Q_BUFFERS);
+            if (tid == 0) {
+                mbar_init(mbar, Cfg::N_THREADS);
+                mbar_init(mbar + 8, Cfg::N_THREADS);
+            }
+            __syncthreads();  // initialised before any thread's copies can arrive
+            load_kv();
+            if (total > 0) load_q_block(head, qb, 0);
+            cp_async_commit();
+            cp_async_wait<0>();
+            __syncthreads();  // K, V and block 0 have landed
+            if constexpr (Cfg::KV_REGS) load_kv_fragments();
+            for (int it = 0; it < total; ++it) {
+                const int buf = it & 1;  // block it's Q/dO buffer and P/dS pair
+                // block it >= 1 is the ((it - 1) / 2)-th arrival on its buffer's mbarrier
+                if (it > 0) mbar_wait_parity(mbar + 8 * buf, ((it - 1) >> 1) & 1);
+                phase_a(qb * Cfg::BR, buf, buf);
+                __syncthreads();  // P/dS(it) complete; every warp past phases B/C(it - 1)
+                auto issue = [&]() {  // block it + 1 into the buffer that phases B/C(it - 1) read
+                    if (it + 1 < total) {
+                        int next_head = head, next_qb = qb;
+                        advance(next_head, next_qb, qb_first, n_qb_all);
+                        load_q_block(next_head, next_qb, buf ^ 1);
+                        cp_async_commit();
+                        mbar_arrive_on_copies(mbar + 8 * (buf ^ 1));
+                    }
+                };
+                issue_then_phases_bc(head, qb, buf, buf, issue);
+                advance(head, qb, qb_first, n_qb_all);
+            }
+        } else if constexpr (Cfg::PIPELINED) {
+            load_kv();
+            if (total > 0) load_q_block(head, qb, 0);
+            cp_async_commit();
             if (total > 1) {
                 int head1 = head, qb1 = qb;
                 advance(head1, qb1, qb_first, n_qb_all);
@@ -394,19 +472,23 @@ struct BackwardKVCTA2D {
                 phase_a(qb * Cfg::BR, buf, it & 1);
                 cp_async_wait<0>();  // block it + 1 (this thread's copies)
                 __syncthreads();     // P/dS(it) complete, block it + 1 visible, every warp past phases B/C(it - 1)
-                if (it + 2 < total) {  // block it + 2 into the buffer of block it - 1
-                    int head2 = head, qb2 = qb;
-                    advance(head2, qb2, qb_first, n_qb_all);
-                    advance(head2, qb2, qb_first, n_qb_all);
-                    load_q_block(head2, qb2, buf == 0 ? 2 : buf - 1);
-                }
-                cp_async_commit();
-                phase_b(buf, it & 1);
-                if constexpr (!DETERMINISTIC) phase_c(dq_rows_of(head, qb), it & 1);
+                auto issue = [&]() {
+                    if (it + 2 < total) {  // block it + 2 into the buffer of block it - 1
+                        int head2 = head, qb2 = qb;
+                        advance(head2, qb2, qb_first, n_qb_all);
+                        advance(head2, qb2, qb_first, n_qb_all);
+                        load_q_block(head2, qb2, buf == 0 ? 2 : buf - 1);
+                    }
+                    cp_async_commit();
+                };
+                issue_then_phases_bc(head, qb, buf, it & 1, issue);
                 advance(head, qb, qb_first, n_qb_all);
                 buf = buf == 2 ? 0 : buf + 1;
             }
         } else {
+            load_kv();
+            if (total > 0) load_q_block(head, qb, 0);
+            cp_async_commit();
             if constexpr (Cfg::KV_REGS) {
                 cp_async_wait<0>();
                 __syncthreads();  // K and V have landed
@@ -416,16 +498,22 @@ struct BackwardKVCTA2D {
                 const int buf = it & 1;
                 cp_async_wait<0>();
                 __syncthreads();  // block `it` has landed; every warp is done with iteration it-1
-                if (it + 1 < total) {
-                    int next_head = head, next_qb = qb;
-                    advance(next_head, next_qb, qb_first, n_qb_all);
-                    load_q_block(next_head, next_qb, buf ^ 1);
+                auto issue = [&]() {
+                    if (it + 1 < total) {
+                        int next_head = head, next_qb = qb;
+                        advance(next_head, next_qb, qb_first, n_qb_all);
+                        load_q_block(next_head, next_qb, buf ^ 1);
+                    }
+                    cp_async_commit();
+                };
+                if constexpr (Cfg::LOAD_MID) {
+                    phase_a(qb * Cfg::BR, buf, 0, issue);
+                } else {
+                    issue();
+                    phase_a(qb * Cfg::BR, buf, 0);
                 }
-                cp_async_commit();
-                phase_a(qb * Cfg::BR, buf, 0);
                 __syncthreads();  // P and dS complete
-                phase_b(buf, 0);
-                if constexpr (!DETERMINISTIC) phase_c(dq_rows_of(head, qb), 0);
+                phases_bc(head, qb, buf, 0, NoHook{});
                 advance(head, qb, qb_first, n_qb_all);
             }
         }

@@ -62,6 +62,17 @@ class BackwardKernelConfig(KernelConfig):
     pipelined: pds_smem only: three Q/dO buffers and two P/dS buffers, so an iteration needs one
         barrier instead of two (the next-but-one block is copied right after it; warps finishing
         their dK/dV/dQ products go on to the next block's S/dP without waiting for the others).
+    mbarrier: pipelined only: two Q/dO buffers instead of three; each thread signals its copies of
+        a block on the buffer's mbarrier (cp.async.mbarrier.arrive), and phase A waits on it, so the
+        loop keeps its single barrier with 2 * B_r * d_head * 2 fewer bytes (d_head 64's 128 x 128
+        tiles fit: 226 KB; there the causal atomic kernel spills 60-100 bytes, so the H100 table uses
+        it for non-causal rows only).
+    dq_first: pds_smem only: dQ (phase C, with its atomics) before dK/dV (phase B), as
+        FlashAttention-2 orders them: the fp32 reductions drain while phase B's mma run instead of
+        queueing in front of the next iteration's shared-memory loads.
+    load_mid: pds_smem only: the next query block's copies (their address arithmetic) are issued
+        after the first k-step of the phase that follows the barrier, beside mma work already in
+        flight, instead of between the barrier and the first fragment load.
     """
 
     FAMILY: ClassVar[str] = FAMILY_NAME
@@ -77,6 +88,9 @@ class BackwardKernelConfig(KernelConfig):
     pds_smem: bool
     kv_regs: bool = False
     pipelined: bool = False
+    mbarrier: bool = False
+    dq_first: bool = False
+    load_mid: bool = False
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -112,10 +126,10 @@ class BackwardKernelConfig(KernelConfig):
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel: K, V, Q, dO tiles, dS^T, row statistics."""
-        buffers = 3 if self.pipelined else 2 if self.double_buffer else 1
+        buffers = (2 if self.mbarrier else 3) if self.pipelined else 2 if self.double_buffer else 1
         exchange = (4 if self.pipelined else 2) if self.pds_smem else 1  # dS^T, or P and dS (x2 pipelined)
         return (2 * self.B_c * self.d_head * 2 + buffers * (2 * self.B_r * self.d_head * 2 + 8 * self.B_r)
-                + exchange * self.B_c * self.B_r * 2)
+                + exchange * self.B_c * self.B_r * 2 + (16 if self.mbarrier else 0))  # + two mbarriers
 
     def dq_smem_bytes(self) -> int:
         """Dynamic shared memory of the deterministic dQ kernel: Q, dO, K, V tiles."""
@@ -157,6 +171,12 @@ class BackwardKernelConfig(KernelConfig):
                    self.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
         if self.pipelined:
             yield "pipelined needs pds_smem", self.pds_smem
+        if self.mbarrier:
+            yield "mbarrier needs pipelined", self.pipelined
+        if self.dq_first:
+            yield "dq_first needs pds_smem", self.pds_smem
+        if self.load_mid:
+            yield "load_mid needs pds_smem", self.pds_smem
         if self.kv_regs:
             yield "kv_regs needs pds_smem", self.pds_smem
             yield (f"kv_regs: accumulators + K/V fragments (d_head) <= {MAX_ACCUMULATOR_REGISTERS} registers per "
@@ -179,6 +199,12 @@ class BackwardKernelConfig(KernelConfig):
             out.append("kvreg")
         if self.pipelined:
             out.append("pipe")
+        if self.mbarrier:
+            out.append("mbar")
+        if self.dq_first:
+            out.append("dqf")
+        if self.load_mid:
+            out.append("ldmid")
         return out
 
     def short_form(self) -> str:
@@ -196,7 +222,8 @@ class BackwardKernelConfig(KernelConfig):
                              f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
         features = [f for f in m.group("features").split("+") if f]
         d_split = None
-        flags = {"swizzled": False, "dbuf": False, "pds": False, "kvreg": False, "pipe": False}
+        flags = {"swizzled": False, "dbuf": False, "pds": False, "kvreg": False, "pipe": False, "mbar": False,
+                 "dqf": False, "ldmid": False}
         for feat in features:
             dm = _DSPLIT_RE.match(feat)
             if dm and d_split is None:
@@ -205,9 +232,9 @@ class BackwardKernelConfig(KernelConfig):
                 flags[feat] = True
             else:
                 raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
-                                 "(known: dsplit_N once, swizzled, dbuf, pds, kvreg, pipe)")
+                                 "(known: dsplit_N once, swizzled, dbuf, pds, kvreg, pipe, mbar, dqf, ldmid)")
         if d_split is None:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"], flags["kvreg"],
-                   flags["pipe"])
+                   flags["pipe"], flags["mbar"], flags["dqf"], flags["ldmid"])

@@ -18,17 +18,21 @@ def all_configs() -> list[BackwardKernelConfig]:
     for dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe in itertools.product(
             DType, SUPPORTED_D_HEADS, B_R_VALUES, B_C_VALUES, N_WARPS_VALUES, D_SPLIT_VALUES, (False, True),
             (False, True), (False, True), (False, True), (False, True)):
-        try:
-            out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe))
-        except ValueError:
-            continue
+        # the pds_smem-only flags (mbarrier also needs pipelined) only where they can hold
+        for mbar, dqf, mid in itertools.product((False, True) if pipe else (False,),
+                                                *([(False, True) if pds else (False,)] * 2)):
+            try:
+                out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe, mbar, dqf, mid))
+            except ValueError:
+                continue
     return sorted(out)
 
 
 def should_autotune(cfg: BackwardKernelConfig) -> bool:
     """The tuning set's rule: swizzled only (the plain layout exists for the progression).
 
-    d_head 64/128 (measured on the H100, NOTES.md): pds_smem with 128-key blocks only. pds_smem
+    d_head 64/128 (measured on the H100, NOTES.md): pds_smem with 128-key blocks only (the ordering
+    knobs mbarrier/dq_first/load_mid only at the H100 table's layouts). pds_smem
     won every bucket of the first H100 tuning run (1.02-1.13x the 16-rows-per-warp layout), and
     64-key blocks lost with or without it (0.86-0.92x: twice the Q/dO loads and dQ atomics per
     FLOP); d_split 2 measured 0.66x at d128.
@@ -37,6 +41,15 @@ def should_autotune(cfg: BackwardKernelConfig) -> bool:
     equal to 16)."""
     if not cfg.swizzled:
         return False
+    if cfg.mbarrier or cfg.dq_first or cfg.load_mid:
+        # the ordering knobs, measured (H100 sweep, NOTES.md) at the shipped layouts only: d_head 64
+        # 128 x 128 (mbarrier: the pipelined loop that fits its shared memory) and d_head 128 64 x 128
+        # pipelined (three buffers fit: no mbarrier)
+        if cfg.kv_regs or cfg.n_warps != 8 or cfg.B_c != 128 or not cfg.pds_smem:
+            return False
+        if cfg.d_head == 64:
+            return cfg.B_r == 128
+        return cfg.d_head == 128 and cfg.B_r == 64 and cfg.pipelined and not cfg.mbarrier
     if cfg.d_head in (64, 128):
         return cfg.pds_smem and cfg.B_c == 128
     if cfg.pipelined or cfg.kv_regs:  # not measured at d_head 96/256 (and pipelined d96 spills ~200 bytes)
