@@ -37,10 +37,18 @@ def _hopper_default(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
     return sm90_default(dtype, d_head)
 
 
+# d_head values where cfg=None prefers backward_sm90. At d_head 64 backward_sm80 measured faster
+# on the H100 (0.93-1.01x FA2 for backward_sm90 against 0.96-1.05x for backward_sm80's table;
+# NOTES item 57): its dQ is still reduced twice per key block there. An explicit
+# backward_sm90 config still runs d_head 64.
+AUTO_D_HEADS = (128,)
+
+
 def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView) -> str | None:
     """Why cfg=None runs backward_sm80 instead of backward_sm90 for these views, or None when the
     Hopper family takes the call: `pick_family("backward", cc)` prefers it (compute capability
-    9.0), d_head is one it has (64, 128) and every input is a layout TMA can read. Invalid
+    9.0), d_head is one where it measured faster (AUTO_D_HEADS) and every input is a layout TMA
+    can read. Invalid
     arguments also give a reason here: the shared validation then raises their error."""
     from . import api as _api
     from .families import pick_family
@@ -58,6 +66,9 @@ def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView)
         return "q: not a 4-D fp16/bf16 array"
     if q.shape[3] not in SM90_D_HEADS:
         return f"q: d_head {q.shape[3]} is not supported by backward_sm90 (supported: {SM90_D_HEADS})"
+    if q.shape[3] not in AUTO_D_HEADS:
+        return (f"q: d_head {q.shape[3]}: backward_sm80 measured faster than backward_sm90 on the H100 "
+                f"(an explicit backward_sm90 cfg runs it)")
     for view, name in ((q, "q"), (k, "k"), (v, "v"), (dout, "dout")):
         if len(view.shape) != 4:
             return f"{name}: not 4-D"
