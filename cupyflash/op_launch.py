@@ -19,7 +19,7 @@ from . import launch_plans
 from .interop import TensorView
 from .validation import LaunchPlan
 
-__all__ = ["POINTERS", "OpLaunch", "address_offsets", "hopper_plan", "leading_writer", "plan_views", "make_launch"]
+__all__ = ["POINTERS", "OpLaunch", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views", "make_launch"]
 
 POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
 
@@ -110,10 +110,12 @@ def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, 
     return tuple(offsets), template
 
 
-def _address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:
+def address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:
+    """write(q, k, v, o, lse) storing the five pointers at `offsets` (address_offsets' first five)
+    of the block `buf`."""
     # Item stores into a 64-bit view of the block: half the cost of five struct.pack_into calls.
     words = memoryview(buf).cast("B").cast("Q")
-    q_at, k_at, v_at, o_at, lse_at = (offset // 8 for offset in offsets)
+    q_at, k_at, v_at, o_at, lse_at = (offset // 8 for offset in offsets[:5])
 
     def write(q: int, k: int, v: int, o: int, lse: int) -> None:
         words[q_at] = q
@@ -151,7 +153,7 @@ def make_launch(plan: LaunchPlan, sm90: Any, device: int) -> OpLaunch:
         found = address_offsets(repack, PARAMS_SIZE)
         fast = OpLaunch(kernel.func_ptr, hopper.grid, cfg.n_threads, cfg.smem_bytes(), device,
                         found[1] if found else bytes(PARAMS_SIZE), hopper.base.out_shape, None, None, repack)
-        fast.write_pointers = (_address_writer(fast.buf, found[0]) if found
+        fast.write_pointers = (address_writer(fast.buf, found[0]) if found
                               else _repack_writer(fast.buf, repack, PARAMS_SIZE))
         return fast
     from .registry import get_registry

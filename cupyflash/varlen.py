@@ -251,7 +251,7 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
 def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Callable[..., None]]:
     """writer(buf) -> write(q, k, v, o, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k, v, o,
     lse, cu_q, cu_k)` being its parameter packer: where the pointers sit in known words of the
-    block (op_launch.address_offsets) a call stores six words (lse 0, written once), else it
+    block (op_launch.address_offsets) a call stores their words (lse 0), else it
     re-packs the block (TMA descriptors from tma's cache)."""
     found = op_launch.address_offsets(repack, size, count=7)
 
@@ -261,15 +261,12 @@ def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Call
                 ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck), size)
 
             return repack_all
+        write_forward = op_launch.address_writer(buf, found[0])  # q, k, v, o, lse
         words = memoryview(buf).cast("B").cast("Q")
-        q_at, k_at, v_at, o_at, lse_at, cq_at, ck_at = (offset // 8 for offset in found[0])
-        words[lse_at] = 0
+        cq_at, ck_at = (offset // 8 for offset in found[0][5:])
 
         def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
-            words[q_at] = q_ptr
-            words[k_at] = k_ptr
-            words[v_at] = v_ptr
-            words[o_at] = o_ptr
+            write_forward(q_ptr, k_ptr, v_ptr, o_ptr, 0)  # lse 0: the fast path returns none
             words[cq_at] = cq
             words[ck_at] = ck
 

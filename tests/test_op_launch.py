@@ -45,7 +45,7 @@ def test_address_words_found_and_writes_match_thestand_in_encoder(monkeypatch, r
     offsets, template = found
     assert offsets == (24, 128 + 24, 256 + 24, 384, 392)  # word 3 of each descriptor, then o and lse
     buf = ctypes.create_string_buffer(template, len(template))  # the FastLaunch block's type
-    write = op_launch._address_writer(buf, offsets)
+    write = op_launch.address_writer(buf, offsets)
     rng = np.random.default_rng(0)
     for _ in range(20):
         ptrs = [int(x) * 16 for x in rng.integers(1, 1 << 43, 5)]
