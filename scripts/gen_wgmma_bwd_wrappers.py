@@ -10,12 +10,11 @@ dQ = dS K reads dS^T (stored [key][query], queries contiguous: A is M-major) and
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gen_wgmma_wrappers import DTYPES, _outputs, _regs  # noqa: E402
+from gen_wgmma_wrappers import DTYPES, _outputs, _regs, write_or_check  # noqa: E402
 
 N_VALUES = (64, 128)  # head dimensions of the backward family
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "backward_sm90" / "wgmma_tt.cuh"
@@ -52,17 +51,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the committed header is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        ok = HEADER.exists() and HEADER.read_text() == text
-        print("up to date" if ok else f"{HEADER} is stale: run scripts/gen_wgmma_bwd_wrappers.py")
-        return 0 if ok else 1
-    HEADER.write_text(text)
-    print(f"wrote {HEADER}")
-    return 0
+    return write_or_check(HEADER, render(), Path(__file__).name, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

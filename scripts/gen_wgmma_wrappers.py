@@ -85,18 +85,23 @@ def render() -> str:
     return "".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def write_or_check(header: Path, text: str, script: str, argv: list[str] | None, description: str) -> int:
+    """The generators' command line: rewrite `header` with `text`, or with --check exit 1 if the
+    committed header differs from it."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed header is stale")
     args = parser.parse_args(argv)
-    text = render()
     if args.check:
-        ok = HEADER.exists() and HEADER.read_text() == text
-        print("up to date" if ok else f"{HEADER} is stale: run scripts/gen_wgmma_wrappers.py")
+        ok = header.exists() and header.read_text() == text
+        print("up to date" if ok else f"{header} is stale: run scripts/{script}")
         return 0 if ok else 1
-    HEADER.write_text(text)
-    print(f"wrote {HEADER}")
+    header.write_text(text)
+    print(f"wrote {header}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_or_check(HEADER, render(), Path(__file__).name, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
