@@ -18,7 +18,7 @@ from .config import DType
 __all__ = [
     "GRID_TOKENS", "GRID_WIDTH", "REL_L2_TOLERANCE", "DEFAULT_L2_BYTES", "GridShape", "grid_shape",
     "parse_dtypes", "parse_ints",
-    "attention_flops", "rotation_sets", "spot_rows", "Timing", "summarize", "random_inputs",
+    "attention_flops", "visible_pairs", "rotation_sets", "spot_rows", "Timing", "summarize", "random_inputs",
     "poison", "spot_check_rel_l2", "time_cupy",
 ]
 
@@ -93,6 +93,18 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, d_head: int,
     """4*B*H*S_q*S_k*D (two matmuls of 2 FLOPs per multiply-add), half of it for causal."""
     flops = 4.0 * batch * heads * seq_q * seq_k * d_head
     return flops / 2 if causal else flops
+
+
+def visible_pairs(len_q: int, len_k: int, causal: bool) -> int:
+    """(query, key) pairs attention computes. Causal is bottom-right aligned: query i sees key j
+    iff j <= i + len_k - len_q, so the last query sees all len_k keys and each earlier one one
+    fewer, down to 0: n*len_k - n(n-1)/2 with n = min(len_q, len_k)."""
+    if len_q < 0 or len_k < 0:
+        raise ValueError(f"lengths must be >= 0, got {len_q}, {len_k}")
+    if not causal:
+        return len_q * len_k
+    n = min(len_q, len_k)
+    return n * len_k - n * (n - 1) // 2
 
 
 def rotation_sets(set_bytes: int, l2_bytes: int | None) -> int:

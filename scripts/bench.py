@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grouped-query attention: k and v get heads/G heads (G=1: multi-head)")
     p.add_argument("--causal", action="store_true",
                    help="causal attention for every implementation (FLOPs counted as 2*B*H*S*S*D)")
+    p.add_argument("--seq-k-factor", type=float, default=1.0, metavar="F",
+                   help="keys per sequence = round(F * seq) (seq_q != seq_k: prefill over a longer or shorter "
+                        "context); causal is bottom-right aligned and counts the visible (query, key) pairs, so "
+                        "SDPA and jax_cudnn (top-left is_causal) are skipped for causal with F != 1")
     p.add_argument("--configs", nargs="+", default=[], metavar="SHORT_FORM",
                    help="also time these cupyflash configs (quoted short forms), at the grid points of their dtype/d_head")
     p.add_argument("--family", default=DEFAULT_FAMILY,
@@ -174,19 +178,25 @@ def _import_jax(peers: list[str]) -> tuple[Any | None, str | None]:
         return None, f"jax is not importable ({type(exc).__name__}: {exc})"
 
 
+def seq_k_for(seq: int, factor: float) -> int:
+    """Keys per sequence for --seq-k-factor: round(factor * seq), at least 1."""
+    return max(1, round(factor * seq))
+
+
 def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
-                 causal: bool = False) -> tuple[KernelConfig, str]:
+                 causal: bool = False, seq_k: int | None = None) -> tuple[KernelConfig, str]:
     """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
     from cupyflash.api import resolve_config
     from cupyflash.families import family_of
     from cupyflash.tuning import device_name, explain_choice
 
-    used = resolve_config(None, dtype, d_head, seq, seq, device, causal)
+    keys = seq if seq_k is None else seq_k
+    used = resolve_config(None, dtype, d_head, seq, keys, device, causal)
     family = family_of(used).name
     if family != DEFAULT_FAMILY:  # the Hopper family on Hopper: its tuning table, else its default config
-        tuned, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal, family=family)
+        tuned, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal, family=family)
         return used, (f"{family} {source}" if tuned == used else f"{family} default")
-    cfg, source = explain_choice(dtype, d_head, seq, seq, device_name(device), causal)
+    cfg, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal)
     if cfg is None:
         cfg, source = get_family(DEFAULT_FAMILY).default_config(dtype, d_head), "heuristic"
     if used != cfg:
@@ -243,11 +253,12 @@ def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls
     from bench_impls import make_problem
 
     shape = grid_shape(seq, d_head)
+    seq_k = seq_k_for(seq, run.args.seq_k_factor)
     problem = make_problem(torch, dtype, shape, run.args.causal, l2, seed=run.args.seed + seq,
-                           kv_group=run.args.gqa)
+                           kv_group=run.args.gqa, seq_k=seq_k)
     out = []
     for impl, info in impls:
-        record = {"dtype": dtype.name.lower(), "d_head": d_head, "seq": seq, "batch": shape.batch,
+        record = {"dtype": dtype.name.lower(), "d_head": d_head, "seq": seq, "seq_k": seq_k, "batch": shape.batch,
                   "heads": shape.heads, "kv_heads": shape.heads // run.args.gqa, "causal": run.args.causal, "impl": impl.name, "n_sets": len(problem.sets),
                   **info, **(extra or {})}
         _measure(torch, impl, problem, record, run.args)
@@ -300,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--peers: unknown {sorted(unknown)}; expected from {report.PEER_ORDER}")
         if args.iters < 1 or args.warmup < 0:
             raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        if not args.seq_k_factor > 0:
+            raise ValueError(f"--seq-k-factor must be > 0, got {args.seq_k_factor}")
     except ValueError as exc:
         return _fail(f"error: {exc}")
     reason = _no_gpu_reason()
@@ -321,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Everything this run launches is compiled up front, in parallel.
     groups = [(dt, d) for dt in dtypes for d in d_heads]
-    needed = [_auto_choice(dt, d, s, device, args.causal)[0] for dt, d in groups
+    needed = [_auto_choice(dt, d, s, device, args.causal, seq_k_for(s, args.seq_k_factor))[0] for dt, d in groups
               for s in (() if args.no_grid else seqs)]
     needed += [c for c in explicit if (c.dtype, c.d_head) in groups]
     if args.all_tune:
@@ -352,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     peers_now = peer_impls()
     if not args.no_grid:
         gqa = f", GQA with heads/{args.gqa} k/v heads" if args.gqa > 1 else ""
+        if args.seq_k_factor != 1:
+            gqa += f", seq_k = {args.seq_k_factor:g} x seq"
         print(f"grid: batch*seq=16384, heads*d_head=2048, {'causal' if args.causal else 'non-causal'}{gqa}; "
               f"median of {args.iters} timings after {args.warmup} warm-up calls", flush=True)
         for dtype, d_head in groups:
             for seq in seqs:
-                cfg, source = _auto_choice(dtype, d_head, seq, device, args.causal)
+                cfg, source = _auto_choice(dtype, d_head, seq, device, args.causal,
+                                           seq_k_for(seq, args.seq_k_factor))
                 impls = [(CupyflashImpl(None, "cupyflash"), {"config": str(cfg), "config_source": source})]
                 for i, c in enumerate(explicit):
                     if (c.dtype, c.d_head) == (dtype, d_head):

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
-from cupyflash.benchmarking import GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize
+from cupyflash.benchmarking import (GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize,
+                                   visible_pairs)
 from cupyflash.config import DType
 from cupyflash.config import KernelConfig
 
@@ -41,11 +42,19 @@ class Problem:
     scale: float
     sets: list[tuple[Any, Any, Any]] = field(repr=False)
     kv_group: int = 1  # q heads per k/v head (GQA/MQA); 1 = multi-head attention
+    seq_k: int | None = None  # keys per sequence; None = shape.seq (seq_q == seq_k)
+
+    @property
+    def keys(self) -> int:
+        return self.shape.seq if self.seq_k is None else self.seq_k
 
     @property
     def flops(self) -> float:
         s = self.shape
-        return attention_flops(s.batch, s.heads, s.seq, s.seq, s.d_head, self.causal)
+        if self.keys == s.seq:  # the grid's convention: causal counts half of the square
+            return attention_flops(s.batch, s.heads, s.seq, s.seq, s.d_head, self.causal)
+        # seq_q != seq_k: causal counts the (query, key) pairs the bottom-right mask leaves
+        return 4.0 * s.batch * s.heads * s.d_head * visible_pairs(s.seq, self.keys, self.causal)
 
 
 def torch_dtype(torch: Any, dtype: DType) -> Any:
@@ -53,22 +62,27 @@ def torch_dtype(torch: Any, dtype: DType) -> Any:
 
 
 def make_problem(torch: Any, dtype: DType, shape: GridShape, causal: bool, l2_bytes: int | None,
-                 seed: int = 0, kv_group: int = 1) -> Problem:
+                 seed: int = 0, kv_group: int = 1, seq_k: int | None = None) -> Problem:
     """Random normal inputs, as many sets as it takes to defeat L2 (see `rotation_sets`); k and v
-    have heads / kv_group heads."""
+    have heads / kv_group heads and `seq_k` keys (default shape.seq)."""
     if kv_group < 1 or shape.heads % kv_group:
         raise ValueError(f"--gqa {kv_group} must divide the {shape.heads} heads of d_head {shape.d_head}")
+    keys = shape.seq if seq_k is None else seq_k
+    if keys < 1:
+        raise ValueError(f"seq_k must be >= 1, got {keys}")
     tdt = torch_dtype(torch, dtype)
-    elems = shape.batch * shape.seq * shape.heads * shape.d_head
-    n_sets = rotation_sets(2 * 2 * elems + 2 * 2 * elems // kv_group, l2_bytes)  # q, o, k, v; 2 bytes each
+    q_elems = shape.batch * shape.seq * shape.heads * shape.d_head
+    kv_elems = shape.batch * keys * (shape.heads // kv_group) * shape.d_head
+    n_sets = rotation_sets(2 * 2 * q_elems + 2 * 2 * kv_elems, l2_bytes)  # q, o, k, v; 2 bytes each
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv_shape = (shape.batch, shape.seq, shape.heads // kv_group, shape.d_head)
+    kv_shape = (shape.batch, keys, shape.heads // kv_group, shape.d_head)
 
     def randn(dims):
         return torch.randn(dims, generator=gen, device="cuda", dtype=torch.float32).to(tdt)
 
     sets = [(randn(shape.shape), randn(kv_shape), randn(kv_shape)) for _ in range(n_sets)]
-    return Problem(dtype, shape, causal, 1.0 / math.sqrt(shape.d_head), sets, kv_group)
+    return Problem(dtype, shape, causal, 1.0 / math.sqrt(shape.d_head), sets, kv_group,
+                   None if keys == shape.seq else keys)
 
 
 def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
@@ -199,6 +213,12 @@ class SdpaImpl(Impl):
         self._kernel = functools.partial(sdpa_kernel, [getattr(SDPBackend, backend)])
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
 
+    def prepare(self, problem: Problem) -> None:
+        if problem.causal and problem.keys != problem.shape.seq:
+            raise Skip("SDPA's is_causal is top-left aligned; cupyflash's causal is bottom-right when "
+                       "seq_q != seq_k (not the same attention)")
+        super().prepare(problem)
+
     def context(self) -> ContextManager:
         return self._kernel()  # entered once around check and timing: it costs microseconds per entry
 
@@ -228,6 +248,9 @@ class JaxImpl(Impl):
     def prepare(self, problem: Problem) -> None:
         import torch
 
+        if problem.causal and problem.keys != problem.shape.seq:
+            raise Skip("jax.nn.dot_product_attention's is_causal is top-left aligned; cupyflash's causal is "
+                       "bottom-right when seq_q != seq_k (not the same attention)")
         super().prepare(problem)
         torch.cuda.synchronize()  # JAX reads the tensors on its own stream
         self._sets = [tuple(self._to_jax(t) for t in s) for s in problem.sets]

@@ -36,7 +36,7 @@ import numpy as np
 
 from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
                                host_cost_us, ratio, verdict)
-from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints, spot_rows
+from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints, spot_rows, visible_pairs
 from cupyflash.config import DType
 
 IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn", "fa3")
@@ -62,18 +62,6 @@ def draw_lengths(total_tokens: int, max_len: int, seed: int) -> list[int]:
 def cu_seqlens(lengths: list[int]) -> list[int]:
     """[0, L0, L0+L1, ...]: the batch+1 offsets forward_varlen and flash_mha_varlen take."""
     return [0] + list(np.cumsum(lengths, dtype=np.int64).tolist())
-
-
-def visible_pairs(len_q: int, len_k: int, causal: bool) -> int:
-    """(query, key) pairs attention computes. Causal is bottom-right aligned: query i sees key j
-    iff j <= i + len_k - len_q, so the last query sees all len_k keys and each earlier one one
-    fewer, down to 0: n*len_k - n(n-1)/2 with n = min(len_q, len_k)."""
-    if len_q < 0 or len_k < 0:
-        raise ValueError(f"lengths must be >= 0, got {len_q}, {len_k}")
-    if not causal:
-        return len_q * len_k
-    n = min(len_q, len_k)
-    return n * len_k - n * (n - 1) // 2
 
 
 def varlen_flops(lens_q: list[int], lens_k: list[int], heads: int, d_head: int, causal: bool) -> float:

@@ -195,8 +195,9 @@ def test_main_orchestration_with_fake_gpu_side(tmp_path, monkeypatch, capsys):
         def time(self, torch, warmup, iters):
             return Timing(1.2, 1.2, 1.2, iters)
 
-    def fake_problem(torch, dtype, shape, causal, l2, seed=0, kv_group=1):
-        return bench_impls.Problem(dtype, shape, causal, 0.1, [None], kv_group)
+    def fake_problem(torch, dtype, shape, causal, l2, seed=0, kv_group=1, seq_k=None):
+        return bench_impls.Problem(dtype, shape, causal, 0.1, [None], kv_group,
+                                   None if seq_k == shape.seq else seq_k)
 
     overhead = {"shape": [1, 128, 8, 128], "dtype": "bf16", "config": "C",
                 "cupyflash_auto": {"us_per_call": 10.0, "gpu_span_us_per_call": 5.0, "calls": 10, "rounds": 3},
@@ -229,3 +230,33 @@ def test_main_orchestration_with_fake_gpu_side(tmp_path, monkeypatch, capsys):
     assert data["overhead"]["ratio_cupyflash_auto_over_sdpa"] == pytest.approx(1 / 3)
     assert "cf/flash" in printed.out and "progression bf16 d_head 128 S=1024" in printed.out
     assert "cupyflash(auto) / sdpa_flash = 0.33" in printed.out
+
+
+def test_rectangular_problems_count_visible_pairs_and_skip_top_left_peers():
+    """--seq-k-factor: seq_k = round(F * seq); non-causal FLOPs are 4*B*H*S_q*S_k*D, causal ones
+    count the bottom-right mask's visible pairs; SDPA and jax_cudnn (top-left is_causal) refuse
+    rectangular causal problems with a Skip instead of being checked against another mask."""
+    import bench
+    import bench_impls
+    from cupyflash.benchmarking import GridShape
+    from cupyflash.config import DType
+
+    shape = GridShape(2, 100, 4, 64)
+    assert bench.seq_k_for(100, 2.5) == 250 and bench.seq_k_for(3, 0.1) == 1
+    plain = bench_impls.Problem(DType.BF16, shape, False, 0.1, [None], 1, 250)
+    assert plain.keys == 250 and plain.flops == 4.0 * 2 * 4 * 100 * 250 * 64
+    causal = bench_impls.Problem(DType.BF16, shape, True, 0.1, [None], 1, 250)
+    pairs = sum(min(250, i + 250 - 100 + 1) for i in range(100))
+    assert causal.flops == 4.0 * 2 * 4 * 64 * pairs
+    square = bench_impls.Problem(DType.BF16, shape, True, 0.1, [None], 1)
+    assert square.keys == 100 and square.flops == 2.0 * 2 * 4 * 100 * 100 * 64  # the grid's half convention
+
+    class FakeSdpa(bench_impls.SdpaImpl):
+        def __init__(self):  # no torch needed for prepare()
+            self.name = "sdpa_flash"
+
+    with pytest.raises(bench_impls.Skip, match="top-left"):
+        FakeSdpa().prepare(causal)
+    FakeSdpa().prepare(plain)  # non-causal rectangles are the same attention for SDPA
+    assert bench.build_parser().parse_args(["--seq-k-factor", "4"]).seq_k_factor == 4.0
+
