@@ -1,0 +1,30 @@
+"""scripts/prewarm_offdevice.py: what it would compile for a GPU that is not here (CPU only)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import prewarm_offdevice  # noqa: E402
+from cupyflash.families import family_of  # noqa: E402
+
+
+def test_every_shipped_table_config_parses():
+    configs = prewarm_offdevice.table_configs(ROOT / "cupyflash" / "tuning")
+    families = {family_of(c).name for c in configs}
+    assert {"forward_sm80", "forward_sm90", "backward_sm80"} <= families
+
+
+def test_defaults_follow_the_compute_capability():
+    on_hopper = {family_of(c).name for c in prewarm_offdevice.default_configs(90)}
+    on_ampere = {family_of(c).name for c in prewarm_offdevice.default_configs(80)}
+    assert {"forward_sm90", "backward_sm90"} <= on_hopper
+    assert not on_ampere & {"forward_sm90", "backward_sm90"}
+    assert {"forward_sm80", "backward_sm80", "decode"} <= on_ampere
+
+
+def test_refuses_another_nvrtc(capsys):
+    assert prewarm_offdevice.main(["--expect-nvrtc", "0.1", "--families", "decode"]) == 2
+    assert "0.1 expected" in capsys.readouterr().err
