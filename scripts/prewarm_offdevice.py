@@ -30,9 +30,10 @@ import sys
 from pathlib import Path
 
 try:
-    import cupyflash  # noqa: F401  (an installed or editable cupyflash)
+    import cupyflash  # an installed or editable cupyflash
 except ImportError:  # a plain checkout: use the package next to this script
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import cupyflash
 
 from cupyflash.config import SUPPORTED_D_HEADS, DType  # noqa: E402
 from cupyflash.families import FAMILIES, get_family, parse_config  # noqa: E402
