@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import ClassVar, Iterator
+import re
+from typing import Any, ClassVar, Iterator
 
 import numpy as np
 
@@ -87,6 +88,17 @@ class KernelConfig:
 
     def _rules(self) -> Iterator[tuple[str, bool]]:
         return iter(())
+
+    @staticmethod
+    def _match_short_form(text: Any, pattern: re.Pattern, expected: str) -> re.Match:
+        """`pattern`'s match of a short form (surrounding spaces ignored): TypeError for a
+        non-string, ValueError quoting `expected` when it does not match (parse()'s first step)."""
+        if not isinstance(text, str):
+            raise TypeError(f"short form must be a str, got {type(text).__name__}")
+        m = pattern.match(text.strip())
+        if not m:
+            raise ValueError(f"cannot parse kernel config {text!r}: expected {expected}")
+        return m
 
     def short_form(self) -> str:  # pragma: no cover - every family defines its own
         raise NotImplementedError

@@ -111,11 +111,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     @classmethod
     def parse(cls, text: str) -> "HopperBackwardKernelConfig":
         """Inverse of `short_form()`; ValueError on anything else."""
-        if not isinstance(text, str):
-            raise TypeError(f"short form must be a str, got {type(text).__name__}")
-        m = cls._SHORT_RE.match(text.strip())
-        if not m:
-            raise ValueError(f"cannot parse kernel config {text!r}: expected "
-                             "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
+        m = cls._match_short_form(text, cls._SHORT_RE,
+                                  "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), m.group("bulk") is not None)

@@ -130,12 +130,8 @@ class HopperForwardKernelConfig(KernelConfig):
     @classmethod
     def parse(cls, text: str) -> "HopperForwardKernelConfig":
         """Inverse of `short_form()`; ValueError on anything else."""
-        if not isinstance(text, str):
-            raise TypeError(f"short form must be a str, got {type(text).__name__}")
-        m = cls._SHORT_RE.match(text.strip())
-        if not m:
-            raise ValueError(f"cannot parse kernel config {text!r}: expected "
-                             "'forward_sm90(DTYPE, d_head, B_r, B_c, n_stages): tma+feature+...'")
+        m = cls._match_short_form(text, cls._SHORT_RE,
+                                  "'forward_sm90(DTYPE, d_head, B_r, B_c, n_stages): tma+feature+...'")
         feats = m.group("feat").split("+")
         if feats[0] != "tma":
             raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma'")
