@@ -19,7 +19,8 @@ from . import launch_plans
 from .interop import TensorView
 from .validation import LaunchPlan
 
-__all__ = ["POINTERS", "OpLaunch", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views", "make_launch"]
+__all__ = ["POINTERS", "OpLaunch", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views",
+           "make_launch"]
 
 POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
 

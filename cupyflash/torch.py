@@ -23,7 +23,8 @@ dtype, and a contiguous float32 lse of shape (batch, heads, seq_q).
 
 Gradients: a third operator, `cupyflash::attention_backward(dout, q, k, v, out, lse, causal,
 softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (backward_sm90 on
-Hopper where it applies, else backward_sm80; replayed launch plans for backward_sm80 only), and `attention_forward_lse` carries an autograd formula over it
+Hopper at d_head 128 where it applies, else backward_sm80; replayed launch plans for
+backward_sm80 only), and `attention_forward_lse` carries an autograd formula over it
 (`torch.library.register_autograd`, so it composes with torch.compile). `attention()` routes
 calls that need a gradient through the lse variant, which saves what the backward needs; the lse
 output itself is not differentiable (as in FlashAttention). `attention_forward` called directly
