@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import bench_backward as bb
 from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
-                               ratio, verdict)
+                               parse_d_heads, parse_impls, ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
 from cupyflash.config import DType
 
@@ -223,15 +223,9 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         dtypes = parse_dtypes(args.dtypes)
-        d_heads = parse_ints(args.d_heads, "--d-heads")
+        d_heads = parse_d_heads(args.d_heads)
         seqs = parse_ints(args.seqs, "--seqs")
-        for d in d_heads:
-            if d not in (64, 96, 128, 256):
-                raise ValueError(f"--d-heads: {d} is not supported (expected 64, 96, 128 or 256)")
-        impls = tuple(x.strip() for x in args.impls.split(",") if x.strip())
-        unknown = sorted(set(impls) - set(IMPLS))
-        if unknown or not impls:
-            raise ValueError(f"--impls: expected names from {IMPLS}, got {args.impls!r}")
+        impls = parse_impls(args.impls, IMPLS)
         sm90_config = None
         if args.sm90_config:
             from cupyflash.families.backward_sm90.config import HopperBackwardKernelConfig

@@ -48,6 +48,27 @@ def finish(mode: str, json_path: str, plot_arg: str | None, draw: Callable[[str]
     return 0
 
 
+def parse_d_heads(text: str) -> tuple[int, ...]:
+    """--d-heads: comma-separated head dims, each one the library supports; ValueError naming the option."""
+    from cupyflash.benchmarking import parse_ints
+    from cupyflash.config import SUPPORTED_D_HEADS
+
+    d_heads = parse_ints(text, "--d-heads")
+    for d in d_heads:
+        if d not in SUPPORTED_D_HEADS:
+            raise ValueError(f"--d-heads: {d} is not supported (expected one of {SUPPORTED_D_HEADS})")
+    return d_heads
+
+
+def parse_impls(text: str, known: Sequence[str]) -> tuple[str, ...]:
+    """--impls: comma-separated column names, each from `known`; ValueError naming the option."""
+    impls = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = sorted(set(impls) - set(known))
+    if unknown or not impls:
+        raise ValueError(f"--impls: unknown {unknown or 'empty list'}; expected names from {list(known)}")
+    return impls
+
+
 def host_cost_us(torch: Any, cases: dict[str, Callable[[], Any]], rounds: int = 9, calls: int = 100) -> dict:
     """Host cost of one call of each case, in microseconds: bursts of `calls` calls queued behind a
     GPU spin (so no call waits on the GPU and only the host side counts), in `rounds` rounds over

@@ -35,8 +35,8 @@ from typing import Any, Callable
 import numpy as np
 
 from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
-                               host_cost_us, ratio, verdict)
-from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints, spot_rows, visible_pairs
+                               host_cost_us, parse_d_heads, parse_impls, ratio, verdict)
+from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, spot_rows, visible_pairs
 from cupyflash.config import DType
 
 IMPLS = ("cupyflash", "sdpa_flash", "sdpa_cudnn", "fa3")
@@ -106,14 +106,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, VarlenArgs]:
     """argparse, then every value checked; ValueError naming the option on a bad one."""
     args = build_parser().parse_args(argv)
     dtypes = parse_dtypes(args.dtypes)
-    d_heads = parse_ints(args.d_heads, "--d-heads")
-    for d in d_heads:
-        if d not in (64, 96, 128, 256):
-            raise ValueError(f"--d-heads: {d} is not supported (expected 64, 96, 128 or 256)")
-    impls = tuple(x.strip() for x in args.impls.split(",") if x.strip())
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown or not impls:
-        raise ValueError(f"--impls: unknown {unknown}; expected from {list(IMPLS)}")
+    d_heads = parse_d_heads(args.d_heads)
+    impls = parse_impls(args.impls, IMPLS)
     if args.heads < 1:
         raise ValueError(f"--heads must be >= 1, got {args.heads}")
     if args.iters < 1 or args.warmup < 0:
