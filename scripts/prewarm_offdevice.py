@@ -6,7 +6,7 @@ nothing (device time is the scarce resource; an sm_90a module takes 10-20 s to b
         jinja2 numpy ml_dtypes                                   # once: the device's CuPy and NVRTC
     LD_LIBRARY_PATH=$(echo /tmp/v13/lib/python3*/site-packages/nvidia/cu13/lib) \
         /tmp/v13/bin/python scripts/prewarm_offdevice.py --expect-nvrtc 13.0 --cache-dir .out/kcache \
-        [--families forward_sm90,backward_sm90] [--sets forward_sm90:tune ...]
+        [--families forward_sm90,backward_sm90] [--sets forward_sm90:tune ...] [--configs "SHORT|SHORT"]
 
 Then carry the directory to the device (git-ignored) and point CUPYFLASH_CACHE_DIR at it. The
 cache key holds the NVRTC major.minor, not paths: build with the device's NVRTC (13.0 on the
@@ -20,7 +20,8 @@ Hopper families, sm_90 for the others on cc 9.0), with every variant of each con
   tables' GPU runs from the cache;
 - every family's default config for each (dtype, d_head) it supports;
 - with --sets FAMILY:SET[,SET...], those config sets too (e.g. forward_sm90:tune for an autotune
-  call).
+  call);
+- with --configs, the '|'-separated short forms given (e.g. the configs a probe script names).
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cc", type=int, default=90, help="compute capability of the target GPU, e.g. 90 (default)")
     p.add_argument("--cache-dir", default=".out/kcache")
     p.add_argument("--sets", nargs="*", default=[], metavar="FAMILY:SET[,SET]")
+    p.add_argument("--configs", default="", metavar="SHORT|SHORT", help="'|'-separated short forms to build too")
     p.add_argument("--no-tables", action="store_true", help="skip the shipped tables' configs")
     p.add_argument("--families", default=None, help="comma-separated: only these families (default all)")
     p.add_argument("--expect-nvrtc", default=None, metavar="MAJOR.MINOR",
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         fam = get_family(name)
         for key in filter(None, sets.split(",")):
             configs += list(fam.config_set(key))
+    configs += [parse_config(text) for text in args.configs.split("|") if text.strip()]
     by_family: dict[str, list] = {}
     only = set(filter(None, (args.families or "").split(","))) or set(FAMILIES)
     for cfg in dict.fromkeys(configs):

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         mbarrier_init(smem.kv_full(), 1);
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.q_full(s), 1);
-            mbarrier_init(smem.q_empty(s), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
+            mbarrier_init(smem.q_empty(s), 128 * Cfg::CONSUMERS);  // one arrival per consumer thread
         }
         fence_barrier_init();
     }

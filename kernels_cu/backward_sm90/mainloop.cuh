@@ -232,12 +232,11 @@ struct BwdConsumer {
         }
     }
 
-    // Every warp releases the stage once its GEMMs reading Q/dO have completed (waited above).
-    // __syncwarp orders every lane's reads of the stage (lse2/dvec by ld.shared) before lane 0's
-    // arrive (a release of lane 0's accesses only): without it compute-sanitizer racecheck
-    // reported the producer's next bulk copies into the stage as racing with lanes 1..31's reads.
-    CF_DEVICE void release(int s) const {
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(smem.q_empty(s));
-    }
+    // Every consumer thread releases the stage once its GEMMs reading Q/dO have completed (waited
+    // above) and its own lse2/dvec loads are done: each thread's arrive releases its own reads.
+    // One arrive per warp after __syncwarp is enough for the hardware (the warp barrier orders
+    // the lanes' reads before lane 0's release), but compute-sanitizer racecheck does not follow
+    // that chain and reported the producer's next bulk copies into the stage as racing with
+    // lanes 1..31's reads; per-thread arrivals make the ordering visible to it.
+    CF_DEVICE void release(int s) const { mbarrier_arrive(smem.q_empty(s)); }
 };

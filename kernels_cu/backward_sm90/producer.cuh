@@ -1,7 +1,7 @@
 // TMA producer of the backward dK/dV kernel (one thread): K and V of the CTA's key block once,
 // then per query block Q, dO (4-D tensor copies) and its lse2/dvec rows (1-D bulk copies) into a
 // ring stage, all four completing the stage's q_full barrier. A stage is refilled once every
-// consumer warp has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed).
+// consumer thread has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed).
 #pragma once
 
 template <class Cfg, bool CAUSAL>
