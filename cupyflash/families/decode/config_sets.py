@@ -29,6 +29,10 @@ KERNEL_SET_KEYS = ("all", "tune", "prog")
 #   2-CTA shape (batch 64 x 8k: 723 vs 730 us with 8 x 1; batch 32 x 4k: 189 vs 193). Paged loads
 #   carry the L2 evict-first hint, so the page tables stay in L2 while K and V stream past.
 # d256 keeps its shapes (8 warps x 2 stages of 16 d256 keys do not fit in shared memory).
+# Probe of 2026-11-23 (scripts/decode_probe.py, bf16, page 16 shuffled, NOTES.md item 63): d64 wide
+# paged takes 8 single-slot warps without the hint (batch 64 x 8k: 371 us vs 385 with 4 x 3,
+# contiguous 361); d256 narrow paged takes 4 warps x 2 stages (batch 8 x 32k: 716 us vs 729 with
+# 8 x 1; batch 1 x 8k: 37.3 vs 37.8).
 _DEFAULTS: dict[int, tuple[int, int, int, bool]] = {      # narrow contiguous
     64: (32, 4, 4, False),
     128: (16, 8, 2, False),
@@ -42,10 +46,10 @@ _WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
 _PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # narrow paged
     64: (32, 8, 2, True),
     128: (16, 8, 2, True),
-    256: (16, 8, 1, True),
+    256: (16, 4, 2, True),
 }
 _WIDE_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide paged
-    64: (32, 4, 3, True),
+    64: (32, 8, 1, False),
     128: (16, 4, 3, True),
     256: (16, 8, 1, True),
 }
