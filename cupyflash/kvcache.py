@@ -347,7 +347,7 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
         q.ptr, k.ptr, v.ptr, k_new.ptr if k_new is not None else 0, v_new.ptr if v_new is not None else 0, o.ptr,
         lse.ptr if lse is not None else 0, ws_ptr, ws_lse_ptr, seqlens.ptr, table.ptr if table is not None else 0,
         *plan.q_strides, *plan.k_strides, *plan.v_strides, *plan.knew_strides, *plan.vnew_strides, *plan.o_strides,
-        plan.block_table_stride, plan.page_shift, plan.batch, plan.seq_q, plan.n_heads, plan.n_kv_heads, plan.group,
+        plan.block_table_stride, plan.page_shift, plan.max_keys, plan.batch, plan.seq_q, plan.n_heads, plan.n_kv_heads, plan.group,
         plan.rows_total, row_tiles, plan.total_rows, plan.seq_new, splits, plan.softmax_scale,
         plan.softmax_scale * LOG2_E)
     heads = [(kernels["attention"], (splits, head_blocks * row_tiles, plan.batch), cfg.n_threads, cfg.smem_bytes())]

@@ -28,6 +28,8 @@ from cupyflash.config import DType  # noqa: E402
 from sanitize_common import Launch, check, reference, run_launches  # noqa: E402
 
 HEADS4 = "decode (FP16, 128, 16, 16, 8): stages_2+heads_4"
+INTERLEAVED = "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave"
+INTERLEAVED_32 = "decode (FP16, 64, 16, 32, 8): stages_1+interleave"
 CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, splits, cfg (None: the library's)
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], None, 0, 3, None),
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], 16, 1, 2, None),
@@ -35,6 +37,8 @@ CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, sp
     (DType.BF16, 256, 2, 16, 8, 8, [5, 100], 16, 0, 4, None),
     (DType.BF16, 128, 2, 16, 16, 2, [40, 200], None, 3, 5, None),  # 128 rows: 4 row tiles
     (DType.FP16, 128, 2, 1, 24, 6, [33, 250], 16, 1, 3, HEADS4),   # 4 KV heads per CTA, a partial block
+    (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], 16, 1, 5, INTERLEAVED),  # splits take steps round-robin
+    (DType.FP16, 64, 2, 4, 16, 4, [15, 70], 16, 0, 3, INTERLEAVED_32),   # 32-key steps: two pages each
 ]
 
 

@@ -71,7 +71,18 @@ def test_config_is_ordered_hashable_and_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.stages = 4  # type: ignore[misc]
     assert [f.name for f in dataclasses.fields(DecodeKernelConfig)] == [
-        "dtype", "d_head", "rows", "B_c", "n_warps", "stages", "evict_first", "heads"]
+        "dtype", "d_head", "rows", "B_c", "n_warps", "stages", "evict_first", "heads", "interleave"]
+
+
+def test_interleave_short_form():
+    c = cfg(n_warps=8, stages=2, evict_first=True, interleave=True)
+    assert c.short_form() == "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave"
+    assert DecodeKernelConfig.parse(c.short_form()) == c and not cfg().interleave
+    assert DecodeKernelConfig.parse("decode (BF16, 128, 16, 16, 8): stages_2+interleave+heads_2") == \
+        cfg(n_warps=8, stages=2, interleave=True, heads=2)
+    assert c.smem_bytes() == cfg(n_warps=8, stages=2, evict_first=True).smem_bytes()  # a schedule, no memory
+    with pytest.raises(ValueError, match="interleave: expected bool"):
+        cfg(interleave=1)
 
 
 def test_heads_per_cta_short_form_rules_and_shared_memory():

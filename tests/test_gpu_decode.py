@@ -10,6 +10,7 @@ import pytest
 
 from cupyflash.config import DType
 from cupyflash.device import has_gpu
+from cupyflash.families.decode.config import DecodeKernelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
 
@@ -43,6 +44,8 @@ def prewarmed_cache():
         by_layout[c[5] is not None] |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2])
                                         for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
     by_layout[True] |= set(_tune_and_progression_picks())
+    for paged in (False, True):
+        by_layout[paged] |= {c.replace(dtype=dt) for c in INTERLEAVED for dt in DType}
     results = []
     for paged, configs in by_layout.items():
         variants = [(causal, paged) for causal in (False, True)]
@@ -319,6 +322,35 @@ def test_several_kv_heads_per_cta(case, rng):
                 p.lengths = p.lengths + 1
                 p.cache_seqlens = cp.asarray(p.lengths)
                 p.seq_new = 0
+
+
+# Splits taking warp steps round-robin (`interleave`): the paged narrow default's shape, the d_head
+# 64 single-slot shape with 32-key steps (two pages of 16 per step) and a d_head 256 one.
+INTERLEAVED = [DecodeKernelConfig.parse(t) for t in (
+    "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave",
+    "decode (BF16, 64, 16, 32, 8): stages_1+interleave",
+    "decode (BF16, 256, 16, 16, 4): stages_2+evict_first+interleave")]
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("cfg_index", range(len(INTERLEAVED)))
+def test_interleaved_splits(cfg_index, page_size, rng):
+    """Every split count (more splits than steps included), ragged lengths with 0 and 1, page
+    boundaries, a cache larger than its sequences (first page-table reads past the sequence's
+    end), causal seq_q 4 and an append: the same results as the reference."""
+    for dt, sq, causal, new in ((DType.BF16, 1, False, 0), (DType.FP16, 4, True, 1)):
+        cfg = INTERLEAVED[cfg_index].replace(dtype=dt)  # 16 rows: GQA 4 x seq_q up to 4
+        p = Problem(rng, dt, cfg.d_head, 5, sq, 32, 8, [0, 1, 63, 700, 2049], page_size, seq_new=new,
+                    capacity=3072)
+        for ns in (1, 2, 7, 64, None):
+            out, lse = p.run(cfg=cfg, num_splits=ns, causal=causal, return_lse=True)
+            p.check(out, lse, causal=causal, context=f"{cfg} num_splits={ns}")
+            if new:  # appended once (checked above); later calls attend to the cache as it is now
+                p.k_logical, p.v_logical = p.logical_from_pages() if page_size else (p.k_cache, p.v_cache)
+                p.k_new = p.v_new = None
+                p.lengths = p.lengths + 1
+                p.cache_seqlens = cp.asarray(p.lengths)
+                p.seq_new = new = 0
 
 
 @pytest.mark.parametrize("paged", [False, True])

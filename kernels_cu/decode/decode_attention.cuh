@@ -22,6 +22,8 @@ struct DecodeCTA {
     using Softmax = OnlineSoftmax<Cfg::M_TILES, Cfg::S_N_TILES, true>;
     using KVTile = typename Cfg::KVTile;
     using QTile = typename Cfg::QTile;
+    // Paged: page indices are read this many warp steps ahead of the step's copies.
+    static constexpr int PAGE_PREFETCH = 3;
 
     const DecodeParams& p;
     const int tid, lane, warp;
@@ -30,8 +32,11 @@ struct DecodeCTA {
     bool head_valid;           // kv_head < n_kv_heads (the last head block may be partial)
     int cache_len;             // rows already in the cache (keys at and past it come from k_new / v_new)
     int seqlen_k;              // keys of the sequence (cache + appended)
-    int key_begin, key_end;    // this CTA's keys: [key_begin, key_end)
+    int key_begin, key_end;    // this CTA's keys: [key_begin, key_end) (INTERLEAVE: every
+                               // num_splits-th step of [0, key_end), from step `split` on)
     int my_steps;              // warp steps this warp processes
+    int active;                // warps of each team that take at least one step (a prefix)
+    int pages[PAGE_PREFETCH];  // paged: page indices of the steps issued next (see run())
     const u16* k_base;         // K cache at (kv_head, and batch when contiguous)
     const u16* v_base;
     u64 policy;
@@ -57,6 +62,13 @@ struct DecodeCTA {
           row_tile(blockIdx.y % params.row_tiles),
           split(blockIdx.x) {
         cache_len = p.cache_seqlens[batch];
+        // INTERLEAVE: this warp's first step keys do not depend on the length, so the page-table
+        // reads for them go out now, beside the cache_seqlens read (entries below max_keys are
+        // inside the table; those past the sequence are read but never used).
+        if constexpr (PAGED && Cfg::INTERLEAVE) {
+#pragma unroll
+            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(interleaved_key(i), p.max_keys);
+        }
         seqlen_k = cache_len + p.seq_new;
         // Keys the tile can see: all of them, or under causal masking (bottom-right aligned) up to
         // the diagonal of its last query position.
@@ -65,13 +77,25 @@ struct DecodeCTA {
             const int last_row = min(p.rows_total, (row_tile + 1) * Cfg::ROWS) - 1;
             limit = max(0, min(seqlen_k, seqlen_k - p.seq_q + last_row / p.group + 1));
         }
-        // Even splits of whole warp steps, per sequence (lengths live on the GPU only).
-        const int per_split = ((limit + p.num_splits - 1) / p.num_splits + Cfg::BC - 1) / Cfg::BC * Cfg::BC;
-        key_begin = min(limit, split * per_split);
-        key_end = min(limit, key_begin + per_split);
-        const int steps = (key_end - key_begin + Cfg::BC - 1) / Cfg::BC;
         head_valid = kv_head < p.n_kv_heads;
-        my_steps = head_valid && steps > team_warp ? (steps - 1 - team_warp) / Cfg::TEAM + 1 : 0;
+        if constexpr (Cfg::INTERLEAVE) {
+            // Step g of the sequence goes to split g % num_splits; warp j of the team takes the
+            // split's steps j, j + TEAM, ...: global steps split + num_splits * (j + TEAM * k).
+            key_begin = 0;
+            key_end = limit;
+            const int steps = (limit + Cfg::BC - 1) / Cfg::BC;
+            const int mine = steps > split ? (steps - 1 - split) / p.num_splits + 1 : 0;  // this split's steps
+            active = min(Cfg::TEAM, mine);
+            my_steps = head_valid && mine > team_warp ? (mine - 1 - team_warp) / Cfg::TEAM + 1 : 0;
+        } else {
+            // Even splits of whole warp steps, per sequence (lengths live on the GPU only).
+            const int per_split = ((limit + p.num_splits - 1) / p.num_splits + Cfg::BC - 1) / Cfg::BC * Cfg::BC;
+            key_begin = min(limit, split * per_split);
+            key_end = min(limit, key_begin + per_split);
+            const int steps = (key_end - key_begin + Cfg::BC - 1) / Cfg::BC;
+            active = min(Cfg::TEAM, steps);
+            my_steps = head_valid && steps > team_warp ? (steps - 1 - team_warp) / Cfg::TEAM + 1 : 0;
+        }
 
         const long long k_off = PAGED ? 0 : batch * p.k_batch_stride;
         const long long v_off = PAGED ? 0 : batch * p.v_batch_stride;
@@ -108,7 +132,13 @@ struct DecodeCTA {
     }
 
     // First key of this warp's k-th step.
-    CF_DEVICE int step_key(int k) const { return key_begin + (team_warp + k * Cfg::TEAM) * Cfg::BC; }
+    CF_DEVICE int step_key(int k) const {
+        if constexpr (Cfg::INTERLEAVE) return interleaved_key(k);
+        return key_begin + (team_warp + k * Cfg::TEAM) * Cfg::BC;
+    }
+    CF_DEVICE int interleaved_key(int k) const {
+        return (split + p.num_splits * (team_warp + k * Cfg::TEAM)) * Cfg::BC;
+    }
 
     // ---- loads ----
     // The Q tiles of all head slots (rows of heads past n_kv_heads and past the group are zeros).
@@ -132,13 +162,13 @@ struct DecodeCTA {
     }
 
     // Page of each 16-key sub-block of the step at `key`: lane j < SUB_BLOCKS loads sub-block j's
-    // entry (0 past the split's end, never read from the table). Loaded a step ahead of its use,
+    // entry (0 at and past `bound`, never read from the table). Loaded a step ahead of its use,
     // so the table read's latency hides behind the step in between.
-    CF_DEVICE int load_pages(int key) const {
+    CF_DEVICE int load_pages(int key, int bound) const {
         int page = 0;
         if constexpr (PAGED) {
             const int sub_key = key + 16 * lane;
-            if (lane < Cfg::SUB_BLOCKS && sub_key < key_end)
+            if (lane < Cfg::SUB_BLOCKS && sub_key < bound)
                 page = p.block_table[batch * p.block_table_stride + (sub_key >> p.page_shift)];
         }
         return page;
@@ -323,16 +353,15 @@ struct DecodeCTA {
         // index is a compile-time register: a register still waiting for its load must not be
         // touched (not even moved) until it is used, or the warp stalls right there (a shifting
         // queue measured 1.9x the contiguous time).
-        int pages[PAGE_PREFETCH];
-        if constexpr (PAGED) {
+        if constexpr (PAGED && !Cfg::INTERLEAVE) {  // (INTERLEAVE: read in the constructor)
 #pragma unroll
-            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(step_key(i));
+            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(step_key(i), key_end);
         }
 #pragma unroll
         for (int s = 0; s < Cfg::STAGES - 1; ++s) {
             if (s < my_steps) issue_step(step_key(s), s, pages[s % PAGE_PREFETCH]);
             cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
-            if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH));
+            if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH), key_end);
         }
         cp_async_wait<Cfg::STAGES - 1>();  // this thread's Q copies have landed
         __syncthreads();                    // ... and every thread's
@@ -354,7 +383,6 @@ struct DecodeCTA {
         merge_and_store();
     }
 
-    static constexpr int PAGE_PREFETCH = 3;
 
     // Iteration k of the warp's loop: issue step k + STAGES - 1 (its pages in `page_reg`, which
     // is then refilled for step k + STAGES - 1 + PAGE_PREFETCH), wait for step k, compute it.
@@ -362,7 +390,7 @@ struct DecodeCTA {
         const int issue = k + Cfg::STAGES - 1;
         if (issue < my_steps) issue_step(step_key(issue), issue_slot, page_reg);
         cp_async_commit();
-        if constexpr (PAGED) page_reg = load_pages(step_key(issue + PAGE_PREFETCH));
+        if constexpr (PAGED) page_reg = load_pages(step_key(issue + PAGE_PREFETCH), key_end);
         cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)
         __syncwarp();                       // ... and the whole warp's
         compute_step(step_key(k), compute_slot);
@@ -416,7 +444,6 @@ struct DecodeCTA {
             final_max[hr] = mx;
             final_sum[hr] = total;
         }
-        const int active = min(TEAM, (key_end - key_begin + Cfg::BC - 1) / Cfg::BC);
         if (team_warp < active) {
             float* slice = slices + warp * ROWS * Cfg::O_STRIDE;
 #pragma unroll

@@ -22,6 +22,7 @@ struct StaticDecodeKernelConfig {
     static constexpr bool EVICT_FIRST = C.evict_first;
     static constexpr int HEADS = C.heads;        // KV heads per CTA
     static constexpr int TEAM = C.n_warps / C.heads;  // warps per head
+    static constexpr bool INTERLEAVE = C.interleave;  // splits take warp steps round-robin
 
     static constexpr int M_TILES = ROWS / 16;
     static constexpr int S_N_TILES = BC / 8;     // n-tiles of S (keys of one warp step)

@@ -5,7 +5,8 @@ name expressions, the short form and the cache key. Short form:
 
     decode (BF16, 128, 16, 16, 4): stages_3+evict_first
     decode (BF16, 128, 16, 16, 8): stages_2+heads_8
-    decode (dtype, d_head, rows, B_c, n_warps): stages_N[+evict_first][+heads_H]   (no suffix: heads 1)
+    decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave
+    decode (dtype, d_head, rows, B_c, n_warps): stages_N[+evict_first][+interleave][+heads_H]   (no suffix: heads 1)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ _SHORT_RE = re.compile(
     r"^\s*decode\s*\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<rows>\d+)\s*,\s*(?P<bc>\d+)\s*,"
     r"\s*(?P<w>\d+)\s*\)\s*:\s*stages_(?P<stages>\d+)(?P<features>(\+\w+)*?)(\+heads_(?P<heads>\d+))?\s*$"
 )
-_FEATURES = ("evict_first",)
+_FEATURES = ("evict_first", "interleave")
 
 
 @dataclass(frozen=True, order=True)
@@ -59,6 +60,11 @@ class DecodeKernelConfig(KernelConfig):
       heads: KV heads per CTA (1, 2, 4 or 8; n_warps a multiple of it): warp w serves head
         w % heads, so the CTA reads every head's rows of a key range together (a whole page of a
         paged cache: one address translation and one DRAM page for all its heads' bytes).
+      interleave: the splits take the sequence's warp steps round-robin (split s: steps s,
+        s + num_splits, ...) instead of one contiguous range each. A CTA's first keys then do
+        not depend on the sequence's length, so a paged cache's first page-table reads are issued
+        together with the cache_seqlens read instead of after it (one dependent memory latency
+        fewer before the first K/V copies).
     """
 
     FAMILY: ClassVar[str] = "decode"
@@ -71,6 +77,7 @@ class DecodeKernelConfig(KernelConfig):
     stages: int
     evict_first: bool
     heads: int = 1
+    interleave: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self):
@@ -141,4 +148,4 @@ class DecodeKernelConfig(KernelConfig):
             raise ValueError(f"repeated feature in {text!r}")
         heads = int(m.group("heads")) if m.group("heads") else 1
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("rows")), int(m.group("bc")),
-                   int(m.group("w")), int(m.group("stages")), "evict_first" in names, heads)
+                   int(m.group("w")), int(m.group("stages")), "evict_first" in names, heads, "interleave" in names)

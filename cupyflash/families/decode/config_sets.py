@@ -66,10 +66,11 @@ def _valid(**fields) -> DecodeKernelConfig | None:
 def all_configs() -> tuple[DecodeKernelConfig, ...]:
     """Every valid combination of the field values."""
     out = []
-    for dtype, d, rows, bc, w, st, ev, h in itertools.product(DType, DECODE_D_HEADS, ROWS_VALUES, B_C_VALUES,
-                                                               N_WARPS_VALUES, STAGES_VALUES, (False, True),
-                                                               HEADS_VALUES):
-        cfg = _valid(dtype=dtype, d_head=d, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, heads=h)
+    for dtype, d, rows, bc, w, st, ev, h, il in itertools.product(DType, DECODE_D_HEADS, ROWS_VALUES, B_C_VALUES,
+                                                                   N_WARPS_VALUES, STAGES_VALUES, (False, True),
+                                                                   HEADS_VALUES, (False, True)):
+        cfg = _valid(dtype=dtype, d_head=d, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, heads=h,
+                     interleave=il)
         if cfg is not None:
             out.append(cfg)
     return tuple(sorted(out))
@@ -77,13 +78,14 @@ def all_configs() -> tuple[DecodeKernelConfig, ...]:
 
 def should_autotune(cfg: DecodeKernelConfig) -> bool:
     """The tuning set: 16-row tiles (a GQA group of up to 16 rows, the serving case), steps of
-    16 or 32 keys, no evict-first hint (it moved no row by more than 1%, NOTES.md), and either
+    16 or 32 keys, no evict-first hint (it moved no row by more than 1%, NOTES.md), contiguous
+    split ranges (`interleave` serves paged caches, which the table does not), and either
     - one head per CTA with 4 or 8 warps and 2-4 stages holding at least 16 KB in flight per CTA
       ((stages - 1) * n_warps slots; less cannot cover HBM latency), or 8 single-slot warps; or
     and no more than 224 KB of shared memory (one CTA per SM at most). Several KV heads per CTA
     (heads > 1) are left out: on the H100 they lost at batch 1, 8k keys, at every split count
     (d128: 25-57 us against 21.4; d64: 19-50 against 16.0; NOTES.md)."""
-    if cfg.rows != 16 or cfg.B_c > 32 or cfg.evict_first:
+    if cfg.rows != 16 or cfg.B_c > 32 or cfg.evict_first or cfg.interleave:
         return False
     if cfg.heads == 1:
         in_flight = (cfg.stages - 1) * cfg.n_warps * cfg.stage_bytes()

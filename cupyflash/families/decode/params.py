@@ -23,6 +23,7 @@ DECODE_PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
 ) + stride_fields("q", "k", "v", "knew", "vnew", "o") + (
     ("block_table_stride", "int", "i"),  # elements between block_table rows
     ("page_shift", "int", "i"),          # log2(page size); 0 for a contiguous cache
+    ("max_keys", "int", "i"),            # rows a sequence can hold (block_table width x page size)
     ("batch", "int", "i"),
     ("seq_q", "int", "i"),
     ("n_heads", "int", "i"),
