@@ -65,15 +65,23 @@ def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: 
     return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged, wide), smem_limit)
 
 
+# The tuning table's problems stream TUNING_KV_BYTES (256 MB) of K and V; below a quarter of that
+# a step is latency-bound (batch 1 x 8k keys at d_head 128 reads 34 MB in ~20 us, 0.55x the copy
+# rate), the regime the heuristic defaults were probed on (config_sets), so those keep it.
+TABLE_MIN_KV_BYTES = 64 << 20
+
+
 @functools.lru_cache(maxsize=1024)
 def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool, causal: bool, max_keys: int,
-                device: int, smem_limit: int) -> DecodeKernelConfig:
-    """For a narrow problem on a contiguous cache, the tuning table's config for this device and
-    cache length (fitted to the packed rows and the device's shared memory; the table is tuned on
-    such problems: families/decode/tuning.py); else, and without a table, the heuristic default."""
+                device: int, smem_limit: int, streaming: bool) -> DecodeKernelConfig:
+    """For a narrow, streaming (K/V >= TABLE_MIN_KV_BYTES) problem on a contiguous cache, the
+    tuning table's config for this device and cache length (fitted to the packed rows and the
+    device's shared memory; the table is tuned on such problems: families/decode/tuning.py);
+    else, and without a table, the heuristic default."""
     from .tuning import tuned_config
 
-    tuned = None if paged or wide else tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode")
+    use_table = streaming and not (paged or wide)
+    tuned = tuned_config(dtype, d_head, rows_total, max_keys, device, causal, "decode") if use_table else None
     if tuned is not None:
         fitted = decode_sets.fit_to_rows(tuned, rows_total)
         if fitted is not None:
@@ -99,8 +107,10 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
     if isinstance(cfg, str):
         cfg = _parse(cfg)
     if cfg is None:
+        kv_bytes = 2 * plan.batch * plan.max_keys * plan.n_kv_heads * plan.d_head * 2
         return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, is_wide(plan, num_sms),
-                           plan.causal and plan.seq_q > 1, plan.max_keys, plan.device, smem_limit)
+                           plan.causal and plan.seq_q > 1, plan.max_keys, plan.device, smem_limit,
+                           kv_bytes >= TABLE_MIN_KV_BYTES)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:

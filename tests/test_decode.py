@@ -175,11 +175,15 @@ def test_tuning_batch_streams_the_same_bytes_per_bucket():
 
 def test_paged_defaults_use_many_warps_and_the_evict_first_hint():
     """Narrow paged caches: 8 warps x at most 2 stages (d_head 64, 128); d_head 256, whose 8 x 2
-    ring does not fit, 4 x 2 (measured faster than 8 x 1, NOTES.md item 63); all with the hint."""
+    ring does not fit, 4 x 2 (measured faster than 8 x 1, NOTES.md item 63); all with the hint,
+    d_head 64 and 128 with interleaved splits (item 64)."""
     for d in (64, 128, 256):
         c = config_sets.default_config(BF16, d, 4, paged=True)
         assert c.n_warps == (4 if d == 256 else 8) and c.stages <= 2 and c.evict_first, c
-        assert config_sets.should_autotune(c.replace(evict_first=False))  # the same shape is in the tune set
+        assert c.interleave == (d != 256), c  # first page-table reads beside the length read
+        # the same shape is in the tune set
+        assert config_sets.should_autotune(c.replace(evict_first=False, interleave=False))
+    assert not config_sets.default_config(BF16, 128, 4, paged=True, wide=True).interleave
 
 
 def test_wide_defaults_fit_two_ctas_per_sm():
@@ -377,8 +381,9 @@ def test_index_check_env_follows_os_environ(monkeypatch):
 
 
 def test_tuning_table_serves_narrow_contiguous_problems_only(monkeypatch):
-    """The decode table is tuned on narrow problems on contiguous caches (families/decode/tuning.py):
-    paged caches and wide batches keep their own heuristic shapes."""
+    """The decode table is tuned on narrow, streaming problems on contiguous caches
+    (families/decode/tuning.py): paged caches, wide batches and latency-bound steps (K/V below
+    kvcache.TABLE_MIN_KV_BYTES) keep their own heuristic shapes."""
     import cupyflash.tuning
     from cupyflash import kvcache
 
@@ -388,8 +393,9 @@ def test_tuning_table_serves_narrow_contiguous_problems_only(monkeypatch):
     try:
         pick = functools.partial(kvcache._choice_for, BF16, 128, 4, causal=False, max_keys=8192, device=0,
                                  smem_limit=227 * 1024)
-        assert pick(paged=False, wide=False) == tuned
-        assert pick(paged=True, wide=False) == config_sets.default_config(BF16, 128, 4, paged=True)
-        assert pick(paged=False, wide=True) == config_sets.default_config(BF16, 128, 4, wide=True)
+        assert pick(paged=False, wide=False, streaming=True) == tuned
+        assert pick(paged=False, wide=False, streaming=False) == config_sets.default_config(BF16, 128, 4)
+        assert pick(paged=True, wide=False, streaming=True) == config_sets.default_config(BF16, 128, 4, paged=True)
+        assert pick(paged=False, wide=True, streaming=True) == config_sets.default_config(BF16, 128, 4, wide=True)
     finally:
         kvcache._choice_for.cache_clear()

@@ -43,11 +43,16 @@ _WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
     128: (16, 4, 3, False),
     256: (16, 4, 2, False),
 }
+# Narrow paged caches at d_head 64 and 128 also take `interleave` (splits walk the keys
+# round-robin, so the first page-table reads go out beside the cache_seqlens read): d64 batch 1 x
+# 128k 99.5 vs 102.7 us, 8k 15.1 vs 15.3; d128 batch 1 x 8k 21.8 vs 22.0; d256 8k 37.9 vs 37.3,
+# so not there (2026-11-23 probe, NOTES.md item 64).
 _PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # narrow paged
     64: (32, 8, 2, True),
     128: (16, 8, 2, True),
     256: (16, 4, 2, True),
 }
+_PAGED_INTERLEAVE = {64: True, 128: True, 256: False}
 _WIDE_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide paged
     64: (32, 8, 1, False),
     128: (16, 4, 3, True),
@@ -142,13 +147,15 @@ def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool 
     table = ((_WIDE_PAGED_DEFAULTS if wide else _PAGED_DEFAULTS) if paged
              else (_WIDE_DEFAULTS if wide else _DEFAULTS))
     bc, w, st, ev = table[d_head]
+    il = paged and not wide and _PAGED_INTERLEAVE[d_head]
     rows = rows_for(d_head, packed_rows)
     while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
         bc //= 2
-    cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+    cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, interleave=il)
     while cfg is None:  # taller tiles enlarge the merge area: shorten the ring until it fits
         st -= 1
-        cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev)
+        cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev,
+                     interleave=il)
     return cfg
 
 
