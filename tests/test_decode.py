@@ -187,10 +187,19 @@ def test_paged_defaults_use_many_warps_and_the_evict_first_hint():
 
 
 def test_wide_defaults_fit_two_ctas_per_sm():
-    """Problems with a CTA per SM without splits take the 2-CTA shape (d_head 64 and 128), so one
-    CTA's prologue and merge overlap another's streaming; narrow ones 8 warps (d_head 128)."""
+    """Problems with a CTA per SM without splits take the 2-CTA shape (d_head 64 paged and 128), so
+    one CTA's prologue and merge overlap another's streaming; wide contiguous d_head 64 two KV heads
+    per CTA instead (NOTES.md item 64); narrow ones 8 warps (d_head 128)."""
+    d64 = config_sets.default_config(BF16, 64, 4, wide=True)
+    assert (d64.heads, d64.n_warps, d64.team) == (2, 8, 4), d64
+    for d, rows in ((64, 4), (64, 16), (64, 64), (128, 64), (256, 32)):
+        for paged in (False, True):
+            for wide in (False, True):
+                assert config_sets.default_config(BF16, d, rows, paged=paged, wide=wide).rows >= min(rows, 16)
     for d in (64, 128):
         for paged in (False, True):
+            if d == 64 and not paged:
+                continue
             c = config_sets.default_config(BF16, d, 4, paged=paged, wide=True)
             # the hint on wide paged caches at d_head 128 only (d_head 64: 371 vs 374 us without it)
             assert c.ctas_per_sm() >= 2 and c.evict_first == (paged and d == 128), c

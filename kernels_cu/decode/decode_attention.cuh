@@ -180,7 +180,21 @@ struct DecodeCTA {
     CF_DEVICE void load_step(int key, int slot, int pages) {
         const u32 slot_offset = slot * Cfg::STAGE_BYTES;
         const int row0 = lane / Cfg::CHUNKS_PER_ROW, chunk = lane % Cfg::CHUNKS_PER_ROW;
-        const int page_mask = (1 << p.page_shift) - 1;
+        // Paged: the element offset of each 16-key sub-block's first row (its page's row
+        // key & page_mask; a sub-block never straddles a page, page sizes being multiples of 16),
+        // one shuffle and one wide multiply per sub-block rather than per copy pass (d_head 256
+        // copies one row per pass: 16 passes of the same page).
+        long long k_sub[Cfg::SUB_BLOCKS], v_sub[Cfg::SUB_BLOCKS];
+        if constexpr (PAGED) {
+            const int page_mask = (1 << p.page_shift) - 1;
+#pragma unroll
+            for (int j = 0; j < Cfg::SUB_BLOCKS; ++j) {
+                const long long page = __shfl_sync(0xffffffffu, pages, j);
+                const long long first = (key + 16 * j) & page_mask;
+                k_sub[j] = page * p.k_batch_stride + first * p.k_seq_stride;
+                v_sub[j] = page * p.v_batch_stride + first * p.v_seq_stride;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < Cfg::COPY_PASSES; ++i) {
             const int row = row0 + i * Cfg::ROWS_PER_PASS;
@@ -189,10 +203,9 @@ struct DecodeCTA {
             long long k_off, v_off;
             if constexpr (PAGED) {
                 // the pass's rows lie in one 16-key sub-block, hence one page
-                const int page = __shfl_sync(0xffffffffu, pages, (i * Cfg::ROWS_PER_PASS) / 16);
-                const int in_page = k & page_mask;
-                k_off = page * p.k_batch_stride + in_page * p.k_seq_stride;
-                v_off = page * p.v_batch_stride + in_page * p.v_seq_stride;
+                const int J = (i * Cfg::ROWS_PER_PASS) / 16;  // a constant once unrolled
+                k_off = k_sub[J] + (row - 16 * J) * p.k_seq_stride;
+                v_off = v_sub[J] + (row - 16 * J) * p.v_seq_stride;
             } else {
                 k_off = k * p.k_seq_stride;
                 v_off = k * p.v_seq_stride;

@@ -21,7 +21,7 @@ KERNEL_SET_KEYS = ("all", "tune", "prog")
 #   (d128, batch 1: 8k keys 20.1 vs 20.7 us, 131k keys 182.6 vs 190.7 at the same 64 CTAs);
 # - wide contiguous: 2 CTAs per SM (four warps, 3 stages, 100 KB), so one CTA's prologue and merge
 #   overlap the other's streaming (d128 batch 64 x 8k: 697 vs 705 us with 1 CTA per SM; batch
-#   32 x 4k 179.1 vs 180.6; d64 batch 64 x 8k 360.8 vs 361.6);
+#   32 x 4k 179.1 vs 180.6); d64 since 2026-11-23 two heads per CTA (below);
 # - paged (a page-table read and a new page every 16 keys): a CTA streams about half as fast as
 #   on a contiguous cache, and more warps help more than deeper rings (d128 batch 1 x 131k at 64
 #   CTAs: 8 warps x 2 stages 225 us, 4 x 4 387): narrow takes 8 warps x 2 stages with the split
@@ -38,11 +38,15 @@ _DEFAULTS: dict[int, tuple[int, int, int, bool]] = {      # narrow contiguous
     128: (16, 8, 2, False),
     256: (16, 4, 2, False),
 }
+# Wide contiguous d_head 64 serves two KV heads per CTA with 8 warps x 2 stages (each CTA reads
+# both heads' 128-byte rows of a key range together): batch 64 x 8k 356.0 us vs 363.2 for 4 x 3
+# (SDPA cuDNN 355.4-356.2 in the same runs; NOTES.md item 64).
 _WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
-    64: (32, 4, 3, False),
+    64: (32, 8, 2, False),
     128: (16, 4, 3, False),
     256: (16, 4, 2, False),
 }
+_WIDE_HEADS = {64: 2, 128: 1, 256: 1}
 # Narrow paged caches at d_head 64 and 128 also take `interleave` (splits walk the keys
 # round-robin, so the first page-table reads go out beside the cache_seqlens read): d64 batch 1 x
 # 128k 99.5 vs 102.7 us, 8k 15.1 vs 15.3; d128 batch 1 x 8k 21.8 vs 22.0; d256 8k 37.9 vs 37.3,
@@ -148,14 +152,18 @@ def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool 
              else (_WIDE_DEFAULTS if wide else _DEFAULTS))
     bc, w, st, ev = table[d_head]
     il = paged and not wide and _PAGED_INTERLEAVE[d_head]
+    h = _WIDE_HEADS[d_head] if wide and not paged else 1
     rows = rows_for(d_head, packed_rows)
     while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
         bc //= 2
-    cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, interleave=il)
-    while cfg is None:  # taller tiles enlarge the merge area: shorten the ring until it fits
+    cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev, interleave=il,
+                 heads=h)
+    while cfg is None and st > 1:  # taller tiles enlarge the merge area: shorten the ring until it fits
         st -= 1
         cfg = _valid(dtype=dtype, d_head=d_head, rows=rows, B_c=bc, n_warps=w, stages=st, evict_first=ev,
-                     interleave=il)
+                     interleave=il, heads=h)
+    if cfg is None:  # not reached for the supported head dims and tile heights (tests/test_decode.py)
+        raise ValueError(f"q: no decode config fits d_head {d_head} with {packed_rows} packed query rows")
     return cfg
 
 
