@@ -70,3 +70,17 @@ def test_no_spills_and_registers_reported(compiled):
         # then raise theirs with setmaxnreg), 256 threads up to 255
         assert 0 < res.registers <= (168 if cfg.n_threads == 384 else 255), (str(cfg), res)
     assert any(res is not None for _, _, res, _ in compiled)
+
+
+def test_cp_async_varlen_variants_compile_without_warnings():
+    """forward_varlen runs a cp_async config too: its packed-batch variants, causal or not."""
+    from cupyflash.families.forward_sm90 import FORWARD_SM90
+
+    cfg = config_sets.progression_configs()[0]
+    names = [n for causal in (False, True)
+             for n in FORWARD_SM90.name_expressions(cfg, FORWARD_SM90.variant(causal=causal, varlen=True)).values()]
+    module = compile_module(render_family_source("forward_sm90"), names, "sm_90a")
+    assert not _WARNING.search(module.log), module.log[-2000:]
+    for name in names:
+        res = module.resources.get(name)
+        assert res is None or (res.spill_bytes == 0 and 0 < res.registers <= 255), (name, res)
