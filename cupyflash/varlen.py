@@ -207,11 +207,10 @@ def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, 
                      cu_q: int, cu_k: int) -> bytes:
     """HopperForwardParams of the varlen variant: tensor maps over the packed arrays as one
     'batch' of total tokens (tiles address tokens cu_seqlens[b] + row), o's batch stride 0."""
-    from .families.forward_sm90 import tma
-    from .families.forward_sm90.params import pack_params as pack_sm90_params
+    from .families.forward_sm90.params import operand_encoder, pack_params as pack_sm90_params
 
-    dtype = cfg.dtype
-    descriptors = [tma.descriptor(x.ptr, dtype, _as_4d(x.shape), _as_4d_strides(x.strides), rows)
+    dtype, encode = cfg.dtype, operand_encoder(cfg)  # tensor maps, or plain records for cp_async configs
+    descriptors = [encode(x.ptr, dtype, _as_4d(x.shape), _as_4d_strides(x.strides), rows)
                    for x, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c))]
     return pack_sm90_params(*descriptors, o, lse, cu_q, cu_k, 0, problem.o_strides[0], problem.o_strides[1],
                             problem.max_seqlen_q, problem.max_seqlen_k, problem.n_heads, problem.n_kv_heads,

@@ -5,8 +5,9 @@
     compute-sanitizer --tool memcheck  python scripts/sanitize_sm90.py
     compute-sanitizer --tool racecheck python scripts/sanitize_sm90.py
     compute-sanitizer --tool synccheck python scripts/sanitize_sm90.py
-    ... python scripts/sanitize_sm90.py --quick           # 2 configs x 2 shapes x 2
+    ... python scripts/sanitize_sm90.py --quick           # 4 configs x 2 shapes x 2
     ... python scripts/sanitize_sm90.py --multi-tile      # persistent CTAs taking several tiles
+    ... python scripts/sanitize_sm90.py --configs "SHORT|SHORT"   # only these configs (every shape)
 
 Every progression config of bf16 d_head 128 plus the d_head 64 and 256 defaults, on three
 shapes (ragged lengths, S_q < S_k and S_q > S_k, MQA/GQA), causal off and on, LSE on. CuPy's
@@ -63,10 +64,11 @@ def reference(q, k, v, causal):
 
 def sanitize_configs(quick: bool = False) -> list[HopperForwardKernelConfig]:
     """Every progression config, the d_head 64 and 256 defaults and a three-consumer ping-pong
-    ring; --quick: the first and fifth progression steps and the three-consumer one."""
+    ring; --quick: the first (cp.async loads), second (TMA) and sixth (persistent) progression
+    steps and the three-consumer one."""
     configs = progression_configs() + [default_config(DType.BF16, 64), default_config(DType.BF16, 256),
                                        HopperForwardKernelConfig.parse(THREE_CONSUMERS)]
-    return [configs[0], configs[4], configs[-1]] if quick else configs
+    return [configs[0], configs[1], configs[5], configs[-1]] if quick else configs
 
 
 def multi_tile_launches(rng: np.random.Generator) -> Iterator[Launch]:
@@ -80,10 +82,12 @@ def multi_tile_launches(rng: np.random.Generator) -> Iterator[Launch]:
                          functools.partial(_once, cfg, shape, causal, rng))
 
 
-def launches(rng: np.random.Generator, quick: bool = False) -> Iterator[Launch]:
-    """One launch per (config, shape, causal); --quick: 3 configs x the first 2 shapes."""
+def launches(rng: np.random.Generator, quick: bool = False,
+             configs: list[HopperForwardKernelConfig] | None = None) -> Iterator[Launch]:
+    """One launch per (config, shape, causal); --quick: 4 configs x the first 2 shapes;
+    `configs`: these instead of sanitize_configs'."""
     shapes = SHAPES[:2] if quick else SHAPES
-    for cfg in sanitize_configs(quick):
+    for cfg in configs or sanitize_configs(quick):
         for shape in shapes:
             for causal in (False, True):
                 yield Launch("forward_sm90", f"{cfg} {shape} causal={causal}",
@@ -115,11 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     """Thin wrapper: the same launches run by `sanitize_check.py --family forward_sm90`."""
     args = sys.argv[1:] if argv is None else argv
     quick = "--quick" in args
+    configs = None
+    if "--configs" in args:
+        at = args.index("--configs")
+        if at + 1 >= len(args):
+            print("sanitize_sm90.py: --configs needs 'SHORT|SHORT'", file=sys.stderr)
+            return 2
+        configs = [HopperForwardKernelConfig.parse(t.strip()) for t in args[at + 1].split("|") if t.strip()]
     import cupy as cp
 
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
     rng = np.random.default_rng(0)
-    todo = multi_tile_launches(rng) if "--multi-tile" in args else launches(rng, quick)
+    todo = multi_tile_launches(rng) if "--multi-tile" in args else launches(rng, quick, configs)
     done = run_launches(todo, lambda line: print(line, flush=True))
     print(f"sanitize_sm90: {len(done.failures)} failure(s) in {done.runs} launches")
     return 1 if done.failures else 0

@@ -1,4 +1,5 @@
-"""Compile the Hopper family's default, progression and (bf16) tune configs for sm_90a with
+"""Compile the Hopper family's default, progression (with the cp.async loads of its first step)
+and (bf16) tune configs for sm_90a with
 NVRTC (no GPU): zero ptxas warnings (C7508 setmaxnreg ignored, C7515/C7511 wgmma serialised,
 C7517 ...), no spills, registers reported."""
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from cupyflash.compiler import compile_module
 from cupyflash.config import DType
 from cupyflash.families.forward_sm90 import config_sets
+from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig
 from cupyflash.render import name_expression, render_family_source
 
 pytestmark = pytest.mark.compile
@@ -29,8 +31,14 @@ def _modules():
     knobs += [c.replace(exp_emulation=1) for c in knobs if c.d_head == 64]
     configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog") + knobs
                                  + [c for c in tune if c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
-    # other causal instantiations: the defaults only (the mask adds code, not structure)
-    return [(c, False) for c in configs] + [(c, True) for c in dict.fromkeys(defaults + knobs)]
+    # the cp.async loads (the progressions' first step) at every d_head, and with the FMA-unit exp2
+    # on one consumer warpgroup and a three-stage ring
+    cp_async = [c for c in config_sets.get_kernel_configs("prog_all") if c.cp_async and c.dtype is DType.BF16]
+    cp_async.append(HopperForwardKernelConfig.parse("forward_sm90(FP16, 64, 64, 176, 3): cpasync+emu1"))
+    configs = list(dict.fromkeys(configs + cp_async))
+    # other causal instantiations: the defaults only (the mask adds code, not structure), and the
+    # cp.async loads
+    return [(c, False) for c in configs] + [(c, True) for c in dict.fromkeys(defaults + knobs + cp_async)]
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +70,17 @@ def test_no_spills_and_registers_reported(compiled):
         # then raise theirs with setmaxnreg), 256 threads up to 255
         assert 0 < res.registers <= (168 if cfg.n_threads == 384 else 255), (str(cfg), res)
     assert any(res is not None for _, _, res, _ in compiled)
+
+
+def test_cp_async_varlen_variants_compile_without_warnings():
+    """forward_varlen runs a cp_async config too: its packed-batch variants, causal or not."""
+    from cupyflash.families.forward_sm90 import FORWARD_SM90
+
+    cfg = config_sets.progression_configs()[0]
+    names = [n for causal in (False, True)
+             for n in FORWARD_SM90.name_expressions(cfg, FORWARD_SM90.variant(causal=causal, varlen=True)).values()]
+    module = compile_module(render_family_source("forward_sm90"), names, "sm_90a")
+    assert not _WARNING.search(module.log), module.log[-2000:]
+    for name in names:
+        res = module.resources.get(name)
+        assert res is None or (res.spill_bytes == 0 and 0 < res.registers <= 255), (name, res)

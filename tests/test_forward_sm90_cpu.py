@@ -43,11 +43,40 @@ def test_second_q_tile_and_exp_emulation_in_the_short_form():
     assert cfg.smem_bytes() - single.smem_bytes() == 192 * 64 * 2 + 16
 
 
+def test_cp_async_loads_in_the_short_form():
+    """`cpasync` replaces `tma` as the first feature; every other form parses as before."""
+    cfg = H(DType.BF16, 128, 128, 128, 2, False, False, False, False, cp_async=True)
+    assert cfg.short_form() == "forward_sm90(BF16, 128, 128, 128, 2): cpasync" and cfg.loads == "cpasync"
+    assert H.parse(cfg.short_form()) == cfg and H.parse(" forward_sm90(BF16,128,128,128,2):cpasync ") == cfg
+    emu = H.parse("forward_sm90(FP16, 64, 64, 176, 3): cpasync+emu1")
+    assert emu.cp_async and emu.exp_emulation == 1 and emu.B_r == 64 and emu.n_threads == 128
+    tma_twin = cfg.replace(cp_async=False)
+    assert tma_twin.short_form().endswith(": tma") and not H.parse(tma_twin.short_form()).cp_async
+    # the same tiles and barrier words: shared memory does not change with the loads
+    assert cfg.smem_bytes() == tma_twin.smem_bytes() and cfg.n_threads == tma_twin.n_threads == 256
+    assert cfg != tma_twin and sorted([cfg, tma_twin]) == [tma_twin, cfg]
+
+
+def test_shipped_table_parses_unchanged():
+    import json
+
+    table = json.loads((ROOT / "cupyflash" / "tuning" / "default_h100.forward_sm90.json").read_text())
+    entries = [e for e in table["entries"] if e.get("config")]
+    assert entries
+    for e in entries:
+        cfg = H.parse(e["config"])
+        assert cfg.short_form() == e["config"] and not cfg.cp_async
+
+
 @pytest.mark.parametrize("text, message", [
     ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+overlap+emu1+emu2", "given twice"),
     ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+overlap+emu0", "written as no feature"),
     ("(BF16, 128, 128, 128, 2): tma", "expected 'forward_sm90"),
-    ("forward_sm90(BF16, 128, 128, 128, 2): ws", "start with 'tma'"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): ws", "start with 'tma' or 'cpasync'"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): tma+cpasync", "unknown feature 'cpasync'"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): cpasync+tma", "unknown feature 'tma'"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): cpasync+ws", "cp_async loads need the plain mainloop"),
+    ("forward_sm90(BF16, 128, 128, 128, 2): cpasync+overlap", "cp_async loads need the plain mainloop"),
     ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+ws", "given twice"),
     ("forward_sm90(BF16, 128, 128, 128, 2): tma+fast", "unknown feature"),
     ("forward_sm90(FP32, 128, 128, 128, 2): tma", "unknown dtype"),
@@ -74,6 +103,9 @@ def test_parse_rejects(text, message):
     ((DType.BF16, 128, 128, 128, 2, True, True, True, False, True), "double_q needs persistent"),
     ((DType.BF16, 128, 128, 176, 2, True, True, True, True, True), "shared memory"),
     ((DType.BF16, 128, 128, 128, 2, True, True, True, False, False, 3), "exp_emulation in"),
+    ((DType.BF16, 128, 128, 128, 2, True, False, False, False, False, 0, True), "cp_async loads need the plain"),
+    ((DType.BF16, 128, 128, 128, 2, False, False, True, False, False, 0, True), "cp_async loads need the plain"),
+    ((DType.BF16, 128, 128, 128, 2, True, True, True, True, True, 0, True), "cp_async loads need the plain"),
 ])
 def test_rules_name_the_violation(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -106,8 +138,23 @@ def test_smem_and_threads():
 def test_progression_adds_one_feature_per_step():
     steps = config_sets.progression_configs()
     assert [s.short_form().split(": ")[1] for s in steps] == [
-        "tma", "tma+ws", "tma+ws+pingpong", "tma+ws+pingpong+overlap", "tma+ws+pingpong+overlap+persistent"]
+        "cpasync", "tma", "tma+ws", "tma+ws+pingpong", "tma+ws+pingpong+overlap", "tma+ws+pingpong+overlap+persistent"]
     assert all(s.B_c == steps[0].B_c for s in steps)
+
+
+def test_cp_async_step_is_in_the_progression_only():
+    """The first step of every progression loads with cp.async; no tune candidate and no default does."""
+    for dt in DType:
+        for d in (64, 128, 256):
+            steps = config_sets.progression_configs(dt, d)
+            assert steps[0].cp_async and steps[0].replace(cp_async=False) == steps[1]
+            assert not any(s.cp_async for s in steps[1:])
+            for causal in (False, True):
+                assert not config_sets.default_config(dt, d, causal).cp_async
+                assert not config_sets.varlen_default_config(dt, d, causal).cp_async
+    assert not any(c.cp_async for c in config_sets.get_kernel_configs("tune"))
+    assert not config_sets.should_autotune(config_sets.progression_configs()[0])
+    assert sum(c.cp_async for c in config_sets.get_kernel_configs("prog_all")) == 2 * 3
 
 
 def test_tune_set_follows_the_rule_and_covers_every_head_dim():
@@ -178,7 +225,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0}>, true, false>")
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false}>, true, false>")
 
 
 def test_registered_as_a_family_of_the_seam():
@@ -239,12 +286,12 @@ def test_plan_uses_the_library_validation_and_family_rules():
     assert plan.cfg == config_sets.default_config(DType.BF16, 128, causal=True)
     assert plan_sm90(None, q, k, k).cfg == config_sets.default_config(DType.BF16, 128, causal=False)
     assert plan.n_tiles == 3 * 8 * 2 and plan.base.kv_group_size == 4 and plan.base.causal
-    persistent = plan._replace(cfg=config_sets.progression_configs()[4])
+    persistent = plan._replace(cfg=config_sets.progression_configs()[5])
     # causal persistent CTAs take pairs of query blocks (3 blocks: pairs {2, 0} and {1}): 2 per (head, batch)
     assert persistent._replace(sm_count=132).grid == (32, 1, 1) and persistent._replace(sm_count=20).grid == (20, 1, 1)
-    full = plan_sm90(config_sets.progression_configs()[4], q, k, k)
+    full = plan_sm90(config_sets.progression_configs()[5], q, k, k)
     assert full._replace(sm_count=132).grid == (48, 1, 1)
-    plain = plan_sm90(config_sets.progression_configs()[3], q, k, k)
+    plain = plan_sm90(config_sets.progression_configs()[4], q, k, k)
     assert plain.grid == (3, 8, 2)
     with pytest.raises(ValueError, match="^v: seq_len"):
         plan_sm90(None, q, k, _view((2, 400, 2, 128)))
@@ -258,6 +305,30 @@ def test_plan_uses_the_library_validation_and_family_rules():
         plan_sm90("forward_sm90(BF16, 128, 128, 128, 2): tma", q, k, k)
     broadcast = _view((2, 500, 2, 128), strides=(0, 256, 128, 1))
     assert "batch stride is 0" in unsupported_reason(q, broadcast, k)
+
+
+def test_cp_async_configs_pack_records_not_tensor_maps(monkeypatch):
+    """A cp_async config's descriptor slots hold (pointer, batch, seq, head strides) and encode no
+    tensor map; TMA configs keep tma.descriptor. The pointer is each slot's first word, so the
+    op launcher's five-word rewrite finds it."""
+    from cupyflash.families.forward_sm90.launch import make_repack
+
+    monkeypatch.setattr(tma, "encode", lambda spec: pytest.fail("a cp_async config encoded a tensor map"))
+    tma.clear_cache()
+    q = _view((2, 300, 8, 128), strides=(300 * 8 * 128, 8 * 128, 128, 1), ptr=1 << 20)
+    k = _view((2, 500, 2, 128), strides=(2 * 500 * 128, 128, 500 * 128, 1), ptr=1 << 24)  # head-major
+    cfg = config_sets.progression_configs()[0]
+    assert params.operand_encoder(cfg) is params.global_tensor_record
+    raw = make_repack(plan_sm90(cfg, q, k, k), q, k, k)(1 << 20, 1 << 24, 1 << 25, 0x4000, 0)
+    assert len(raw) == params.PARAMS_SIZE
+    for name, ptr, strides in (("tma_q", 1 << 20, q.strides), ("tma_k", 1 << 24, k.strides),
+                               ("tma_v", 1 << 25, k.strides)):
+        at = params.DESCRIPTOR_OFFSETS[name]
+        assert struct.unpack_from("<Qqqq", raw, at) == (ptr, *strides[:3]), name
+        assert raw[at + 32:at + 128] == b"\0" * 96
+    assert struct.unpack_from("<Q", raw, 384)[0] == 0x4000
+    assert params.operand_encoder(config_sets.progression_configs()[1]) is tma.descriptor
+    tma.clear_cache()
 
 
 def test_descriptors_are_cached_by_what_they_encode(monkeypatch):

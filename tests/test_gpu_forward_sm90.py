@@ -1,5 +1,5 @@
 """GPU tests of the Hopper forward family (forward_sm90) against the SPEC §5 rule: every
-progression and default config, lengths around and off the tile sizes (TMA zero fill at ragged
+progression (its first step's cp.async loads on ragged shapes too) and default config, lengths around and off the tile sizes (TMA zero fill at ragged
 edges), seq_q != seq_k, causal (bottom-right), GQA/MQA, LSE, out= and free strides.
 Skipped cleanly without a compute capability 9.0 GPU."""
 from __future__ import annotations
@@ -48,11 +48,18 @@ else:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def prewarmed():
-    """Compile every module the tests use once, in parallel processes, into the kernel cache."""
+def prewarmed(request):
+    """Compile every module the selected tests use once, in parallel processes, into the kernel
+    cache (with -k, only the configs of the selected tests; the defaults when a selected test
+    runs cfg=None)."""
     from cupyflash.prewarm import prewarm
 
-    report = prewarm(CONFIGS, ["sm_90a"], progress=None, causal=(False, True))
+    mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
+    named = {item.callspec.params.get("cfg") if hasattr(item, "callspec") else None for item in mine}
+    configs = [c for c in CONFIGS if c in named]
+    if None in named:
+        configs += get_kernel_configs("defaults")
+    report = prewarm(sorted(set(configs)), ["sm_90a"], progress=None, causal=(False, True))
     assert report.ok, [r for r in report.results if not r.ok][:2]
 
 
@@ -92,6 +99,29 @@ def test_persistent_over_many_tiles(cfg, causal, rng):
     out = poisoned(cp, cfg.dtype, q.shape)
     forward_sm90(cfg, q, k, v, out=out, causal=causal)
     check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, context=str(cfg))
+
+
+CP_ASYNC = [c for c in CONFIGS if c.cp_async]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", CP_ASYNC, ids=str)
+def test_cp_async_ragged_edges_with_lse(cfg, causal, rng):
+    """The cp.async loads (progression step 1) zero-fill rows past each sequence end as TMA does:
+    lengths off the tile sizes, S_q != S_k both ways (causal tiles with no visible key), GQA and
+    MQA, LSE; the first case reads head-major storage (free strides in the records)."""
+    for i, (batch, sq, sk, h, hkv) in enumerate([(2, 77, 200, 4, 2), (1, 1, 300, 4, 1), (2, 130, 63, 4, 2),
+                                                  (1, 257, 257, 2, 2), (1, 513, 1537, 8, 2)]):
+        if i == 0:
+            store = [random_inputs(cp, cfg.dtype, (batch, n, s, cfg.d_head), rng)
+                     for n, s in ((h, sq), (hkv, sk), (hkv, sk))]
+            q, k, v = (x.transpose(0, 2, 1, 3) for x in store)
+        else:
+            q, k, v = _inputs(rng, cfg.dtype, batch, sq, sk, h, hkv, cfg.d_head)
+        out = poisoned(cp, cfg.dtype, q.shape)
+        lse = cp.full((batch, h, sq), np.nan, dtype=cp.float32)
+        forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+        check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=f"{cfg} {(batch, sq, sk, h, hkv)}")
 
 
 # (batch, seq_q, seq_k, heads, kv_heads): tails of every tile size, S_q != S_k both ways, GQA, MQA

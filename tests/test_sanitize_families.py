@@ -51,7 +51,11 @@ def test_each_family_contributes_its_launch_set():
     sm80 = list(sanitize_check.forward_sm80_launches(sanitize_check.pick_configs([64, 128], "first"), rng))
     assert len(sm80) == 2 * len(sanitize_check.SHAPES) * 2 and {x.family for x in sm80} == {"forward_sm80"}
     sm90 = list(sanitize_sm90.launches(rng, quick=True))
-    assert len(sm90) == 3 * 2 * 2 and sanitize_sm90.THREE_CONSUMERS.split("(")[1] in sm90[-1].label
+    assert len(sm90) == 4 * 2 * 2 and sanitize_sm90.THREE_CONSUMERS.split("(")[1] in sm90[-1].label
+    assert "cpasync" in sm90[0].label  # the progression's first step: loads without TMA
+    mine = sanitize_sm90.sanitize_configs()[:1]
+    assert [x.label for x in sanitize_sm90.launches(rng, configs=mine)] == [
+        x.label for x in sanitize_sm90.launches(rng) if x.label.startswith(str(mine[0]) + " ")]
     assert len(list(sanitize_sm90.launches(rng))) == len(sanitize_sm90.sanitize_configs()) * 3 * 2
     dec = list(sanitize_decode.launches(rng))
     assert len(dec) == len(sanitize_decode.CASES) and "lens=[0, 17, 300]" in dec[0].label

@@ -145,6 +145,39 @@ def test_packed_parameters_sm90(monkeypatch):
     assert struct.unpack_from("<ffiii", packed, 384 + 72)[2:] == (4, 3, 100)  # group, batch, lse head stride
 
 
+def test_packed_parameters_sm90_cp_async(monkeypatch):
+    """A cp_async config (forward_sm90's progression step 1) packs pointer-and-strides records over
+    the packed arrays instead of tensor maps, and the fast path writes what the packer packs."""
+    import ctypes
+    import struct
+
+    from cupyflash.families.forward_sm90 import tma
+    from cupyflash.families.forward_sm90.config_sets import progression_configs
+    from cupyflash.families.forward_sm90.params import DESCRIPTOR_OFFSETS, PARAMS_SIZE
+    from cupyflash.varlen import pack_varlen_sm90, sm90_writer
+
+    monkeypatch.setattr(tma, "encode", lambda spec: pytest.fail("a cp_async config encoded a tensor map"))
+    a, p = args(), check(causal=True)
+    cfg = progression_configs(BF16, 128)[0]
+    assert cfg.cp_async
+
+    def repack(q, k, v, o, lse, cq, ck):
+        return pack_varlen_sm90(cfg, p, a["q"]._replace(ptr=q), a["k"]._replace(ptr=k), a["v"]._replace(ptr=v),
+                                o, lse, cq, ck)
+
+    packed = repack(a["q"].ptr, a["k"].ptr, a["v"].ptr, 4, 5, 6, 7)
+    assert len(packed) == PARAMS_SIZE
+    for name, x, strides in (("tma_q", a["q"], (0, 16 * 128, 128)), ("tma_k", a["k"], (0, 4 * 128, 128)),
+                             ("tma_v", a["v"], (0, 4 * 128, 128))):
+        assert struct.unpack_from("<Qqqq", packed, DESCRIPTOR_OFFSETS[name]) == (x.ptr, *strides), name
+    assert struct.unpack_from("<QQQQ", packed, 384) == (4, 5, 6, 7)
+    buf = ctypes.create_string_buffer(repack(a["q"].ptr, a["k"].ptr, a["v"].ptr, 1 << 30, 0, 1 << 32, 1 << 33),
+                                      PARAMS_SIZE)
+    write = sm90_writer(repack, PARAMS_SIZE)(buf)
+    write(1 << 34, 1 << 35, 1 << 36, 1 << 37, 1 << 38, 1 << 39)
+    assert buf.raw == repack(1 << 34, 1 << 35, 1 << 36, 1 << 37, 0, 1 << 38, 1 << 39)
+
+
 @pytest.mark.parametrize("address_word", [lambda a: (a, 0), lambda a: (a >> 4, 0)], ids=["address-word", "shifted"])
 def test_sm90_fast_path_writes_what_the_packer_packs(monkeypatch, address_word):
     """The Hopper varlen fast path stores six pointer words where the driver's encoding allows it

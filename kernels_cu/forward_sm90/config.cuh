@@ -1,7 +1,8 @@
 // Static configuration of the Hopper forward kernel: constants derived from the config value and
 // the shared-memory layout of one CTA.
 //
-// Tiles are stored as TMA writes them with 128-byte swizzling: a tile of R rows and D columns is
+// Tiles are stored as TMA writes them with 128-byte swizzling (cp_async configs write the same
+// layout with 16-byte copies): a tile of R rows and D columns is
 // D/64 column blocks, each R rows of 128 bytes (64 16-bit elements), so every wgmma operand is a
 // canonical 128B-swizzled layout (see smem_descriptor_sw128).
 #pragma once
@@ -20,6 +21,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool PERSISTENT = C.persistent;
     static constexpr int Q_BUFFERS = C.double_q ? 2 : 1;  // tile t uses Q tile t % Q_BUFFERS
     static constexpr int EXP_EMULATION = C.exp_emulation;  // quarters of the scores: exp2 on FMA
+    static constexpr bool CP_ASYNC = C.cp_async;  // consumer threads load Q/K/V with cp.async, no TMA
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -57,6 +59,7 @@ struct StaticHopperForwardConfig {
     static_assert(STAGES >= 1, "at least one K/V stage");
     static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
     static_assert(Q_BUFFERS == 1 || PERSISTENT, "a second Q tile serves only a CTA's next tile");
+    static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
 };
 

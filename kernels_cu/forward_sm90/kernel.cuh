@@ -2,7 +2,8 @@
 // mbarriers, wgmma GEMMs, online softmax in registers. With WARP_SPECIALIZED the first warpgroup
 // is a producer (one thread issues every TMA copy, the warpgroup gives its registers to the
 // consumers with setmaxnreg); without it, thread 0 of the first consumer warpgroup issues the
-// loads between its own GEMMs. PERSISTENT CTAs loop over tiles (tile_scheduler.cuh): the
+// loads between its own GEMMs; with CP_ASYNC every thread loads with cp.async instead of TMA
+// (cp_async_loads.cuh). PERSISTENT CTAs loop over tiles (tile_scheduler.cuh): the
 // producer runs ahead into the next tile's K/V while the consumers finish the epilogue.
 #pragma once
 
@@ -17,6 +18,14 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
     const SmemLayout<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
     const int warpgroup = threadIdx.x / 128;
 
+    if constexpr (Cfg::CP_ASYNC) {
+        // No TMA and no mbarriers: every thread copies with cp.async (cp_async_loads.cuh).
+        const auto tile = Scheduler::first(params);
+        Consumer<Cfg, CAUSAL> consumer(params, smem, tile, warpgroup, threadIdx.x % 128);
+        run_cp_async(consumer, CpAsyncLoader<Cfg, CAUSAL>{params, smem, tile, (int)threadIdx.x}, tile.kv_blocks(params));
+        Epilogue<Cfg, CAUSAL>::store(consumer);
+        return;
+    }
     if (threadIdx.x == 0) {
         tma_prefetch_descriptor(&params.tma_q);
         tma_prefetch_descriptor(&params.tma_k);

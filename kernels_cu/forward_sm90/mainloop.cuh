@@ -113,6 +113,21 @@ struct Consumer {
         }
     }
 
+    // Block j's scores S -> masked, online-softmax statistics updated (O rescaled from the second
+    // block on), P in registers as the A operand of P V_j.
+    CF_DEVICE void softmax_block(Scores& s, int j) {
+        Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
+        if (j == 0) {
+            float unused[1][2];
+            softmax.stats.template update<true>(s, unused, p.softmax_scale, p.softmax_scale_log2);
+        } else {
+            float rescale[1][2];
+            softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+            rescale_output(rescale);
+        }
+        Softmax::convert(s, pa);
+    }
+
     // `refill(block)`: called after a block's stage is released (non-warp-specialised kernels
     // issue the next loads from there).
     template <class Refill>
@@ -138,16 +153,7 @@ struct Consumer {
             wgmma_wait<0>();
             fence_registers(s[0]);
             release_k(stage);
-            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
-            if (j == 0) {
-                float unused[1][2];
-                softmax.stats.template update<true>(s, unused, p.softmax_scale, p.softmax_scale_log2);
-            } else {
-                float rescale[1][2];
-                softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-                rescale_output(rescale);
-            }
-            Softmax::convert(s, pa);
+            softmax_block(s, j);
             mbarrier_wait(smem.v_full(stage), phase);
             wait_turn();
             issue_pv(stage);

@@ -26,7 +26,8 @@ class ForwardSm90Family(KernelFamily):
     template = "forward_sm90.cu.j2"
     headers = ("common/ptx.cuh", "common/online_softmax.cuh", "common/ptx_sm90.cuh", "common/wgmma_sm90.cuh",
                "forward_sm90/config.cuh", "forward_sm90/tile_scheduler.cuh", "forward_sm90/producer.cuh",
-               "forward_sm90/softmax.cuh", "forward_sm90/mainloop.cuh", "forward_sm90/epilogue.cuh",
+               "forward_sm90/softmax.cuh", "forward_sm90/mainloop.cuh", "forward_sm90/cp_async_loads.cuh",
+               "forward_sm90/epilogue.cuh",
                "forward_sm90/kernel.cuh")
     static_wrapper = "StaticHopperForwardConfig"
     roles = (KernelRole("forward", "flash_forward_sm90_kernel", HOPPER_FORWARD_PARAMS),)

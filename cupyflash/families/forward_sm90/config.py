@@ -6,11 +6,14 @@ expression and
 the short form, which names the family:
 
     forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent
+    forward_sm90(BF16, 128, 128, 128, 2): cpasync
     forward_sm90(dtype, d_head, B_r, B_c, n_stages): features
 
-`tma` is always present (every config loads through TMA); `ws`, `pingpong`, `overlap`,
-`persistent`, `qbuf2` (two Q tiles) and `emuN` (exp2 of N quarters of the scores on the FMA
-units) are the optional features. Invalid combinations raise ValueError naming the rule.
+The features start with how Q/K/V reach shared memory: `tma` (TMA copies) or `cpasync` (16-byte
+cp.async copies issued by every consumer thread: the progression's first step, wgmma alone);
+`ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles) and `emuN` (exp2 of N quarters
+of the scores on the FMA units) are the optional features. Invalid combinations raise
+ValueError naming the rule.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
 EXP_EMULATION_VALUES = (0, 1, 2)  # quarters of each row's score columns whose exp2 runs on the FMA units
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
+_LOADS = {"tma": False, "cpasync": True}  # first feature of the short form -> cp_async
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
 # (BC/4), by consumer warpgroups: above these the consumers (setmaxnreg 256 / 240 / 160
 # registers) spill.
@@ -59,6 +63,9 @@ class HopperForwardKernelConfig(KernelConfig):
     # exp2 of `exp_emulation` quarters of the score columns by a polynomial on the FMA units,
     # the rest by MUFU.EX2: at d_head 64 the 16 ex2/clock/SM take as long as the GEMMs.
     exp_emulation: int = 0
+    # Q/K/V loaded by the consumer threads with 16-byte cp.async (zero-filled past the sequence
+    # ends) into the same 128B-swizzled tiles, instead of TMA: wgmma without the copy engine.
+    cp_async: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -75,6 +82,10 @@ class HopperForwardKernelConfig(KernelConfig):
         yield "double_q needs persistent (only a CTA with a next tile can load its Q early)", \
             not self.double_q or self.persistent
         yield f"exp_emulation in {EXP_EMULATION_VALUES}", self.exp_emulation in EXP_EMULATION_VALUES
+        yield ("cp_async loads need the plain mainloop (no ws, pingpong, overlap, persistent, qbuf2): "
+               "every consumer thread copies between its own GEMMs",
+               not self.cp_async or not (self.warp_specialized or self.pingpong or self.intra_wg_overlap
+                                         or self.persistent or self.double_q))
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
@@ -113,7 +124,7 @@ class HopperForwardKernelConfig(KernelConfig):
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
-        features = ["tma"] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
+        features = [self.loads] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
         if self.exp_emulation:
             features.append(f"emu{self.exp_emulation}")
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
@@ -122,6 +133,11 @@ class HopperForwardKernelConfig(KernelConfig):
 
     def __str__(self) -> str:
         return self.short_form()
+
+    @property
+    def loads(self) -> str:
+        """The short form's first feature: how Q/K/V reach shared memory."""
+        return "cpasync" if self.cp_async else "tma"
 
     _SHORT_RE: ClassVar[re.Pattern] = re.compile(
         r"^forward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
@@ -133,8 +149,8 @@ class HopperForwardKernelConfig(KernelConfig):
         m = cls._match_short_form(text, cls._SHORT_RE,
                                   "'forward_sm90(DTYPE, d_head, B_r, B_c, n_stages): tma+feature+...'")
         feats = m.group("feat").split("+")
-        if feats[0] != "tma":
-            raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma'")
+        if feats[0] not in _LOADS:
+            raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma' or 'cpasync'")
         flags = dict.fromkeys(cls._FLAGS.values(), False)
         emulation = None
         for feat in feats[1:]:
@@ -153,4 +169,4 @@ class HopperForwardKernelConfig(KernelConfig):
             flags[cls._FLAGS[feat]] = True
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
-                   flags["persistent"], flags["double_q"], emulation or 0)
+                   flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]])

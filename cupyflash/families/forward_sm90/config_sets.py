@@ -56,12 +56,13 @@ def varlen_default_config(dtype: DType, d_head: int, causal: bool = False) -> Ho
 
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperForwardKernelConfig]:
-    """The optimisation history, one feature added per step (FA3's ablation order):
-    wgmma + TMA ring loaded by a consumer thread -> + warp specialisation (producer warpgroup,
-    setmaxnreg) -> + ping-pong of the two consumer warpgroups -> + intra-warpgroup overlap ->
-    + persistent CTAs."""
+    """The optimisation history, one feature added per step (FA3's ablation order): wgmma alone
+    (every consumer thread loads with cp.async) -> + TMA ring loaded by a consumer thread ->
+    + warp specialisation (producer warpgroup, setmaxnreg) -> + ping-pong of the two consumer
+    warpgroups -> + intra-warpgroup overlap -> + persistent CTAs."""
     b_c = _DEFAULT_B_C[d_head]
     return [
+        HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, False, False, False, False, cp_async=True),
         HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, False, False, False, False),
         HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, False, False, False),
         HopperForwardKernelConfig(dtype, d_head, 128, b_c, 2, True, True, False, False),
@@ -89,13 +90,13 @@ _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, doubl
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
     """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
     stages and ping-pong listed for its d_head, at d64 persistent CTAs only with two Q tiles, and
-    every exponential on MUFU.EX2."""
+    every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's first step)."""
     d = cfg.d_head
     return (cfg.warp_specialized and cfg.intra_wg_overlap
             and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
             and cfg.n_stages in _TUNE_STAGES[d] and cfg.pingpong in _TUNE_PINGPONG[d]
             and not (d == 64 and cfg.persistent and not cfg.double_q)
-            and cfg.exp_emulation == 0)
+            and cfg.exp_emulation == 0 and not cfg.cp_async)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:

@@ -18,7 +18,7 @@ from ..forward_sm80 import config_sets as sm80_config_sets
 from . import tma
 from .config import D_HEADS, HopperForwardKernelConfig
 from .config_sets import default_config
-from .params import pack_params
+from .params import operand_encoder, pack_params
 
 __all__ = ["Sm90Plan", "auto_config", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
            "pack_sm90", "make_repack"]
@@ -122,9 +122,10 @@ def get_kernel(cfg: HopperForwardKernelConfig, device: int, causal: bool):
 # ------------------------------------------------------------------------------ launch
 def make_repack(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView) -> Callable[..., bytes]:
     """`repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr=0)` -> HopperForwardParams for new pointers of
-    these layouts: the per-call half of the packing (each descriptor a lookup in tma's cache)."""
+    these layouts: the per-call half of the packing (each descriptor a lookup in tma's cache; a
+    cp_async config packs plain pointer-and-strides records instead)."""
     cfg, b = plan.cfg, plan.base
-    dtype, descriptor = cfg.dtype, tma.descriptor
+    dtype, descriptor = cfg.dtype, operand_encoder(cfg)  # tensor maps, or plain records for cp_async
     (qs, qst), (ks, kst), (vs, vst) = ((x.shape, x.strides) for x in (q, k, v))
     tail = (*b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads, b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2,
             b.kv_group_size, b.out_shape[0], 0)

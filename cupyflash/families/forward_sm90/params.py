@@ -2,7 +2,8 @@
 `const __grid_constant__` argument.
 
 The three TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned) come first, at offsets 0,
-128 and 256, as the driver requires for descriptors read from parameter space. The struct is
+128 and 256, as the driver requires for descriptors read from parameter space. Configs that load
+with cp.async (cp_async) read no descriptor: their slots hold `global_tensor_record`s instead. The struct is
 rendered from `HOPPER_FORWARD_PARAMS` (templates/base.cu.j2) and packed from the same list; an
 explicit tail pad makes the packed size sizeof(HopperForwardParams), a multiple of 64, since the
 driver copies that many bytes from the argument buffer.
@@ -14,7 +15,7 @@ import struct
 from ..base import ParamStruct, stride_fields
 
 __all__ = ["HOPPER_FORWARD_PARAMS", "PARAM_FIELDS", "PARAMS_SIZE", "TMA_DESCRIPTOR_BYTES", "DESCRIPTOR_OFFSETS",
-           "pack_params"]
+           "pack_params", "global_tensor_record", "operand_encoder"]
 
 TMA_DESCRIPTOR_BYTES = 128
 _ALIGN = 64  # alignof(TmaDescriptor)
@@ -51,3 +52,25 @@ DESCRIPTOR_OFFSETS = {"tma_q": 0, "tma_k": 128, "tma_v": 256}
 def pack_params(*values) -> bytes:
     """The kernel's parameter bytes from values in field order (the padding takes none)."""
     return HOPPER_FORWARD_PARAMS.pack(*values)
+
+
+_RECORD = struct.Struct("<Qqqq")
+
+
+def global_tensor_record(ptr: int, dtype=None, shape=None, strides: tuple[int, ...] = (0, 0, 0, 1),
+                         box_rows: int = 0) -> bytes:
+    """A descriptor slot's bytes for a cp_async config: the pointer, then the batch, seq and head
+    strides in elements (kernels_cu/forward_sm90/cp_async_loads.cuh reads them), zero padded.
+    Takes tma.descriptor's arguments so either can encode a slot; dtype, shape and box_rows are
+    not needed (the kernel bounds rows by the sequence lengths)."""
+    return _RECORD.pack(ptr, *strides[:3]).ljust(TMA_DESCRIPTOR_BYTES, b"\0")
+
+
+def operand_encoder(cfg):
+    """How `cfg`'s descriptor slots are encoded: `(ptr, dtype, shape, strides, box_rows) -> bytes`,
+    tma.descriptor (cached tensor maps) or global_tensor_record for cp_async configs."""
+    if cfg.cp_async:
+        return global_tensor_record
+    from .tma import descriptor
+
+    return descriptor
