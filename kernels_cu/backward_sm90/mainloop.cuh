@@ -14,6 +14,8 @@
 //                      128 each computes half of dQ's columns over all B_c keys (every dQ
 //                      element is reduced once per CTA); otherwise each warpgroup computes all
 //                      columns over its own 64 keys.
+// With dq_tma the dQ block is staged in shared memory and a writer warp adds it with TMA tensor
+// reductions (dq_writer.cuh) instead of the red.global.add.v2 above.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
 #pragma once
 
@@ -187,7 +189,9 @@ struct BwdConsumer {
                 wgmma_wait<0>();
                 fence_registers(dq);
                 const int row = 16 * warp + (lane >> 2);
-                if constexpr (Cfg::DQ_BULK) {
+                if constexpr (Cfg::DQ_TMA) {
+                    stage_dq_panels(dq, row);
+                } else if constexpr (Cfg::DQ_BULK) {
                     // Stage this half of dQ (the previous block's reductions finished reading the
                     // rows before this iteration's dS^T barrier), then the issuing warp adds the
                     // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
@@ -220,6 +224,30 @@ struct BwdConsumer {
                 }
             }
         }
+    }
+
+    // dq_tma: this warpgroup's dQ columns into its two swizzled panels (once the writer warp's
+    // reductions have read the previous block's), then handed to the writer warp.
+    CF_DEVICE void stage_dq_panels(const float (&dq)[DQ_N / 8][4], int row) const {
+        named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+        // Element (r, 8 j' + 2 (lane & 3)) of a panel: 16-byte chunk 2 j' + h (h = bit 1 of the
+        // lane), swizzled (2 j' + h) ^ (r & 7) = 2 j' ^ (h ^ (r & 7)): one base address per
+        // thread, XOR j' << 5 per n-tile; row r + 8 is 1024 bytes on (same r & 7), the second
+        // panel DQ_PANEL_BYTES.
+        const u32 a0 = dq_panel_address(0, row, 2 * (lane & 3));
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+            const u32 a = (a0 ^ (u32)((j % 4) << 5)) + (j / 4) * Cfg::DQ_PANEL_BYTES;
+            st_shared_f32x2(a, dq[j][0], dq[j][1]);
+            st_shared_f32x2(a + 8 * 128, dq[j][2], dq[j][3]);
+        }
+        fence_proxy_async_shared();  // the TMA reductions read the panels through the async proxy
+        named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+    }
+    // Shared address of fp32 element (row r, column c) of this warpgroup's dQ panel: 128-byte rows,
+    // 16-byte chunk index XOR (r & 7) (the map's 128B swizzle; conflict-free 8-byte stores).
+    CF_DEVICE u32 dq_panel_address(int panel, int r, int c) const {
+        return smem.dq_panel(wg, panel) + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
     }
 
     // dq_bulk: the warp that issues the bulk reductions of dQ (warp 0 of the first consumer).

@@ -5,7 +5,8 @@ name expression and the short form, which names the family:
 
     backward_sm90(BF16, 128, 64, 128, 2)
     backward_sm90(BF16, 128, 64, 128, 2): dq_bulk
-    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: dq_bulk]
+    backward_sm90(BF16, 128, 64, 128, 2): dq_tma
+    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: dq_bulk | : dq_tma]
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
 B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. How dQ
@@ -13,7 +14,10 @@ is accumulated is the variant, not the config: fp32 atomics (red.global.add.v2.f
 workspace, or with `deterministic` backward_sm80's separate dQ pass. `dq_bulk` (two consumer
 warpgroups at d_head 128 only) stages each block's fp32 dQ in shared memory and adds it to the
 workspace with bulk reductions (cp.reduce.async.bulk, one per row) from a warp of the producer
-warpgroup, instead of red.global.add.v2 from every consumer thread.
+warpgroup, instead of red.global.add.v2 from every consumer thread. `dq_tma` (same shapes) has
+each consumer warpgroup stage its half of the block's dQ in two 128B-swizzled fp32 panels and a
+writer warp of the producer warpgroup add each panel to the workspace with one TMA tensor
+reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import ClassVar, Iterator
 from ...config import DType, KernelConfig
 
 __all__ = ["HopperBackwardKernelConfig", "FAMILY", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
-           "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS"]
+           "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
@@ -38,6 +42,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024
 # with two warpgroups, so more than this leaves too few for addresses and fragments.
 ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
+DQ_TMA_COLS = 32  # fp32 columns of one dq_tma panel: 128 bytes, the 128B swizzle span
 DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
@@ -53,6 +58,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     B_c: int
     n_stages: int
     dq_bulk: bool = False
+    dq_tma: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -62,6 +68,9 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
         yield ("dq_bulk needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
                not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield ("dq_tma needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
+               not self.dq_tma or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
@@ -86,6 +95,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         stage = -(-stage // 1024) * 1024
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
+        if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
+            dq = self.B_r * self.d_head * 4
         barriers = 8 * (1 + 2 * self.n_stages)
         return kv + self.n_stages * stage + ds + dq + barriers + 1024
 
@@ -98,7 +109,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     # ------------------------------------------------------------ short form
     def short_form(self) -> str:
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
-        tail = ": dq_bulk" if self.dq_bulk else ""
+        tail = ": dq_bulk" if self.dq_bulk else ": dq_tma" if self.dq_tma else ""
         return f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}){tail}"
 
     def __str__(self) -> str:
@@ -106,12 +117,14 @@ class HopperBackwardKernelConfig(KernelConfig):
 
     _SHORT_RE: ClassVar[re.Pattern] = re.compile(
         r"^backward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
-        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<bulk>dq_bulk)\s*)?$")
+        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<mode>dq_bulk|dq_tma)\s*)?$")
 
     @classmethod
     def parse(cls, text: str) -> "HopperBackwardKernelConfig":
         """Inverse of `short_form()`; ValueError on anything else."""
         m = cls._match_short_form(text, cls._SHORT_RE,
-                                  "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
+                                  "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with "
+                                  "': dq_bulk' or ': dq_tma'")
+        mode = m.group("mode")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("st")), m.group("bulk") is not None)
+                   int(m.group("st")), mode == "dq_bulk", mode == "dq_tma")

@@ -21,10 +21,11 @@ _DEFAULTS = {64: (128, 2), 128: (128, 2)}
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
     out = []
-    for dtype, d, br, bc, st, bulk in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
-                                                        (False, True)):
+    # dQ modes (dq_bulk, dq_tma): fp32 atomics, bulk row reductions, TMA tensor reductions
+    for dtype, d, br, bc, st, (bulk, tma) in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
+                                                               ((False, False), (True, False), (False, True))):
         try:
-            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk))
+            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk, tma))
         except ValueError:
             continue
     return sorted(out)
