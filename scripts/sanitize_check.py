@@ -153,7 +153,7 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
         configs = [sm90_default(DType.BF16, d) for d in (64, 128)]
         d128 = configs[-1]
         if not args.no_dq_bulk:  # dQ by bulk reductions from shared memory
-            configs.append(d128.replace(dq_bulk=True, dq_tma=False))
+            configs.append(d128.replace(dq_bulk=True, dq_tma=False, dq_mid=False, nomask=False))
         if not d128.dq_tma:  # dQ by a writer warp's TMA tensor reductions
             configs.append(d128.replace(dq_tma=True))
         return list(sanitize_backward.launches(configs, shapes, rng)), None

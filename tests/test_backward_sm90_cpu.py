@@ -65,6 +65,8 @@ def test_parse_rejects(text):
     ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
     ((DType.BF16, 128, 64, 128, 3, False, True), "shared memory"),
+    ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
+    ((DType.BF16, 128, 64, 128, 2, False, True, True, True), "exclude each other"),
 ])
 def test_rules(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -93,7 +95,14 @@ def test_dq_tma_short_form_and_smem():
     plain = cfg.replace(dq_tma=False)
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
-    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2)} and len(tma_cfgs) == 4
+    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2)}
+    assert len(tma_cfgs) == 12  # 2 dtypes x 2 stage counts x (plain, dq_mid, nomask)
+    knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
+    assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
+    assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
+    for bad in ("dq_tma+dq_tma", "dq_fast", "dq_tma+"):
+        with pytest.raises(ValueError, match="cannot parse"):
+            HopperBackwardKernelConfig.parse(f"backward_sm90(BF16, 128, 64, 128, 2): {bad}")
 
 
 def test_config_sets():
@@ -176,7 +185,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)

@@ -18,6 +18,8 @@ struct StaticHopperBackwardConfig {
     static constexpr int STAGES = C.n_stages;
     static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a consumer warp
     static constexpr bool DQ_TMA = C.dq_tma;    // dQ staged in swizzled panels, TMA-reduced by a writer warp
+    static constexpr bool DQ_MID = C.dq_mid;    // GEMM order dV | barrier | dQ, dK (else dV, dK | barrier | dQ)
+    static constexpr bool NOMASK = C.nomask;    // fully visible score tiles skip the mask arithmetic
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
     static constexpr int CONSUMERS = BC / WG_KEYS;

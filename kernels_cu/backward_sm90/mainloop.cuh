@@ -117,19 +117,10 @@ struct BwdConsumer {
 
             wgmma_wait<1>();  // S^T is ready; dP^T may still run
             fence_registers(st);
-            // lse2/dvec of the thread's two query columns per n-tile: one 8-byte load each
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = query_col(j, e, lane);
-                    const int key = key_base + key_row(e), query = q0 + c;
-                    bool keep = key < p.seq_len_k && query < p.seq_len_q;
-                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
-                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
-                }
-            }
+            if (Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
+                probabilities<false>(st, s, key_base, q0, causal_offset);
+            else
+                probabilities<true>(st, s, key_base, q0, causal_offset);
             wgmma_wait<0>();
             fence_registers(dpt);
 #pragma unroll
@@ -142,11 +133,15 @@ struct BwdConsumer {
             to_fragments(st, pa);
             to_fragments(dpt, dsa);
 
+            // dQ after the barrier below: with dq_mid, dK is issued behind it (dQ completes first)
+            constexpr bool DK_AFTER_DQ = Cfg::DQ_MID && !DETERMINISTIC;
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dv, pa[k], mnmajor_b_q(smem.dout(s), k), 1);
+            if constexpr (!DK_AFTER_DQ) {
 #pragma unroll
-            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+                for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+            }
             wgmma_commit();
 
             if constexpr (DETERMINISTIC) {
@@ -182,12 +177,21 @@ struct BwdConsumer {
                 for (int k = 0; k < DQ_STEPS; ++k)
                     wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(buf, k), mnmajor_b_k(k), k > 0);
                 wgmma_commit();
-                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
-                fence_registers(dv);
-                fence_registers(dk);
-                release(s);
-                wgmma_wait<0>();
-                fence_registers(dq);
+                if constexpr (DK_AFTER_DQ) {
+#pragma unroll
+                    for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+                    wgmma_commit();
+                    wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
+                    fence_registers(dv);
+                    fence_registers(dq);
+                } else {
+                    wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+                    fence_registers(dv);
+                    fence_registers(dk);
+                    release(s);
+                    wgmma_wait<0>();
+                    fence_registers(dq);
+                }
                 const int row = 16 * warp + (lane >> 2);
                 if constexpr (Cfg::DQ_TMA) {
                     stage_dq_panels(dq, row);
@@ -222,6 +226,41 @@ struct BwdConsumer {
                         red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
                     }
                 }
+                if constexpr (DK_AFTER_DQ) {
+                    wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
+                    fence_registers(dk);
+                    release(s);
+                }
+            }
+        }
+    }
+
+    // Every (key, query) of this warpgroup's score tile is visible: no key or query tail and,
+    // causal, the warpgroup's last key at or below the block's first query's diagonal.
+    CF_DEVICE bool tile_visible(int key_base, int q0, int causal_offset) const {
+        const int last_key = key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1;
+        bool visible = last_key < p.seq_len_k && q0 + Cfg::BR <= p.seq_len_q;
+        if constexpr (CAUSAL) visible = visible && last_key <= q0 + causal_offset;
+        return visible;
+    }
+
+    // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK zero where the key is
+    // past seq_len_k, the query past seq_len_q or (causal) the key after the query's diagonal.
+    template <bool MASK>
+    CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
+        // lse2 of the thread's two query columns per n-tile: one 8-byte load each
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bool keep = true;
+                if constexpr (MASK) {
+                    const int key = key_base + key_row(e), query = q0 + query_col(j, e, lane);
+                    keep = key < p.seq_len_k && query < p.seq_len_q;
+                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
+                }
+                st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
             }
         }
     }

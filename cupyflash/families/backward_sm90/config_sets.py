@@ -25,9 +25,12 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
     for dtype, d, br, bc, st, (bulk, tma) in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
                                                                ((False, False), (True, False), (False, True))):
         try:
-            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk, tma))
+            cfg = HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk, tma)
         except ValueError:
             continue
+        out.append(cfg)
+        if tma:  # the schedule knobs, on the dq_tma tile only (the set stays small)
+            out += [cfg.replace(dq_mid=True), cfg.replace(nomask=True)]
     return sorted(out)
 
 
