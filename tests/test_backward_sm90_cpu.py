@@ -38,11 +38,12 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2)"
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB each)
-    # + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 40 + 1024
+    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB
+    # each) + the dQ panels (32 KiB) + barriers + 1 KiB
+    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 32768 + 40 + 1024
+    assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -61,10 +62,10 @@ def test_parse_rejects(text):
     ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
+    ((DType.BF16, 128, 64, 128, 3, False, True), "shared memory"),
     ((DType.BF16, 64, 64, 128, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
-    ((DType.BF16, 128, 64, 128, 3, False, True), "shared memory"),
     ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
     ((DType.BF16, 128, 64, 128, 2, False, True, True, True), "exclude each other"),
 ])
@@ -108,7 +109,10 @@ def test_dq_tma_short_form_and_smem():
 def test_config_sets():
     assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
-    assert config_sets.get_kernel_configs("prog") == [config_sets.default_config(DType.BF16, 128)]
+    prog = config_sets.get_kernel_configs("prog")
+    assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid"]
+    assert prog[-1] == config_sets.default_config(DType.BF16, 128)
+    assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -219,7 +223,7 @@ def _plan(cfg, deterministic=False, causal=False, **kw):
 def test_resolve_config_accepts_the_hopper_family():
     cfg = config_sets.default_config(DType.BF16, 128)
     assert resolve_backward_config(cfg) is cfg
-    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2)") == cfg
+    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid") == cfg
     with pytest.raises(ValueError, match="^cfg: cannot parse"):
         resolve_backward_config("backward_sm90(BF16, 128)")
 
@@ -250,7 +254,7 @@ def test_pack_dkdv(monkeypatch):
         return bytes([len(calls)]) * 128
 
     monkeypatch.setattr(launch.tma, "descriptor", fake_descriptor)
-    cfg = config_sets.default_config(DType.FP16, 128)
+    cfg = config_sets.default_config(DType.FP16, 128).replace(dq_tma=False, dq_mid=False)  # no dQ map
     p, a = _plan(cfg, b=1, sq=77, sk=130, h=8, hk=2, dtype=DType.FP16)
     raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
     assert [c[2] for c in calls] == [64, 128, 128, 64] and calls[0][0] == a["q"].ptr and calls[3][0] == a["dout"].ptr
@@ -337,6 +341,7 @@ def faked_backward(monkeypatch):
 
     monkeypatch.setattr(backward_api, "_workspace", workspace)
     monkeypatch.setattr(launch.tma, "descriptor", lambda ptr, dtype, shape, strides, rows: ptr.to_bytes(8, "little") * 16)
+    monkeypatch.setattr(launch.tma, "encode_cached", lambda spec: spec.address.to_bytes(8, "little") * 16)  # dq_tma
     monkeypatch.setattr(launch, "launch_backward_sm90",
                         lambda plan, sm80, hopper, stream: state["launches"].append((plan, sm80, hopper, stream)))
     return state
@@ -362,7 +367,8 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
     assert len(faked_backward["workspaces"]) == (2 if deterministic else 3)
     vals = HOPPER_BACKWARD_PARAMS.layout.unpack(hopper)
     assert vals[0] == a["q"].ptr.to_bytes(8, "little") * 16 and vals[3] == a["dout"].ptr.to_bytes(8, "little") * 16
-    assert vals[4] == bytes(128)  # tma_dq: not a dq_tma config
+    # tma_dq: the default's dq_tma map of the dq_accum workspace (none when deterministic)
+    assert vals[4] == (bytes(128) if deterministic else (0x7300000).to_bytes(8, "little") * 16)
     assert vals[5:7] == (dk.ptr, dv.ptr)
     assert vals[7] == (0 if deterministic else 0x7300000) and vals[8:10] == (0x7100000, 0x7200000)
     assert vals[16:22] == (100, 200, 128, 4, 2, 2)
@@ -373,7 +379,8 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
 
 def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     faked_backward["cc"] = 80
-    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\) .*compute capability 9.0 only"):
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid .*compute "
+                                         r"capability 9.0 only"):
         _call(config_sets.default_config(DType.BF16, 128))
     assert not faked_backward["launches"]
 
