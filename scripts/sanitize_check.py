@@ -17,7 +17,7 @@ scripts/sanitize_decode.py's cases: contiguous and paged caches, lengths 0 and p
 several splits for the combine kernel, k_new appended), backward_sm80 (scripts/sanitize_backward.py:
 default configs of d_head 64 and 128, atomic and deterministic dQ), backward_sm90 (the same launches
 on the Hopper backward family's bf16 defaults of d_head 64 and 128 and the d_head 128 one with
-dq_bulk: its TMA/mbarrier dK/dV kernel,
+dq_bulk and with dq_tma, or the configs --sm90-configs names: its TMA/mbarrier dK/dV kernel,
 for synccheck too; skipped with the reason off compute capability 9.0). --varlen adds forward_varlen
 on scripts/sanitize_varlen.py's ragged batches, empty sequences included (also as --family varlen).
 
@@ -145,9 +145,17 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
         from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
 
         shapes = sanitize_backward.SHAPES[:2] if args.quick else sanitize_backward.SHAPES
+        if args.sm90_configs:
+            from cupyflash.families.backward_sm90.config import HopperBackwardKernelConfig
+
+            configs = [HopperBackwardKernelConfig.parse(t) for t in args.sm90_configs.split("|") if t.strip()]
+            return list(sanitize_backward.launches(configs, shapes, rng)), None
         configs = [sm90_default(DType.BF16, d) for d in (64, 128)]
-        if not args.no_dq_bulk:
-            configs.append(configs[-1].replace(dq_bulk=True))  # dQ by bulk reductions from shared memory
+        d128 = configs[-1]
+        if not args.no_dq_bulk:  # dQ by bulk reductions from shared memory
+            configs.append(d128.replace(dq_bulk=True, dq_tma=False, dq_mid=False, nomask=False))
+        if not d128.dq_tma:  # dQ by a writer warp's TMA tensor reductions
+            configs.append(d128.replace(dq_tma=True))
         return list(sanitize_backward.launches(configs, shapes, rng)), None
     if family == "varlen":
         import cupyflash
@@ -193,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="forward_sm90: 3 configs x 2 shapes; backward_sm80/sm90: the first 2 shapes")
     p.add_argument("--no-dq-bulk", action="store_true", help="backward_sm90: leave out the dq_bulk config")
+    p.add_argument("--sm90-configs", default="",
+                   help="backward_sm90: '|'-separated short forms to run instead of the defaults (+ dq_bulk, dq_tma)")
     p.add_argument("--seed", type=int, default=0)
     return p
 

@@ -38,11 +38,12 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2)"
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB each)
-    # + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 40 + 1024
+    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB
+    # each) + the dQ panels (32 KiB) + barriers + 1 KiB
+    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 32768 + 40 + 1024
+    assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -61,6 +62,12 @@ def test_parse_rejects(text):
     ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
+    ((DType.BF16, 128, 64, 128, 3, False, True), "shared memory"),
+    ((DType.BF16, 64, 64, 128, 2, False, True), "dq_tma needs"),
+    ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
+    ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
+    ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
+    ((DType.BF16, 128, 64, 128, 2, False, True, True, True), "exclude each other"),
 ])
 def test_rules(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -82,10 +89,30 @@ def test_dq_bulk_short_form_and_smem():
     assert {(c.d_head, c.B_c) for c in bulk} == {(128, 128)} and len(bulk) == 4  # 2 dtypes x 1-2 stages
 
 
+def test_dq_tma_short_form_and_smem():
+    cfg = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 128, 64, 128, 2): dq_tma")
+    assert cfg.dq_tma and not cfg.dq_bulk and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma"
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    plain = cfg.replace(dq_tma=False)
+    assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
+    tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
+    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2)}
+    assert len(tma_cfgs) == 12  # 2 dtypes x 2 stage counts x (plain, dq_mid, nomask)
+    knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
+    assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
+    assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
+    for bad in ("dq_tma+dq_tma", "dq_fast", "dq_tma+"):
+        with pytest.raises(ValueError, match="cannot parse"):
+            HopperBackwardKernelConfig.parse(f"backward_sm90(BF16, 128, 64, 128, 2): {bad}")
+
+
 def test_config_sets():
     assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
-    assert config_sets.get_kernel_configs("prog") == [config_sets.default_config(DType.BF16, 128)]
+    prog = config_sets.get_kernel_configs("prog")
+    assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid"]
+    assert prog[-1] == config_sets.default_config(DType.BF16, 128)
+    assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -104,7 +131,7 @@ def test_companion_config_pads_like_this_family():
 def test_params_layout():
     assert PARAMS_SIZE % 64 == 0
     names = HOPPER_BACKWARD_PARAMS.names()
-    assert names[:4] == ("tma_q", "tma_k", "tma_v", "tma_do")
+    assert names[:5] == ("tma_q", "tma_k", "tma_v", "tma_do", "tma_dq")
     fmt = "<"
     for name, _, f in HOPPER_BACKWARD_PARAMS.fields:
         if name in DESCRIPTOR_OFFSETS:
@@ -114,13 +141,13 @@ def test_params_layout():
 
 
 def test_params_pack_round_trip():
-    descs = [bytes([i]) * 128 for i in range(1, 5)]
+    descs = [bytes([i]) * 128 for i in range(1, 6)]
     values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2, 4, 0.125, 0.18)
     raw = pack_params(*values)
     assert len(raw) == PARAMS_SIZE
     back = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
-    assert back[:4] == tuple(descs) and back[4:21] == values[4:21]
-    assert back[21] == pytest.approx(0.125) and back[22] == pytest.approx(0.18, rel=1e-6)
+    assert back[:5] == tuple(descs) and back[5:22] == values[5:22]
+    assert back[22] == pytest.approx(0.125) and back[23] == pytest.approx(0.18, rel=1e-6)
 
 
 def test_rendered_source_has_both_param_structs_and_configs():
@@ -162,7 +189,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
@@ -196,7 +223,7 @@ def _plan(cfg, deterministic=False, causal=False, **kw):
 def test_resolve_config_accepts_the_hopper_family():
     cfg = config_sets.default_config(DType.BF16, 128)
     assert resolve_backward_config(cfg) is cfg
-    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2)") == cfg
+    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid") == cfg
     with pytest.raises(ValueError, match="^cfg: cannot parse"):
         resolve_backward_config("backward_sm90(BF16, 128)")
 
@@ -227,16 +254,39 @@ def test_pack_dkdv(monkeypatch):
         return bytes([len(calls)]) * 128
 
     monkeypatch.setattr(launch.tma, "descriptor", fake_descriptor)
-    cfg = config_sets.default_config(DType.FP16, 128)
+    cfg = config_sets.default_config(DType.FP16, 128).replace(dq_tma=False, dq_mid=False)  # no dQ map
     p, a = _plan(cfg, b=1, sq=77, sk=130, h=8, hk=2, dtype=DType.FP16)
     raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
     assert [c[2] for c in calls] == [64, 128, 128, 64] and calls[0][0] == a["q"].ptr and calls[3][0] == a["dout"].ptr
     vals = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
     assert vals[:4] == tuple(bytes([i]) * 128 for i in range(1, 5))
-    assert vals[4:9] == (0x10, 0x20, 0x30, 0x40, 0x50)
-    assert vals[9:15] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
-    assert vals[15:21] == (77, 130, 128, 8, 2, 4)
-    assert vals[21] == pytest.approx(128 ** -0.5)
+    assert vals[4] == bytes(128)  # no dq_tma: the workspace map is left zero
+    assert vals[5:10] == (0x10, 0x20, 0x30, 0x40, 0x50)
+    assert vals[10:16] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
+    assert vals[16:22] == (77, 130, 128, 8, 2, 4)
+    assert vals[22] == pytest.approx(128 ** -0.5)
+
+
+def test_pack_dkdv_dq_tma_map(monkeypatch):
+    specs = []
+
+    def fake_encode(spec):
+        specs.append(spec)
+        return b"\x07" * 128
+
+    monkeypatch.setattr(launch.tma, "descriptor", lambda *a: bytes(128))
+    monkeypatch.setattr(launch.tma, "encode_cached", fake_encode)
+    cfg = config_sets.default_config(DType.BF16, 128).replace(dq_tma=True)
+    p, a = _plan(cfg, b=3, sq=77, sk=130, h=8, hk=2)
+    raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
+    assert HOPPER_BACKWARD_PARAMS.layout.unpack(raw)[4] == b"\x07" * 128
+    (spec,) = specs
+    rows = p.seq_len_q_pad
+    assert rows % 64 == 0 and rows >= 77
+    assert spec.data_type == 7 and spec.address == 0x30  # fp32, the dq_accum workspace
+    assert spec.dims == (128, rows, 8, 3) and spec.box == (32, 64, 1, 1)
+    assert spec.byte_strides == (128 * 4, rows * 128 * 4, 8 * rows * 128 * 4)
+    assert launch.dq_descriptor(cfg, p, 0) == bytes(128)  # no workspace (deterministic): no map
 
 
 def test_check_sm90_problem():
@@ -291,6 +341,7 @@ def faked_backward(monkeypatch):
 
     monkeypatch.setattr(backward_api, "_workspace", workspace)
     monkeypatch.setattr(launch.tma, "descriptor", lambda ptr, dtype, shape, strides, rows: ptr.to_bytes(8, "little") * 16)
+    monkeypatch.setattr(launch.tma, "encode_cached", lambda spec: spec.address.to_bytes(8, "little") * 16)  # dq_tma
     monkeypatch.setattr(launch, "launch_backward_sm90",
                         lambda plan, sm80, hopper, stream: state["launches"].append((plan, sm80, hopper, stream)))
     return state
@@ -316,9 +367,11 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
     assert len(faked_backward["workspaces"]) == (2 if deterministic else 3)
     vals = HOPPER_BACKWARD_PARAMS.layout.unpack(hopper)
     assert vals[0] == a["q"].ptr.to_bytes(8, "little") * 16 and vals[3] == a["dout"].ptr.to_bytes(8, "little") * 16
-    assert vals[4:6] == (dk.ptr, dv.ptr)
-    assert vals[6] == (0 if deterministic else 0x7300000) and vals[7:9] == (0x7100000, 0x7200000)
-    assert vals[15:21] == (100, 200, 128, 4, 2, 2)
+    # tma_dq: the default's dq_tma map of the dq_accum workspace (none when deterministic)
+    assert vals[4] == (bytes(128) if deterministic else (0x7300000).to_bytes(8, "little") * 16)
+    assert vals[5:7] == (dk.ptr, dv.ptr)
+    assert vals[7] == (0 if deterministic else 0x7300000) and vals[8:10] == (0x7100000, 0x7200000)
+    assert vals[16:22] == (100, 200, 128, 4, 2, 2)
     from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
 
     assert len(sm80) == PARAMS_STRUCT.size
@@ -326,7 +379,8 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
 
 def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     faked_backward["cc"] = 80
-    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\) .*compute capability 9.0 only"):
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid .*compute "
+                                         r"capability 9.0 only"):
         _call(config_sets.default_config(DType.BF16, 128))
     assert not faked_backward["launches"]
 

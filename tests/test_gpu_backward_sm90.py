@@ -14,6 +14,7 @@ import pytest
 from cupyflash.config import DType
 from cupyflash.device import has_gpu
 from cupyflash.families.backward_sm90 import BACKWARD_SM90
+from cupyflash.families.backward_sm90.config import KNOBS
 from cupyflash.families.backward_sm90.config_sets import default_config, get_kernel_configs
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
 
@@ -42,6 +43,11 @@ DEFAULTS = get_kernel_configs("defaults")
 FIGURES: list[dict] = []
 
 
+def with_knobs(cfg, **knobs):
+    """`cfg`'s tile with only the given knobs set (dq_bulk, dq_tma, dq_mid, nomask)."""
+    return cfg.replace(**{k: bool(knobs.get(k, False)) for k in KNOBS})
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile every module the tests use in parallel (NVRTC needs no GPU), then run them warm."""
@@ -50,7 +56,7 @@ def prewarmed_cache():
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = max(1, min(16, os.cpu_count() or 1))
-    bulk = [c.replace(dq_bulk=True) for c in DEFAULTS if c.d_head == 128]
+    bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 for bulk in (True, False)]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
         prewarm(DEFAULTS + bulk, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()),
@@ -124,7 +130,34 @@ def test_default_config_shapes(dtype, d_head, case, rng):
 def test_dq_bulk_shapes(dtype, case, rng):
     """dQ staged in shared memory and added by bulk reductions (the d128 two-warpgroup tile)."""
     batch, sq, sk, h, hk, causal = case
-    run_case(default_config(dtype, 128).replace(dq_bulk=True), batch, sq, sk, h, hk, causal, rng)
+    run_case(with_knobs(default_config(dtype, 128), dq_bulk=True), batch, sq, sk, h, hk, causal, rng)
+
+
+TMA_KNOBS = {"plain": {"dq_mid": False, "nomask": False}, "dq_mid": {"dq_mid": True, "nomask": False}, "nomask": {"dq_mid": False, "nomask": True}}
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("knobs", list(TMA_KNOBS), ids=lambda k: f"dq_tma_{k}")
+def test_dq_tma_shapes(knobs, dtype, case, rng):
+    """dQ staged in swizzled shared-memory panels and added by a writer warp's TMA tensor
+    reductions (the d128 two-warpgroup tile); with the schedule knobs (dq_mid: dV | dQ, dK;
+    nomask: fully visible tiles unmasked - the 640x513 and causal 300x300 cases have such tiles
+    beside masked ones)."""
+    batch, sq, sk, h, hk, causal = case
+    cfg = with_knobs(default_config(dtype, 128), dq_tma=True, **TMA_KNOBS[knobs])
+    run_case(cfg, batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_dq_tma_many_blocks_and_heads(dtype, rng):
+    """Several query heads per kv head and many query blocks per CTA: the writer steps (head,
+    query block) itself and frees each warpgroup's panels between blocks."""
+    run_case(with_knobs(default_config(dtype, 128), dq_tma=True), 2, 1000, 700, 8, 2, False, rng)
+    run_case(with_knobs(default_config(dtype, 128), dq_tma=True), 1, 700, 1000, 6, 2, True, rng)
+    # deterministic: no writer warp, backward_sm80's dQ pass (the config's register split still applies)
+    run_case(with_knobs(default_config(dtype, 128), dq_tma=True), 2, 333, 270, 4, 2, True, rng,
+             deterministic=True)
 
 
 @pytest.mark.parametrize("d_head", D_HEADS)

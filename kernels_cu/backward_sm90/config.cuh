@@ -16,13 +16,16 @@ struct StaticHopperBackwardConfig {
     static constexpr int BR = C.B_r;   // query rows per iteration
     static constexpr int BC = C.B_c;   // key rows per CTA
     static constexpr int STAGES = C.n_stages;
-    static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a writer warp
+    static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a consumer warp
+    static constexpr bool DQ_TMA = C.dq_tma;    // dQ staged in swizzled panels, TMA-reduced by a writer warp
+    static constexpr bool DQ_MID = C.dq_mid;    // GEMM order dV | barrier | dQ, dK (else dV, dK | barrier | dQ)
+    static constexpr bool NOMASK = C.nomask;    // fully visible score tiles skip the mask arithmetic
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
     static constexpr int CONSUMERS = BC / WG_KEYS;
     static constexpr int N_THREADS = 128 * (CONSUMERS + 1);  // + the producer warpgroup
-    static constexpr int PRODUCER_REGS = 24;
-    static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 240;
+    static constexpr int PRODUCER_REGS = DQ_TMA ? 40 : 24;
+    static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : DQ_TMA ? 232 : 240;
 
     // The backward_sm80 row kernels (preprocess, convert) reused in this family's module read
     // these two from their Cfg; they must match cupyflash/families/backward_sm80 (ROW_KERNEL_ROWS).
@@ -40,10 +43,20 @@ struct StaticHopperBackwardConfig {
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
-    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : 0;
+    // dq_tma: per warpgroup, its D/2 columns of the block's dQ as panels of [BR rows][32 fp32]
+    // (128 bytes a row, 128B-swizzled as the TMA map reads them, 1024-byte aligned).
+    static constexpr int DQ_PANEL_COLS = 32;
+    static constexpr int DQ_PANEL_BYTES = BR * DQ_PANEL_COLS * 4;
+    static constexpr int DQ_PANELS = D / 2 / DQ_PANEL_COLS;  // of one warpgroup
+    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : DQ_TMA ? BR * D * 4 : 0;
     // Named barrier (0 is __syncthreads; the consumers' dS^T barriers are 1 and 2): the staged dQ
     // is complete (every consumer arrives, the issuing warp waits).
     static constexpr int DQ_FULL_BARRIER = 3;
+    // dq_tma, per consumer warpgroup w (128 consumer threads + the 32 of the writer warp):
+    // 4 + w, its staged panels are complete; 6 + w, the writer's reductions have read them.
+    static constexpr int DQ_TMA_FULL_BARRIER = 4;
+    static constexpr int DQ_TMA_EMPTY_BARRIER = 6;
+    static constexpr int DQ_TMA_THREADS = 128 + 32;
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int K_OFFSET = 0;
@@ -60,6 +73,9 @@ struct StaticHopperBackwardConfig {
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
+    static_assert(!DQ_TMA || (CONSUMERS == 2 && D == 128), "dq_tma: each warpgroup stages half of dQ's columns");
+    static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
+    static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
 template <class Cfg>
@@ -77,6 +93,10 @@ struct BwdSmem {
         return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS + wg) * Cfg::DS_BYTES;
     }
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
+    // dq_tma: panel `panel` of consumer warpgroup `wg`.
+    CF_DEVICE u32 dq_panel(int wg, int panel) const {
+        return base + Cfg::DQ_OFFSET + (wg * Cfg::DQ_PANELS + panel) * Cfg::DQ_PANEL_BYTES;
+    }
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
@@ -125,6 +145,15 @@ CF_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
                  "r"(bytes)
                  : "memory");
 }
+// Tensor reduction: the box at (c0 innermost .. c3) of a 4-D fp32 tensor += the box in shared
+// memory at `src` (laid out as the map's swizzle mode stores it), tracked by the issuing thread's
+// bulk async-group.
+CF_DEVICE void tma_reduce_add_4d(const void* desc, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                     reinterpret_cast<u64>(desc)),
+                 "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
 CF_DEVICE void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until this thread's bulk groups have finished reading shared memory (READ_ONLY) or
 // completed entirely.
@@ -134,6 +163,11 @@ CF_DEVICE void bulk_wait_group_0() {
         asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Waits until at most N of this thread's most recent bulk groups are still reading shared memory.
+template <int N>
+CF_DEVICE void bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
 
 CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {

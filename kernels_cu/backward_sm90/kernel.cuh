@@ -1,6 +1,7 @@
 // Hopper (sm_90a) FlashAttention backward, dK/dV kernel: one CTA per (key block, kv head,
 // batch); warpgroup 0 is the TMA producer (one thread, registers given away with setmaxnreg),
-// warpgroups 1.. are consumers of 64 keys each (mainloop.cuh). The preprocess (dvec, lse2,
+// warpgroups 1.. are consumers of 64 keys each (mainloop.cuh); with dq_tma, warp 1 of the
+// producer warpgroup adds dQ to the workspace (dq_writer.cuh). The preprocess (dvec, lse2,
 // dq_accum zeroed), the dQ conversion and the deterministic dQ pass are backward_sm80's kernels,
 // instantiated in the same module.
 #pragma once
@@ -18,6 +19,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         tma_prefetch_descriptor(&params.tma_k);
         tma_prefetch_descriptor(&params.tma_v);
         tma_prefetch_descriptor(&params.tma_do);
+        if constexpr (Cfg::DQ_TMA && !DETERMINISTIC) tma_prefetch_descriptor(&params.tma_dq);
         mbarrier_init(smem.kv_full(), 1);
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.q_full(s), 1);
@@ -30,6 +32,9 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     if (warpgroup == 0) {
         setmaxnreg_dec<Cfg::PRODUCER_REGS>();
         if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run();
+        if constexpr (Cfg::DQ_TMA && !DETERMINISTIC) {
+            if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, sched, (int)(threadIdx.x % 32)}.run();
+        }
         return;
     }
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();

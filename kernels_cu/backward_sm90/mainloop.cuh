@@ -14,6 +14,8 @@
 //                      128 each computes half of dQ's columns over all B_c keys (every dQ
 //                      element is reduced once per CTA); otherwise each warpgroup computes all
 //                      columns over its own 64 keys.
+// With dq_tma the dQ block is staged in shared memory and a writer warp adds it with TMA tensor
+// reductions (dq_writer.cuh) instead of the red.global.add.v2 above.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
 #pragma once
 
@@ -115,19 +117,10 @@ struct BwdConsumer {
 
             wgmma_wait<1>();  // S^T is ready; dP^T may still run
             fence_registers(st);
-            // lse2/dvec of the thread's two query columns per n-tile: one 8-byte load each
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = query_col(j, e, lane);
-                    const int key = key_base + key_row(e), query = q0 + c;
-                    bool keep = key < p.seq_len_k && query < p.seq_len_q;
-                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
-                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
-                }
-            }
+            if (Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
+                probabilities<false>(st, s, key_base, q0, causal_offset);
+            else
+                probabilities<true>(st, s, key_base, q0, causal_offset);
             wgmma_wait<0>();
             fence_registers(dpt);
 #pragma unroll
@@ -140,11 +133,15 @@ struct BwdConsumer {
             to_fragments(st, pa);
             to_fragments(dpt, dsa);
 
+            // dQ after the barrier below: with dq_mid, dK is issued behind it (dQ completes first)
+            constexpr bool DK_AFTER_DQ = Cfg::DQ_MID && !DETERMINISTIC;
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dv, pa[k], mnmajor_b_q(smem.dout(s), k), 1);
+            if constexpr (!DK_AFTER_DQ) {
 #pragma unroll
-            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+                for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+            }
             wgmma_commit();
 
             if constexpr (DETERMINISTIC) {
@@ -180,14 +177,25 @@ struct BwdConsumer {
                 for (int k = 0; k < DQ_STEPS; ++k)
                     wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(buf, k), mnmajor_b_k(k), k > 0);
                 wgmma_commit();
-                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
-                fence_registers(dv);
-                fence_registers(dk);
-                release(s);
-                wgmma_wait<0>();
-                fence_registers(dq);
+                if constexpr (DK_AFTER_DQ) {
+#pragma unroll
+                    for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+                    wgmma_commit();
+                    wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
+                    fence_registers(dv);
+                    fence_registers(dq);
+                } else {
+                    wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+                    fence_registers(dv);
+                    fence_registers(dk);
+                    release(s);
+                    wgmma_wait<0>();
+                    fence_registers(dq);
+                }
                 const int row = 16 * warp + (lane >> 2);
-                if constexpr (Cfg::DQ_BULK) {
+                if constexpr (Cfg::DQ_TMA) {
+                    stage_dq_panels(dq, row);
+                } else if constexpr (Cfg::DQ_BULK) {
                     // Stage this half of dQ (the previous block's reductions finished reading the
                     // rows before this iteration's dS^T barrier), then the issuing warp adds the
                     // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
@@ -218,8 +226,67 @@ struct BwdConsumer {
                         red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
                     }
                 }
+                if constexpr (DK_AFTER_DQ) {
+                    wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
+                    fence_registers(dk);
+                    release(s);
+                }
             }
         }
+    }
+
+    // Every (key, query) of this warpgroup's score tile is visible: no key or query tail and,
+    // causal, the warpgroup's last key at or below the block's first query's diagonal.
+    CF_DEVICE bool tile_visible(int key_base, int q0, int causal_offset) const {
+        const int last_key = key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1;
+        bool visible = last_key < p.seq_len_k && q0 + Cfg::BR <= p.seq_len_q;
+        if constexpr (CAUSAL) visible = visible && last_key <= q0 + causal_offset;
+        return visible;
+    }
+
+    // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK zero where the key is
+    // past seq_len_k, the query past seq_len_q or (causal) the key after the query's diagonal.
+    template <bool MASK>
+    CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
+        // lse2 of the thread's two query columns per n-tile: one 8-byte load each
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                bool keep = true;
+                if constexpr (MASK) {
+                    const int key = key_base + key_row(e), query = q0 + query_col(j, e, lane);
+                    keep = key < p.seq_len_k && query < p.seq_len_q;
+                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
+                }
+                st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
+            }
+        }
+    }
+
+    // dq_tma: this warpgroup's dQ columns into its two swizzled panels (once the writer warp's
+    // reductions have read the previous block's), then handed to the writer warp.
+    CF_DEVICE void stage_dq_panels(const float (&dq)[DQ_N / 8][4], int row) const {
+        named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+        // Element (r, 8 j' + 2 (lane & 3)) of a panel: 16-byte chunk 2 j' + h (h = bit 1 of the
+        // lane), swizzled (2 j' + h) ^ (r & 7) = 2 j' ^ (h ^ (r & 7)): one base address per
+        // thread, XOR j' << 5 per n-tile; row r + 8 is 1024 bytes on (same r & 7), the second
+        // panel DQ_PANEL_BYTES.
+        const u32 a0 = dq_panel_address(0, row, 2 * (lane & 3));
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+            const u32 a = (a0 ^ (u32)((j % 4) << 5)) + (j / 4) * Cfg::DQ_PANEL_BYTES;
+            st_shared_f32x2(a, dq[j][0], dq[j][1]);
+            st_shared_f32x2(a + 8 * 128, dq[j][2], dq[j][3]);
+        }
+        fence_proxy_async_shared();  // the TMA reductions read the panels through the async proxy
+        named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+    }
+    // Shared address of fp32 element (row r, column c) of this warpgroup's dQ panel: 128-byte rows,
+    // 16-byte chunk index XOR (r & 7) (the map's 128B swizzle; conflict-free 8-byte stores).
+    CF_DEVICE u32 dq_panel_address(int panel, int r, int c) const {
+        return smem.dq_panel(wg, panel) + r * 128 + (((c >> 2) ^ (r & 7)) << 4) + (c & 3) * 4;
     }
 
     // dq_bulk: the warp that issues the bulk reductions of dQ (warp 0 of the first consumer).

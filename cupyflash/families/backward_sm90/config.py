@@ -5,15 +5,24 @@ name expression and the short form, which names the family:
 
     backward_sm90(BF16, 128, 64, 128, 2)
     backward_sm90(BF16, 128, 64, 128, 2): dq_bulk
-    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: dq_bulk]
+    backward_sm90(BF16, 128, 64, 128, 2): dq_tma
+    backward_sm90(BF16, 128, 64, 128, 2): dq_tma+nomask
+    backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: KNOB+KNOB...]  (KNOBS, in that order)
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
 B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. How dQ
 is accumulated is the variant, not the config: fp32 atomics (red.global.add.v2.f32) into a
 workspace, or with `deterministic` backward_sm80's separate dQ pass. `dq_bulk` (two consumer
 warpgroups at d_head 128 only) stages each block's fp32 dQ in shared memory and adds it to the
-workspace with bulk reductions (cp.reduce.async.bulk, one per row) from a warp of the producer
-warpgroup, instead of red.global.add.v2 from every consumer thread.
+workspace with bulk reductions (cp.reduce.async.bulk, one per row) from one consumer warp,
+instead of red.global.add.v2 from every consumer thread. `dq_tma` (same shapes) has each
+consumer warpgroup stage its half of the block's dQ in two 128B-swizzled fp32 panels and a
+writer warp of the producer warpgroup add each panel to the workspace with one TMA tensor
+reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path.
+Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after it (dQ is
+finished, and its result handed on, while dK still runs; the default queues dV and dK before
+the barrier and dQ last); `nomask` lets a warpgroup skip the mask arithmetic of its score tile
+when every (key, query) pair of it is visible (no tail, below the causal diagonal).
 """
 from __future__ import annotations
 
@@ -23,10 +32,11 @@ from typing import ClassVar, Iterator
 
 from ...config import DType, KernelConfig
 
-__all__ = ["HopperBackwardKernelConfig", "FAMILY", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
-           "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS"]
+__all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "STAGE_VALUES",
+           "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -38,6 +48,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024
 # with two warpgroups, so more than this leaves too few for addresses and fragments.
 ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
+DQ_TMA_COLS = 32  # fp32 columns of one dq_tma panel: 128 bytes, the 128B swizzle span
 DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
@@ -53,6 +64,9 @@ class HopperBackwardKernelConfig(KernelConfig):
     B_c: int
     n_stages: int
     dq_bulk: bool = False
+    dq_tma: bool = False
+    dq_mid: bool = False
+    nomask: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -62,6 +76,12 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
         yield ("dq_bulk needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
                not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield ("dq_tma needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
+               not self.dq_tma or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
+        yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
+        yield ("dq_mid and nomask exclude each other (ptxas serialises the wgmma chain at the consumers' 232 "
+               "registers, C7512)", not (self.dq_mid and self.nomask))
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
@@ -86,6 +106,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         stage = -(-stage // 1024) * 1024
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
+        if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
+            dq = self.B_r * self.d_head * 4
         barriers = 8 * (1 + 2 * self.n_stages)
         return kv + self.n_stages * stage + ds + dq + barriers + 1024
 
@@ -98,7 +120,8 @@ class HopperBackwardKernelConfig(KernelConfig):
     # ------------------------------------------------------------ short form
     def short_form(self) -> str:
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
-        tail = ": dq_bulk" if self.dq_bulk else ""
+        knobs = "+".join(k for k in KNOBS if getattr(self, k))
+        tail = f": {knobs}" if knobs else ""
         return f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}){tail}"
 
     def __str__(self) -> str:
@@ -106,12 +129,15 @@ class HopperBackwardKernelConfig(KernelConfig):
 
     _SHORT_RE: ClassVar[re.Pattern] = re.compile(
         r"^backward_sm90\(\s*(?P<dtype>\w+)\s*,\s*(?P<d>\d+)\s*,\s*(?P<br>\d+)\s*,\s*(?P<bc>\d+)\s*,"
-        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<bulk>dq_bulk)\s*)?$")
+        r"\s*(?P<st>\d+)\s*\)\s*(?::\s*(?P<knobs>\w+(?:\s*\+\s*\w+)*)\s*)?$")
 
     @classmethod
     def parse(cls, text: str) -> "HopperBackwardKernelConfig":
         """Inverse of `short_form()`; ValueError on anything else."""
-        m = cls._match_short_form(text, cls._SHORT_RE,
-                                  "'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': dq_bulk'")
+        expected = f"'backward_sm90(DTYPE, d_head, B_r, B_c, n_stages)' or with ': KNOB+...' (knobs {KNOBS})"
+        m = cls._match_short_form(text, cls._SHORT_RE, expected)
+        knobs = [k.strip() for k in m.group("knobs").split("+")] if m.group("knobs") else []
+        if any(k not in KNOBS for k in knobs) or len(set(knobs)) != len(knobs):
+            raise ValueError(f"cannot parse kernel config {text!r}: expected {expected}")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("st")), m.group("bulk") is not None)
+                   int(m.group("st")), **{k: True for k in knobs})

@@ -13,28 +13,36 @@ __all__ = ["KERNEL_SET_KEYS", "all_configs", "tune_configs", "progression_config
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 
-# (B_c, n_stages) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a double
-# Q/dO ring, dQ by red.global.add.v2 (dq_bulk measured 14-18% slower on the H100). The other
-# tiles were checked for correctness on the H100, not timed: a `tune` sweep is still to do.
-_DEFAULTS = {64: (128, 2), 128: (128, 2)}
+# (B_c, n_stages, knobs) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a
+# double Q/dO ring. d_head 128: dQ by the writer warp's TMA tensor reductions with the dV | dQ, dK
+# order (H100, bf16, S 1k-16k, causal and not: 1.18-1.32x the red.global.add.v2 kernel; dq_tma
+# alone 1.17-1.26x; dq_tma+nomask 0.93-1.05x dq_tma; dq_bulk measured 14-18% slower than
+# red.global). d_head 64: red.global.add.v2 (dq_tma needs each warpgroup's half of dQ to be
+# whole 32-column panels of a d 128 row). The other tiles were checked for correctness on the
+# H100, not timed: a `tune` sweep is still to do.
+_DEFAULTS = {64: (128, 2, {}), 128: (128, 2, {"dq_tma": True, "dq_mid": True})}
 
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
     out = []
-    for dtype, d, br, bc, st, bulk in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
-                                                        (False, True)):
+    # dQ modes (dq_bulk, dq_tma): fp32 atomics, bulk row reductions, TMA tensor reductions
+    for dtype, d, br, bc, st, (bulk, tma) in itertools.product(DType, D_HEADS, B_R_VALUES, B_C_VALUES, STAGE_VALUES,
+                                                               ((False, False), (True, False), (False, True))):
         try:
-            out.append(HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk))
+            cfg = HopperBackwardKernelConfig(dtype, d, br, bc, st, bulk, tma)
         except ValueError:
             continue
+        out.append(cfg)
+        if tma:  # the schedule knobs, on the dq_tma tile only (the set stays small)
+            out += [cfg.replace(dq_mid=True), cfg.replace(nomask=True)]
     return sorted(out)
 
 
 def default_config(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
-    bc, stages = _DEFAULTS[d_head]
-    return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages)
+    bc, stages, knobs = _DEFAULTS[d_head]
+    return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 
 def tune_configs() -> list[HopperBackwardKernelConfig]:
@@ -43,8 +51,15 @@ def tune_configs() -> list[HopperBackwardKernelConfig]:
 
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperBackwardKernelConfig]:
-    """The optimisation history at (dtype, d_head): so far the first kernel only."""
-    return [default_config(dtype, d_head)] if d_head in _DEFAULTS else []
+    """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
+    (dQ by red.global.add.v2), + dq_tma, + dq_mid (the default); elsewhere the default only."""
+    if d_head not in _DEFAULTS:
+        return []
+    last = default_config(dtype, d_head)
+    if not last.dq_tma:
+        return [last]
+    first = last.replace(dq_tma=False, dq_mid=False, nomask=False)
+    return list(dict.fromkeys([first, first.replace(dq_tma=True), last]))
 
 
 def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:

@@ -15,10 +15,10 @@ from ...backward_validation import BackwardPlan
 from ...validation import LOG2_E
 from ..forward_sm90 import tma
 from . import BACKWARD_SM90, roles_for
-from .config import D_HEADS, HopperBackwardKernelConfig
+from .config import D_HEADS, DQ_TMA_COLS, HopperBackwardKernelConfig
 from .params import pack_params
 
-__all__ = ["check_sm90_problem", "pack_dkdv", "LaunchStep", "launch_sequence", "launch_backward_sm90",
+__all__ = ["check_sm90_problem", "pack_dkdv", "dq_tma_spec", "dq_descriptor", "LaunchStep", "launch_sequence", "launch_backward_sm90",
            "get_kernels"]
 
 
@@ -43,15 +43,38 @@ def check_sm90_problem(plan: BackwardPlan, q, k, v, dout, compute_capability: in
 
 def pack_dkdv(plan: BackwardPlan, q, k, v, dout, dk_ptr: int, dv_ptr: int, dq_accum_ptr: int, lse2_ptr: int,
               dvec_ptr: int) -> bytes:
-    """HopperBackwardParams of one call: Q/dO boxes of B_r rows, K/V boxes of B_c rows."""
+    """HopperBackwardParams of one call: Q/dO boxes of B_r rows, K/V boxes of B_c rows, and the
+    dq_accum map of dq_tma configs."""
     cfg = plan.cfg
     dtype = cfg.dtype
     descs = [tma.descriptor(view.ptr, dtype, tuple(view.shape), tuple(view.strides), rows)
              for view, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c), (dout, cfg.B_r))]
+    descs.append(dq_descriptor(cfg, plan, dq_accum_ptr))
     dk_strides, dv_strides = plan.strides[6], plan.strides[7]
     return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *dk_strides, *dv_strides,
                        plan.seq_len_q, plan.seq_len_k, plan.seq_len_q_pad, plan.n_heads, plan.n_kv_heads,
                        plan.n_heads // plan.n_kv_heads, plan.softmax_scale, plan.softmax_scale * LOG2_E)
+
+
+_FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+_NO_DESCRIPTOR = bytes(128)
+
+
+def dq_tma_spec(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_ptr: int) -> tma.TensorMapSpec:
+    """The tensor map of the fp32 dq_accum workspace (batch, n_heads, seq_len_q_pad, d_head),
+    contiguous, that dq_tma's writer warp reduces into: boxes of 32 columns (128 bytes, the
+    128B swizzle span of the staged panels) x B_r rows."""
+    d, rows = plan.d_head, plan.seq_len_q_pad
+    return tma.TensorMapSpec(_FLOAT32, dq_accum_ptr, (d, rows, plan.n_heads, plan.batch),
+                             (d * 4, rows * d * 4, plan.n_heads * rows * d * 4), (DQ_TMA_COLS, cfg.B_r, 1, 1))
+
+
+def dq_descriptor(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_ptr: int) -> bytes:
+    """tma_dq's bytes: the workspace map for dq_tma configs with a workspace, zeros otherwise
+    (the kernel does not read it)."""
+    if not cfg.dq_tma or plan.deterministic or not dq_accum_ptr:
+        return _NO_DESCRIPTOR
+    return tma.encode_cached(dq_tma_spec(cfg, plan, dq_accum_ptr))
 
 
 class LaunchStep(NamedTuple):

@@ -1,9 +1,9 @@
 """The Hopper backward dK/dV kernel's parameter struct, `HopperBackwardParams`, passed by value as
 a `const __grid_constant__` argument (the reused backward_sm80 kernels take `BackwardParams`).
 
-The four TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned) come first, at offsets 0, 128,
-256 and 384, as for forward_sm90; a tail pad makes the packed size sizeof(HopperBackwardParams),
-a multiple of 64.
+The five TMA descriptors (CUtensorMap: 128 bytes, 64-byte aligned) come first, at offsets 0, 128,
+256, 384 (Q, K, V, dO, as for forward_sm90) and 512 (the dq_tma workspace map); a tail pad
+makes the packed size sizeof(HopperBackwardParams), a multiple of 64.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tma_k", "TmaDescriptor", f"{_TMA}s"),
     ("tma_v", "TmaDescriptor", f"{_TMA}s"),
     ("tma_do", "TmaDescriptor", f"{_TMA}s"),
+    # dq_tma: fp32 dq_accum as (d_head, seq_len_q_pad, n_heads, batch), boxes of 32 x B_r; zeros otherwise
+    ("tma_dq", "TmaDescriptor", f"{_TMA}s"),
     ("dk", "void*", "Q"),
     ("dv", "void*", "Q"),
     ("dq_accum", "float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad, d_head); 0 if deterministic
@@ -46,7 +48,7 @@ _pad = -_unpadded % _ALIGN
 PARAM_FIELDS = _FIELDS + ((f"tail_padding[{_pad}]", "char", f"{_pad}x"),) if _pad else _FIELDS
 HOPPER_BACKWARD_PARAMS = ParamStruct("HopperBackwardParams", PARAM_FIELDS)
 PARAMS_SIZE = HOPPER_BACKWARD_PARAMS.size
-DESCRIPTOR_OFFSETS = {"tma_q": 0, "tma_k": 128, "tma_v": 256, "tma_do": 384}
+DESCRIPTOR_OFFSETS = {"tma_q": 0, "tma_k": 128, "tma_v": 256, "tma_do": 384, "tma_dq": 512}
 
 
 def pack_params(*values) -> bytes:

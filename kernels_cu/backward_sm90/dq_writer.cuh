@@ -1,0 +1,58 @@
+// dq_tma's writer warp (warp 1 of the producer warpgroup): per query block, once a consumer
+// warpgroup has staged its half of dQ (two 128B-swizzled fp32 panels of B_r x 32), one lane adds
+// each panel to the fp32 workspace with a TMA tensor reduction (8 KiB per instruction) and frees
+// the panels when the reductions have read them. The consumers only store to shared memory; the
+// reductions to L2 run beside their next iteration.
+//
+// Named barriers per consumer warpgroup w (128 consumer threads + this warp's 32):
+// DQ_TMA_FULL_BARRIER + w (consumers arrive after staging, the writer waits) and
+// DQ_TMA_EMPTY_BARRIER + w (the writer arrives once the panels are read, the consumers wait
+// before staging the next block). Each has at most one phase outstanding: the writer frees a
+// warpgroup's panels once before its first block and then once after each block but the last.
+#pragma once
+
+template <class Cfg>
+struct BwdDqWriter {
+    const HopperBackwardParams& p;
+    BwdSmem<Cfg> smem;
+    BwdSchedule sched;
+    int lane;
+
+    CF_DEVICE void run() const {
+        const int n = sched.iterations();
+        if (n == 0) return;
+#pragma unroll
+        for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
+        // (head, query block) of iteration it, stepped instead of divided (this warp has 32 registers)
+        int head = sched.q_head(0), m = 0;
+        for (int it = 0; it < n; ++it) {
+            const int row0 = (sched.m_begin + m) * Cfg::BR;
+#pragma unroll
+            for (int w = 0; w < Cfg::CONSUMERS; ++w) {
+                named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
+                if (lane == 0) {
+#pragma unroll
+                    for (int c = 0; c < Cfg::DQ_PANELS; ++c)
+                        tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c), (w * Cfg::DQ_PANELS + c) * Cfg::DQ_PANEL_COLS,
+                                          row0, head, sched.batch);
+                    bulk_commit_group();
+                }
+            }
+            if (++m == sched.m_blocks) {
+                m = 0;
+                ++head;
+            }
+            if (it + 1 == n) break;
+            // Warpgroup 0's group is the older one: free its panels first.
+            if (lane == 0) bulk_wait_group_read<1>();
+            __syncwarp();
+            named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER, Cfg::DQ_TMA_THREADS);
+            if (lane == 0) bulk_wait_group_read<0>();
+            __syncwarp();
+            named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + 1, Cfg::DQ_TMA_THREADS);
+        }
+        // The reductions are complete before the CTA exits (its shared memory is still read).
+        if (lane == 0) bulk_wait_group_0<false>();
+        __syncwarp();
+    }
+};
