@@ -34,6 +34,9 @@ _SHORT_RE = re.compile(
     r"\s*(?P<w>\d+)\s*\)\s*:\s*(?P<features>[\w+]*)\s*$"
 )
 _DSPLIT_RE = re.compile(r"^dsplit_(\d+)$")
+# Short-form feature names of the boolean fields, in short-form order (dsplit_N comes first).
+_FLAGS = (("swizzled", "swizzled"), ("dbuf", "double_buffer"), ("pds", "pds_smem"), ("kvreg", "kv_regs"),
+          ("pipe", "pipelined"), ("mbar", "mbarrier"), ("dqf", "dq_first"), ("ldmid", "load_mid"))
 
 
 @dataclass(frozen=True, order=True)
@@ -188,24 +191,7 @@ class BackwardKernelConfig(KernelConfig):
 
     # ------------------------------------------------------------------ names
     def features(self) -> list[str]:
-        out = [f"dsplit_{self.d_split}"]
-        if self.swizzled:
-            out.append("swizzled")
-        if self.double_buffer:
-            out.append("dbuf")
-        if self.pds_smem:
-            out.append("pds")
-        if self.kv_regs:
-            out.append("kvreg")
-        if self.pipelined:
-            out.append("pipe")
-        if self.mbarrier:
-            out.append("mbar")
-        if self.dq_first:
-            out.append("dqf")
-        if self.load_mid:
-            out.append("ldmid")
-        return out
+        return [f"dsplit_{self.d_split}"] + [name for name, field in _FLAGS if getattr(self, field)]
 
     def short_form(self) -> str:
         return (f"{FAMILY_NAME} ({self.dtype.name}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_warps}): "
@@ -222,8 +208,7 @@ class BackwardKernelConfig(KernelConfig):
                              f"'{FAMILY_NAME} (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf'")
         features = [f for f in m.group("features").split("+") if f]
         d_split = None
-        flags = {"swizzled": False, "dbuf": False, "pds": False, "kvreg": False, "pipe": False, "mbar": False,
-                 "dqf": False, "ldmid": False}
+        flags = dict.fromkeys((name for name, _ in _FLAGS), False)
         for feat in features:
             dm = _DSPLIT_RE.match(feat)
             if dm and d_split is None:
@@ -232,9 +217,8 @@ class BackwardKernelConfig(KernelConfig):
                 flags[feat] = True
             else:
                 raise ValueError(f"short form {text!r}: unknown or repeated feature {feat!r} "
-                                 "(known: dsplit_N once, swizzled, dbuf, pds, kvreg, pipe, mbar, dqf, ldmid)")
+                                 f"(known: dsplit_N once, {', '.join(flags)})")
         if d_split is None:
             raise ValueError(f"short form {text!r}: dsplit_N is required")
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
-                   int(m.group("w")), d_split, flags["swizzled"], flags["dbuf"], flags["pds"], flags["kvreg"],
-                   flags["pipe"], flags["mbar"], flags["dqf"], flags["ldmid"])
+                   int(m.group("w")), d_split, **{field: flags[name] for name, field in _FLAGS})
