@@ -19,7 +19,7 @@ from .config import DType
 from .families.decode import COMBINE_THREADS, DecodeKernelConfig
 from .families.decode import config_sets as decode_sets
 from .families.decode.params import DECODE_PARAMS
-from .families.decode.splits import choose_num_splits
+from .families.decode.splits import choose_num_splits, choose_paged_num_splits
 from . import kvcache_plans
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
                       resolve_stream, wrap_output)
@@ -127,8 +127,11 @@ def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) ->
     """The library's split count for this problem on a GPU of `num_sms` SMs."""
     row_tiles = -(-plan.rows_total // cfg.rows)
     head_blocks = -(-plan.n_kv_heads // cfg.heads)
-    target = num_sms if plan.paged else num_sms / 2  # see families/decode/splits.py
-    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, target, cfg.B_c * cfg.team)
+    step = cfg.B_c * cfg.team
+    if plan.paged:  # see families/decode/splits.py
+        return choose_paged_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, num_sms, step,
+                                       4 * plan.d_head)
+    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, num_sms / 2, step)
 
 
 def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:

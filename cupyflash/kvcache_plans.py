@@ -108,27 +108,38 @@ def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any
         return None
     cls = type(q)
     kind = _kinds.get(cls) or _kind(cls)
-    arrays = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
-    key: list = [cls, cfg, num_splits, softmax_scale, causal, return_lse]
+    if type(k_cache) is not cls or type(v_cache) is not cls or type(cache_seqlens) is not cls:
+        return None
+    for x in (block_table, k_new, v_new, out):
+        if x is not None and type(x) is not cls:
+            return None
     if kind == _TORCH:
-        for x in arrays:
-            if x is None:
-                key.append(None)
-            elif type(x) is not cls:
-                return None
-            else:
-                key += (x.shape, x.stride(), x.dtype, x.get_device())
-        return tuple(key)
+        # written out rather than looped: this is most of a cached call's own host time
+        return (cls, cfg, num_splits, softmax_scale, causal, return_lse,
+                q.shape, q.stride(), q.dtype, q.get_device(),
+                k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(),
+                v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+                cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+                None if block_table is None else _torch_meta(block_table),
+                None if k_new is None else _torch_meta(k_new),
+                None if v_new is None else _torch_meta(v_new),
+                None if out is None else _torch_meta(out))
     if kind == _CUPY:
-        for x in arrays:
-            if x is None:
-                key.append(None)
-            elif type(x) is not cls:
-                return None
-            else:
-                key += (x.shape, x.strides, x.dtype, x.data.device_id)
-        return tuple(key)
+        return (cls, cfg, num_splits, softmax_scale, causal, return_lse,
+                _cupy_meta(q), _cupy_meta(k_cache), _cupy_meta(v_cache), _cupy_meta(cache_seqlens),
+                None if block_table is None else _cupy_meta(block_table),
+                None if k_new is None else _cupy_meta(k_new),
+                None if v_new is None else _cupy_meta(v_new),
+                None if out is None else _cupy_meta(out))
     return None
+
+
+def _torch_meta(x: Any) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.get_device())
+
+
+def _cupy_meta(x: Any) -> tuple:
+    return (x.shape, x.strides, x.dtype, x.data.device_id)
 
 
 def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,

@@ -16,6 +16,7 @@ Every implementation's output is checked against SDPA's (relative L2) before it 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 COPY_RATE = 3.0e12  # bytes/s, measured device-to-device copy rate of the H100 (ANCHORS.md)
 L2_DEFEAT_BYTES = 256 << 20
+LOCAL_RUN = 32  # pages per locally shuffled run (Problem.build_pages)
 
 # (d_head, batch, seq_q, keys, causal) rows of issue 10; 32 query heads, 8 KV heads
 TABLE_ROWS = [
@@ -111,14 +113,26 @@ class Problem:
         self.page_size = page_size
         self.pages = None
 
-    def build_pages(self):
-        """The same contents in a paged cache with a shuffled page table (page_size rows a page)."""
+    def build_pages(self, order: str = "shuffled"):
+        """The same contents in a paged cache (page_size rows a page) whose page table is
+        'shuffled' (a random permutation of the whole pool, the benchmark's case), 'local'
+        (shuffled within runs of LOCAL_RUN consecutive pages: the same page-table indirection over
+        a small address range) or 'identity' (pages in order: the indirection alone)."""
         torch, ps = self.torch, self.page_size
         per_seq = self.keys // ps
         n_pages = self.batch * per_seq
         self.tables, self.k_pages, self.v_pages = [], [], []
         for i in range(self.n_sets):
-            perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+            if order == "identity":
+                perm = torch.arange(n_pages, device="cuda", dtype=torch.int32)
+            elif order == "local":
+                run = min(LOCAL_RUN, n_pages)
+                keys = torch.arange(n_pages, device="cuda") // run * run + torch.rand(n_pages, device="cuda")
+                perm = torch.argsort(keys).to(torch.int32)
+            elif order == "shuffled":
+                perm = torch.randperm(n_pages, device="cuda").to(torch.int32)
+            else:
+                raise ValueError(f"order: expected shuffled, local or identity, got {order!r}")
             table = perm.view(self.batch, per_seq).contiguous()
             kp = torch.empty(n_pages, ps, N_KV_HEADS, self.d, dtype=self.dtype, device="cuda")
             vp = torch.empty_like(kp)
@@ -318,6 +332,16 @@ def overhead_us(torch) -> dict:
         "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                        enable_gqa=True),
     }
+    # The driver's share: the same launches replayed from their plans with nothing else (no
+    # signature, pointers, allocation or stream lookup), so cupyflash minus launch_only is the
+    # library's own host cost.
+    from cupyflash import kvcache_plans
+
+    # (One split only: a split plan's packed workspace pointer is freed after its call.)
+    kvcache_plans.clear()
+    cases["cupyflash"]()  # validated once: its plan is the table's only one
+    (plan,) = kvcache_plans._plans.values()
+    cases["launch_only"] = functools.partial(plan.run, torch.cuda.current_stream().cuda_stream)
     return host_cost_us(torch, cases)
 
 

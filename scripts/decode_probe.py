@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-paged", action="store_true")
+    ap.add_argument("--page-order", default="shuffled", help="shuffled | local | identity (bench_decode.Problem)")
     args = ap.parse_args(argv)
 
     import torch
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
     for d, batch, seq_q, keys, causal in rows:
         p = bd.Problem(torch, tdt, d, batch, seq_q, keys, causal)
         if not args.no_paged:
-            p.build_pages()
+            p.build_pages(args.page_order)
         ref = p.reference(torch) if p.k[0].numel() * 2 * 4 < (2 << 30) else None
         label = f"d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys}"
         for name in names:
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "probe": results}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "page_order": args.page_order,
+                       "probe": results}, f, indent=1)
     return 0
 
 

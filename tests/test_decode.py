@@ -11,7 +11,7 @@ import pytest
 from cupyflash.config import DType
 from cupyflash.families.decode.config import DecodeKernelConfig
 from cupyflash.families.decode import config_sets
-from cupyflash.families.decode.splits import MAX_SPLITS, choose_num_splits
+from cupyflash.families.decode.splits import MAX_SPLITS, PAGED_LONG_CTA_BYTES, choose_num_splits, choose_paged_num_splits
 from fake_views import ints, view
 from cupyflash.kvcache_checks import check_index_values, check_kvcache_args, check_num_splits
 
@@ -164,6 +164,20 @@ def test_num_splits_aims_at_the_target():
             assert 1 <= choose_num_splits(batch, 8, 1, keys, 66, 64) <= MAX_SPLITS
 
 
+def test_paged_num_splits_follows_the_bytes_per_cta():
+    # short CTA shares: the contiguous rule (66 CTAs on 132 SMs)
+    assert choose_paged_num_splits(1, 8, 1, 8192, 132, 128, 4 * 256) == 8
+    assert choose_paged_num_splits(1, 8, 1, 131072, 132, 128, 4 * 64) == 8  # 16k keys x 256 B = 4 MB a CTA
+    # long ones (d256, batch 8 x 32k: 32 MB a CTA at one split): one CTA per SM
+    assert choose_paged_num_splits(8, 8, 1, 32768, 132, 128, 4 * 256) == 2
+    assert choose_paged_num_splits(1, 8, 1, 131072, 132, 128, 4 * 256) == 16
+    # the threshold itself: exactly PAGED_LONG_CTA_BYTES a CTA keeps the contiguous count
+    keys = 8 * PAGED_LONG_CTA_BYTES // (4 * 128)
+    assert choose_paged_num_splits(1, 8, 1, keys, 132, 128, 4 * 128) == 8
+    assert choose_paged_num_splits(1, 8, 1, keys + 8 * 128, 132, 128, 4 * 128) == 16
+    assert choose_paged_num_splits(64, 8, 1, 8192, 132, 128, 4 * 128) == 1  # wide: one split either way
+
+
 def test_tuning_batch_streams_the_same_bytes_per_bucket():
     from cupyflash.families.decode.tuning import TUNING_KV_BYTES, tuning_batch
 
@@ -187,22 +201,20 @@ def test_paged_defaults_use_many_warps_and_the_evict_first_hint():
 
 
 def test_wide_defaults_fit_two_ctas_per_sm():
-    """Problems with a CTA per SM without splits take the 2-CTA shape (d_head 64 paged and 128), so
-    one CTA's prologue and merge overlap another's streaming; wide contiguous d_head 64 two KV heads
-    per CTA instead (NOTES.md item 64); narrow ones 8 warps (d_head 128)."""
-    d64 = config_sets.default_config(BF16, 64, 4, wide=True)
-    assert (d64.heads, d64.n_warps, d64.team) == (2, 8, 4), d64
+    """Problems with a CTA per SM without splits take the 2-CTA shape at d_head 128, so one CTA's
+    prologue and merge overlap another's streaming; wide d_head 64 two KV heads per CTA instead,
+    contiguous and paged (NOTES.md items 64, 69); narrow ones 8 warps (d_head 128)."""
+    for paged in (False, True):
+        d64 = config_sets.default_config(BF16, 64, 4, paged=paged, wide=True)
+        assert (d64.heads, d64.n_warps, d64.team, d64.stages) == (2, 8, 4, 2), d64
     for d, rows in ((64, 4), (64, 16), (64, 64), (128, 64), (256, 32)):
         for paged in (False, True):
             for wide in (False, True):
                 assert config_sets.default_config(BF16, d, rows, paged=paged, wide=wide).rows >= min(rows, 16)
-    for d in (64, 128):
-        for paged in (False, True):
-            if d == 64 and not paged:
-                continue
-            c = config_sets.default_config(BF16, d, 4, paged=paged, wide=True)
-            # the hint on wide paged caches at d_head 128 only (d_head 64: 371 vs 374 us without it)
-            assert c.ctas_per_sm() >= 2 and c.evict_first == (paged and d == 128), c
+    for paged in (False, True):
+        c = config_sets.default_config(BF16, 128, 4, paged=paged, wide=True)
+        # the hint on wide paged caches only
+        assert c.ctas_per_sm() >= 2 and c.evict_first == paged, c
     narrow = config_sets.default_config(BF16, 128, 4)
     assert (narrow.n_warps, narrow.stages, narrow.evict_first) == (8, 2, False)
 

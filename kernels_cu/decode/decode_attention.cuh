@@ -23,7 +23,7 @@ struct DecodeCTA {
     using KVTile = typename Cfg::KVTile;
     using QTile = typename Cfg::QTile;
     // Paged: page indices are read this many warp steps ahead of the step's copies.
-    static constexpr int PAGE_PREFETCH = 3;
+    static constexpr int PAGE_PREFETCH = 3;  // run() names the three registers one by one
 
     const DecodeParams& p;
     const int tid, lane, warp;
@@ -176,20 +176,32 @@ struct DecodeCTA {
 
     // One step's K/V rows into ring slot `slot`. NEW: the step reaches the appended rows (key +
     // B_c > cache_len), which are read from k_new / v_new; the hot path (NEW false) has no such test.
+    // The pages of a step's sub-blocks, from the lanes that loaded them (load_pages), in every
+    // lane. Reading `page_reg` waits for its load: call it only when the step is issued.
+    struct StepPages {
+        int page[Cfg::SUB_BLOCKS];
+    };
+    CF_DEVICE StepPages gather_pages(int page_reg) const {
+        StepPages sp;
+#pragma unroll
+        for (int j = 0; j < Cfg::SUB_BLOCKS; ++j) sp.page[j] = PAGED ? __shfl_sync(0xffffffffu, page_reg, j) : 0;
+        return sp;
+    }
+
     template <bool NEW>
-    CF_DEVICE void load_step(int key, int slot, int pages) {
+    CF_DEVICE void load_step(int key, int slot, const StepPages& sp) {
         const u32 slot_offset = slot * Cfg::STAGE_BYTES;
         const int row0 = lane / Cfg::CHUNKS_PER_ROW, chunk = lane % Cfg::CHUNKS_PER_ROW;
         // Paged: the element offset of each 16-key sub-block's first row (its page's row
         // key & page_mask; a sub-block never straddles a page, page sizes being multiples of 16),
-        // one shuffle and one wide multiply per sub-block rather than per copy pass (d_head 256
-        // copies one row per pass: 16 passes of the same page).
+        // one wide multiply per sub-block rather than per copy pass (d_head 256 copies one row
+        // per pass: 16 passes of the same page).
         long long k_sub[Cfg::SUB_BLOCKS], v_sub[Cfg::SUB_BLOCKS];
         if constexpr (PAGED) {
             const int page_mask = (1 << p.page_shift) - 1;
 #pragma unroll
             for (int j = 0; j < Cfg::SUB_BLOCKS; ++j) {
-                const long long page = __shfl_sync(0xffffffffu, pages, j);
+                const long long page = sp.page[j];
                 const long long first = (key + 16 * j) & page_mask;
                 k_sub[j] = page * p.k_batch_stride + first * p.k_seq_stride;
                 v_sub[j] = page * p.v_batch_stride + first * p.v_seq_stride;
@@ -234,12 +246,14 @@ struct DecodeCTA {
         }
     }
 
-    // The step at `key`, through the appended-rows path only where the step reaches them.
-    CF_DEVICE void issue_step(int key, int slot, int pages) {
-        if (key + Cfg::BC > cache_len) {
-            load_step<true>(key, slot, pages);
+    // The step at `key`, through the appended-rows path only where the step reaches them (only
+    // calls with k_new / v_new, APPEND, have such steps).
+    template <bool APPEND>
+    CF_DEVICE void issue_step(int key, int slot, const StepPages& sp) {
+        if (APPEND && key + Cfg::BC > cache_len) {
+            load_step<true>(key, slot, sp);
         } else {
-            load_step<false>(key, slot, pages);
+            load_step<false>(key, slot, sp);
         }
     }
 
@@ -358,21 +372,34 @@ struct DecodeCTA {
     }
 
     // ---- the warp's pipelined walk over its steps ----
+    // Two copies of the walk, one per launch: a call without k_new / v_new runs the one without
+    // the appended-rows copy path, which keeps the hot loop's code small (see below).
     CF_DEVICE void run() {
+        if (p.seq_new > 0) {
+            walk<true>();
+        } else {
+            walk<false>();
+        }
+        append_new_rows();
+        merge_and_store();
+    }
+
+    template <bool APPEND>
+    CF_DEVICE void walk() {
         load_q();
         cp_async_commit();
         // Paged: the page indices of the steps issued next, step j's in pages[j % PAGE_PREFETCH],
-        // read PAGE_PREFETCH issues ahead. The main loop is unrolled PAGE_PREFETCH times so each
-        // index is a compile-time register: a register still waiting for its load must not be
-        // touched (not even moved) until it is used, or the warp stalls right there (a shifting
-        // queue measured 1.9x the contiguous time).
+        // read PAGE_PREFETCH issues ahead. Each access names its register at compile time (the
+        // main loop branches on j % PAGE_PREFETCH): a register still waiting for its load must not
+        // be touched (not even moved) until it is used, or the warp stalls right there (a
+        // shifting queue measured 1.9x the contiguous time).
         if constexpr (PAGED && !Cfg::INTERLEAVE) {  // (INTERLEAVE: read in the constructor)
 #pragma unroll
             for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(step_key(i), key_end);
         }
 #pragma unroll
         for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-            if (s < my_steps) issue_step(step_key(s), s, pages[s % PAGE_PREFETCH]);
+            if (s < my_steps) issue_step<APPEND>(step_key(s), s, gather_pages(pages[s % PAGE_PREFETCH]));
             cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
             if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH), key_end);
         }
@@ -380,37 +407,44 @@ struct DecodeCTA {
         __syncthreads();                    // ... and every thread's
 
         int issue_slot = Cfg::STAGES - 1, compute_slot = 0;
-        if constexpr (PAGED) {
-            for (int k = 0; k < my_steps; k += PAGE_PREFETCH) {
-#pragma unroll
-                for (int u = 0; u < PAGE_PREFETCH; ++u) {
-                    if (k + u < my_steps)
-                        loop_step(k + u, issue_slot, compute_slot, pages[(u + Cfg::STAGES - 1) % PAGE_PREFETCH]);
+        for (int k = 0; k < my_steps; ++k) {
+            // Issue step k + STAGES - 1, whose pages are in register (k + STAGES - 1) % PAGE_PREFETCH,
+            // then refill that register for step k + STAGES - 1 + PAGE_PREFETCH. Only the shuffle
+            // and the refill name the register (at compile time, per branch); the copies and
+            // compute_step exist once in the loop (unrolling the loop PAGE_PREFETCH times, as
+            // before, put three copies of both in it and missed the instruction cache: 46% of a
+            // d256 paged warp's cycles, NOTES.md item 69).
+            const int issue = k + Cfg::STAGES - 1;
+            const int key = step_key(issue);
+            StepPages sp;
+            if constexpr (PAGED) {
+                const int r = issue % PAGE_PREFETCH;
+                const int ahead = step_key(issue + PAGE_PREFETCH);
+                if (r == 0) {
+                    sp = gather_pages(pages[0]);
+                    pages[0] = load_pages(ahead, key_end);
+                } else if (r == 1) {
+                    sp = gather_pages(pages[1]);
+                    pages[1] = load_pages(ahead, key_end);
+                } else {
+                    sp = gather_pages(pages[2]);
+                    pages[2] = load_pages(ahead, key_end);
                 }
+            } else {
+                sp = gather_pages(0);
             }
-        } else {
-            for (int k = 0; k < my_steps; ++k) loop_step(k, issue_slot, compute_slot, pages[0]);
+            if (issue < my_steps) issue_step<APPEND>(key, issue_slot, sp);
+            cp_async_commit();
+            cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)
+            __syncwarp();                       // ... and the whole warp's
+            compute_step(step_key(k), compute_slot);
+            __syncwarp();  // every lane has read the slot before the next iteration refills it
+            issue_slot = issue_slot + 1 == Cfg::STAGES ? 0 : issue_slot + 1;
+            compute_slot = compute_slot + 1 == Cfg::STAGES ? 0 : compute_slot + 1;
         }
         cp_async_wait<0>();
-        append_new_rows();
-        merge_and_store();
     }
 
-
-    // Iteration k of the warp's loop: issue step k + STAGES - 1 (its pages in `page_reg`, which
-    // is then refilled for step k + STAGES - 1 + PAGE_PREFETCH), wait for step k, compute it.
-    CF_DEVICE void loop_step(int k, int& issue_slot, int& compute_slot, int& page_reg) {
-        const int issue = k + Cfg::STAGES - 1;
-        if (issue < my_steps) issue_step(step_key(issue), issue_slot, page_reg);
-        cp_async_commit();
-        if constexpr (PAGED) page_reg = load_pages(step_key(issue + PAGE_PREFETCH), key_end);
-        cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)
-        __syncwarp();                       // ... and the whole warp's
-        compute_step(step_key(k), compute_slot);
-        __syncwarp();  // every lane has read the slot before the next iteration refills it
-        issue_slot = issue_slot + 1 == Cfg::STAGES ? 0 : issue_slot + 1;
-        compute_slot = compute_slot + 1 == Cfg::STAGES ? 0 : compute_slot + 1;
-    }
 
     // ---- merge the warps' softmax states, then write O (or the split's partial) and LSE ----
     // Each warp rescales its output rows to the CTA's row maxima and stores them in its own fp32

@@ -30,8 +30,8 @@ KERNEL_SET_KEYS = ("all", "tune", "prog")
 #   carry the L2 evict-first hint, so the page tables stay in L2 while K and V stream past.
 # d256 keeps its shapes (8 warps x 2 stages of 16 d256 keys do not fit in shared memory).
 # Probe of 2026-11-23 (scripts/decode_probe.py, bf16, page 16 shuffled, NOTES.md item 63): d64 wide
-# paged takes 8 single-slot warps without the hint (batch 64 x 8k: 371 us vs 385 with 4 x 3,
-# contiguous 361); d256 narrow paged takes 4 warps x 2 stages (batch 8 x 32k: 716 us vs 729 with
+# paged took 8 single-slot warps without the hint (batch 64 x 8k: 371 us vs 385 with 4 x 3,
+# contiguous 361; since item 69 two heads per CTA, below); d256 narrow paged takes 4 warps x 2 stages (batch 8 x 32k: 716 us vs 729 with
 # 8 x 1; batch 1 x 8k: 37.3 vs 37.8).
 _DEFAULTS: dict[int, tuple[int, int, int, bool]] = {      # narrow contiguous
     64: (32, 4, 4, False),
@@ -46,7 +46,7 @@ _WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
     128: (16, 4, 3, False),
     256: (16, 4, 2, False),
 }
-_WIDE_HEADS = {64: 2, 128: 1, 256: 1}
+_WIDE_HEADS = {64: 2, 128: 1, 256: 1}  # KV heads per CTA of the wide defaults, contiguous and paged
 # Narrow paged caches at d_head 64 and 128 also take `interleave` (splits walk the keys
 # round-robin, so the first page-table reads go out beside the cache_seqlens read): d64 batch 1 x
 # 128k 99.5 vs 102.7 us, 8k 15.1 vs 15.3; d128 batch 1 x 8k 21.8 vs 22.0; d256 8k 37.9 vs 37.3,
@@ -57,8 +57,11 @@ _PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # narrow paged
     256: (16, 4, 2, True),
 }
 _PAGED_INTERLEAVE = {64: True, 128: True, 256: False}
+# Wide paged d_head 64 takes the wide contiguous shape, two KV heads per CTA, since the paged
+# loop's fix (NOTES.md item 69): batch 64 x 8k 364.0 us vs 372.7 for 8 single-slot warps
+# (contiguous 352.7; probe of 2026-11-23 evening).
 _WIDE_PAGED_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide paged
-    64: (32, 8, 1, False),
+    64: (32, 8, 2, False),
     128: (16, 4, 3, True),
     256: (16, 8, 1, True),
 }
@@ -152,7 +155,7 @@ def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool 
              else (_WIDE_DEFAULTS if wide else _DEFAULTS))
     bc, w, st, ev = table[d_head]
     il = paged and not wide and _PAGED_INTERLEAVE[d_head]
-    h = _WIDE_HEADS[d_head] if wide and not paged else 1
+    h = _WIDE_HEADS[d_head] if wide else 1
     rows = rows_for(d_head, packed_rows)
     while rows * (d_head + bc) // 32 > TILE_REGISTER_BUDGET:  # taller tiles: fewer keys per step
         bc //= 2

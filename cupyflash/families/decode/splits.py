@@ -8,16 +8,22 @@ sequence). Measured on the H100 (NOTES.md, decode steps 3-4):
   64 CTAs 183 us, 128 CTAs 185 us, limit 179 us), and every extra split adds a fixed cost per
   CTA and rows to merge (batch 1, 8k keys: 8 splits 21.7 us, 16 splits 22.4 us, 128 splits
   54.5 us): target num_sms / 2;
-- paged cache (shuffled pages): each CTA streams slower (a page-table read and a new DRAM page
-  every 16 keys), so it takes about one CTA per SM (batch 1, 131k keys, 8 warps: 8 splits 304 us,
-  16 splits 196 us): target num_sms.
+- paged cache (shuffled pages): the same target while a CTA's share is short, and one CTA per
+  SM once the contiguous count would leave a CTA more than PAGED_LONG_CTA_BYTES of K and V
+  (choose_paged_num_splits). Measured 2026-11-23 after the paged loop's fix (NOTES.md item 69),
+  bf16, page 16 shuffled: batch 1 x 8k keys at 8 splits against 16: d256 33.9 vs 36.0 us,
+  d128 21.3 vs 21.6, d64 15.2 vs 15.4; batch 1 x 131k: d64 99.9 vs 102.0, d128 187.0 vs 186.6;
+  batch 8 x 32k (32 MB a CTA at one split): d256 722.6 at 1 split, 711.9 at 2, d128 361.2 / 362.5.
+  (Before that fix a paged CTA streamed at half the contiguous rate and the rule aimed at one CTA
+  per SM throughout: batch 1 x 131k, d128, 8 splits 304 us, 16 splits 196 us.)
 """
 from __future__ import annotations
 
-__all__ = ["MAX_SPLITS", "MIN_STEPS_PER_WARP", "choose_num_splits"]
+__all__ = ["MAX_SPLITS", "MIN_STEPS_PER_WARP", "PAGED_LONG_CTA_BYTES", "choose_num_splits", "choose_paged_num_splits"]
 
 MAX_SPLITS = 128          # CF_DECODE_MAX_SPLITS in kernels_cu/decode/decode_common.cuh
 MIN_STEPS_PER_WARP = 2    # below this a split's pipeline never fills
+PAGED_LONG_CTA_BYTES = 8 << 20  # K and V bytes a paged CTA streams before more CTAs pay (see above)
 
 
 def choose_num_splits(batch: int, n_kv_heads: int, row_tiles: int, max_keys: int, target_ctas: float,
@@ -28,3 +34,13 @@ def choose_num_splits(batch: int, n_kv_heads: int, row_tiles: int, max_keys: int
     wanted = max(1, round(target_ctas / base))
     useful = max(1, max_keys // max(1, keys_per_cta_step * MIN_STEPS_PER_WARP))
     return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def choose_paged_num_splits(batch: int, n_kv_heads: int, row_tiles: int, max_keys: int, num_sms: int,
+                            keys_per_cta_step: int, key_bytes: int) -> int:
+    """Split count for a paged cache: the contiguous rule's (num_sms / 2 CTAs), or num_sms CTAs
+    when that would leave a CTA more than PAGED_LONG_CTA_BYTES of K and V (`key_bytes` per key)."""
+    splits = choose_num_splits(batch, n_kv_heads, row_tiles, max_keys, num_sms / 2, keys_per_cta_step)
+    if -(-max_keys // splits) * key_bytes > PAGED_LONG_CTA_BYTES:
+        splits = choose_num_splits(batch, n_kv_heads, row_tiles, max_keys, num_sms, keys_per_cta_step)
+    return splits
