@@ -18,7 +18,7 @@ import threading
 from typing import Any, Callable
 
 from .families.decode.config import DecodeKernelConfig
-from .launch_plans import _CUPY, _TORCH, _kind, _kinds  # one array-type classifier for both fast paths
+from .launch_plans import _CUPY, _TORCH, _kind, _kinds, driver_calls, store  # shared by every fast path
 from .families.decode.params import DECODE_PARAMS
 
 __all__ = ["KVCacheLaunch", "build_launches", "signature", "lookup", "remember", "clear"]
@@ -26,7 +26,6 @@ __all__ = ["KVCacheLaunch", "build_launches", "signature", "lookup", "remember",
 # q, k_cache, v_cache, k_new, v_new, o, lse, ws_o, ws_lse, cache_seqlens, block_table: the first
 # eleven DecodeParams fields
 _POINTERS = struct.Struct("<11Q")
-_MAX_PLANS = 4096
 
 _plans: dict[tuple, "KVCacheLaunch"] = {}
 _launch_kernel: Callable[..., None] | None = None
@@ -199,13 +198,8 @@ def remember(key: tuple | None, plan: KVCacheLaunch) -> None:
     if key is None:
         return
     if _get_device is None:
-        from cupy.cuda.runtime import getDevice
-
-        _get_device = getDevice
-    if len(_plans) >= _MAX_PLANS:
-        _plans.clear()
-    plan.is_torch = _kind(key[0]) == _TORCH
-    _plans[key] = plan
+        _, _get_device = driver_calls()
+    store(_plans, key, plan)
 
 
 def clear() -> None:
