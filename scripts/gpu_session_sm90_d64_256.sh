@@ -10,8 +10,8 @@
 # $OUT/results.tgz after every step and a short summary is printed last.
 set -uo pipefail
 OUT="${OUT:-/tmp/cupyflash-gpu}"
-R="$OUT/r"
-mkdir -p "$R"
+R="${WORK:-/tmp/cupyflash-d64-256}/r"  # logs here; only results.tgz goes to $OUT (a call returns few files)
+mkdir -p "$R" "$OUT"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 export CUPYFLASH_CACHE_DIR="${CUPYFLASH_CACHE_DIR:-$PWD/.out/kcache}"
@@ -21,7 +21,7 @@ t0=$(date +%s)
 deadline=$(( t0 + ${DEADLINE:-215} ))
 stamp() {
     echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$R/steps.txt"
-    tar -czf "$OUT/results.tgz" -C "$OUT" r
+    tar -czf "$OUT/results.tgz" -C "$(dirname "$R")" r
 }
 limit() {
     local left=$(( deadline - $(date +%s) ))
