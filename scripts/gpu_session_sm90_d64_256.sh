@@ -6,6 +6,9 @@
 #      candidates beside SDPA cuDNN, interleaved rounds
 #   3. compute-sanitizer memcheck (ragged shapes), racecheck and synccheck (many tiles per
 #      persistent CTA) on the new code paths
+#   4. bench.py with cfg=None (the shipped table) at d64/d256 beside SDPA flash and cuDNN, the
+#      README's rows (non-causal; d64 causal too)
+# STEPS picks the steps (default "tests probe sanitize bench"); PROBE_ARGS are the probe's options.
 # Each step runs under a timeout inside a whole-call deadline; results are packed into
 # $OUT/results.tgz after every step and a short summary is printed last.
 set -uo pipefail
@@ -29,12 +32,21 @@ limit() {
     echo $(( $1 < left ? $1 : left ))
 }
 
+STEPS="${STEPS:-tests probe sanitize bench}"
+has() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+if has tests; then
 timeout "$(limit 50)" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_forward_sm90_knobs.py >"$R/pytest.log" 2>&1
 stamp "pytest rc=$?: $(tail -n 1 "$R/pytest.log")"
+fi
 
-timeout "$(limit 110)" python3 scripts/probe_sm90_d64_256.py --json "$R/probe.json" >"$R/probe.log" 2>&1
+if has probe; then
+# shellcheck disable=SC2086
+timeout "$(limit 110)" python3 scripts/probe_sm90_d64_256.py --json "$R/probe.json" ${PROBE_ARGS:-} >"$R/probe.log" 2>&1
 stamp "probe rc=$?"
+fi
 
+if has sanitize; then
 SAN="forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy|forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy"
 timeout "$(limit 25)" compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py \
     --configs "$SAN|forward_sm90(BF16, 64, 128, 192, 2): tma+ws+pingpong+overlap+lazy" >"$R/memcheck.log" 2>&1
@@ -45,8 +57,18 @@ stamp "racecheck rc=$?: $(grep -E 'HAZARD|RACECHECK SUMMARY|sanitize_sm90:' "$R/
 timeout "$(limit 20)" compute-sanitizer --tool synccheck python3 scripts/sanitize_sm90.py --multi-tile --configs "$SAN" \
     >"$R/synccheck.log" 2>&1
 stamp "synccheck rc=$?: $(grep -E 'ERROR SUMMARY|sanitize_sm90:' "$R/synccheck.log" | tr '\n' ' ')"
+fi
+
+if has bench; then
+timeout "$(limit 45)" python3 scripts/bench.py --no-overhead --iters 20 --warmup 5 --d-heads 64,256 --dtypes bf16,fp16 \
+    --seqs 2k,4k,16k --peers sdpa_flash,sdpa_cudnn --plot '' --json "$R/bench_d64_256.json" >"$R/bench_d64_256.log" 2>&1
+stamp "bench d64/d256 rc=$?"
+timeout "$(limit 35)" python3 scripts/bench.py --no-overhead --iters 20 --warmup 5 --causal --d-heads 64 --dtypes bf16,fp16 \
+    --seqs 2k,4k,16k --peers sdpa_flash,sdpa_cudnn --plot '' --json "$R/bench_d64_causal.json" >"$R/bench_d64_causal.log" 2>&1
+stamp "bench d64 causal rc=$?"
+fi
 
 stamp "done"
-tail -n 5 "$R/pytest.log"
-sed -n '/^row /,$p' "$R/probe.log"
-grep -E "FAIL" "$R/probe.log" | head -n 5
+[ -f "$R/pytest.log" ] && tail -n 5 "$R/pytest.log"
+[ -f "$R/probe.log" ] && grep -E "^best |FAIL" "$R/probe.log" | head -n 80
+for f in "$R"/bench_*.log; do [ -f "$f" ] && grep -E "cupyflash |sdpa_cudnn|sdpa_flash|REFUSED|ERROR" "$f" | tail -n 40; done

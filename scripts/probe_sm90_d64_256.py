@@ -2,7 +2,7 @@
 """forward_sm90 at d_head 64 and 256 (issue 11's rows) beside SDPA cuDNN, one process: per grid
 point, the shipped table's pick (what cfg=None runs), candidate configs derived from it (the
 `lazy` and `oreg` knobs, the 192-column key tile at d64, persistent CTAs with the early Q release
-at d256) and cuDNN, each checked once against float64 (bench.py's spot-row check), then timed
+at d256; see _fixed for the current list) and cuDNN, each checked once against float64 (bench.py's spot-row check), then timed
 in --rounds interleaved rounds (order rotated per round; median of round medians), so clock
 drift falls on all alike.
 
@@ -31,22 +31,27 @@ from cupyflash.benchmarking import grid_shape, parse_ints  # noqa: E402
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H  # noqa: E402
 
-ROWS = {"d64": (64, False), "d64c": (64, True), "d256": (256, False), "d256c": (256, True)}
+ROWS = {"d64": (64, False), "d64c": (64, True), "d128": (128, False), "d128c": (128, True), "d256": (256, False),
+        "d256c": (256, True)}
 TABLE = Path(__file__).resolve().parent.parent / "cupyflash" / "tuning" / "default_h100.forward_sm90.json"
 
 
 def _fixed(dtype: DType, d_head: int) -> list[H]:
-    """Candidates independent of the table's pick."""
-    name = dtype.name
+    """Candidates independent of the table's pick: the tune set's lazy configs of the tile that
+    won most rows (192x128 at d64, 128x80 at d256), at d64 also two of them with a quarter of
+    the exponentials on the FMA units (emu1: lazy rescaling freed issue slots) and the 128x128
+    tile; none at d128."""
+    from cupyflash.families.forward_sm90.config_sets import autotune_configs
+
+    tile = {64: (192, 128), 256: (128, 80)}.get(d_head)
+    out = [c for c in autotune_configs([dtype], [d_head]) if c.lazy_rescale and (c.B_r, c.B_c) == tile]
     if d_head == 64:
-        texts = (f"forward_sm90({name}, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy",
-                 f"forward_sm90({name}, 64, 128, 192, 2): tma+ws+pingpong+overlap",
-                 f"forward_sm90({name}, 64, 128, 192, 2): tma+ws+pingpong+overlap+lazy")
-    else:
-        texts = (f"forward_sm90({name}, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg",
-                 f"forward_sm90({name}, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy",
-                 f"forward_sm90({name}, 256, 128, 80, 2): tma+ws+pingpong+overlap+oreg+lazy")
-    return [H.parse(t) for t in texts]
+        out += [c.replace(exp_emulation=1) for c in out if c.n_stages == 2]
+        # two consumers on 128-row tiles: no ragged last query block at S = 2^k, a smaller causal
+        # diagonal than 192x128 or 128x176
+        base = H(dtype, 64, 128, 128, 2, True, True, True, False, lazy_rescale=True)
+        out += [base, base.replace(persistent=True, double_q=True)]
+    return out
 
 
 def candidates(auto: H) -> list[H]:
@@ -56,14 +61,14 @@ def candidates(auto: H) -> list[H]:
 
 
 def table_picks() -> list[H]:
-    """Every d64/d256 config of the shipped H100 table."""
-    entries = json.loads(TABLE.read_text())["entries"]
-    return [H.parse(e["config"]) for e in entries if e["d_head"] in (64, 256)]
+    """Every config of the shipped H100 table."""
+    return [H.parse(e["config"]) for e in json.loads(TABLE.read_text())["entries"]]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="d64,d64c,d256")
+    p.add_argument("--rows", default="d64,d64c,d256",
+                   help="rows, each optionally with its own lengths: d64,d256@512/1k/8k (default lengths --seqs)")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--seqs", default="2k,4k,16k")
     p.add_argument("--rounds", type=int, default=2)
@@ -91,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     timing = argparse.Namespace(warmup=args.warmup, iters=args.iters)
     results, failures = [], []
-    for row in args.rows.split(","):
+    for item in args.rows.split(","):
+        row, _, own = item.partition("@")
         d_head, causal = ROWS[row]
         for dtype in parse_dtypes(args.dtypes):
-            for seq in parse_ints(args.seqs, "--seqs"):
+            for seq in parse_ints(own.replace("/", ",") if own else args.seqs, "--rows"):
                 auto, source = bench._auto_choice(dtype, d_head, seq, device, causal)
                 impls = [CupyflashImpl(c, f"cf{i}") for i, c in enumerate(candidates(auto))]
                 impls.append(SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn"))
@@ -137,6 +143,19 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{r['vs_cudnn']:.3f}" if r["vs_cudnn"] else "-"
         print(f"{r['row']:<5} {r['dtype']:<6} {r['seq']:<6} {r['tflops']:7.1f}  {ratio:>7}  "
               f"{'*' if r['table_pick'] else ' '}{r['config'] or r['impl']}")
+    # one line per point: cuDNN, the table's pick and the fastest config, with their ratios
+    points: dict[tuple, list[dict]] = {}
+    for r in results:
+        points.setdefault((r["row"], r["dtype"], r["seq"]), []).append(r)
+    for (row, dtype, seq), rs in points.items():
+        mine = [r for r in rs if r["config"]]
+        pick = next((r for r in mine if r["table_pick"]), None)
+        best = max(mine, key=lambda r: r["tflops"]) if mine else None
+        cud = next((r for r in rs if not r["config"]), None)
+        if pick and best:
+            feats = best["config"].split("(", 1)[1].replace(": tma+ws+", " ")
+            print(f"best {row:<5} {dtype} {seq:<6} cudnn {cud['tflops'] if cud else 0:6.1f} pick {pick['tflops']:6.1f} "
+                  f"{pick['vs_cudnn'] or 0:.3f} best {best['tflops']:6.1f} {best['vs_cudnn'] or 0:.3f} {feats}")
     return 1 if failures else 0
 
 

@@ -84,29 +84,36 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
 _TUNE_TILES = {64: ((192, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
 _TUNE_STAGES = {64: (2, 3), 128: (2, 3), 256: (2,)}
 _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
+# Lazy rescaling (threshold 2^8), measured on the H100 (2026-11-23, scripts/probe_sm90_d64_256.py,
+# beside cuDNN): d256 +4-7% at every S from 2k to 16k, bf16 and fp16, so d256 candidates all
+# have it; d64 +0-11% on the 192x128 tile but -10% on the causal 128x176 one at 16k, so d64 times
+# both; d128 not measured against its table yet.
+_TUNE_LAZY = {64: (False, True), 128: (False,), 256: (True,)}
 _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
 
 
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
     """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
-    stages and ping-pong listed for its d_head, at d64 persistent CTAs only with two Q tiles, and
-    every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's first step)."""
+    stages, ping-pong and lazy rescaling listed for its d_head, at d64 persistent CTAs only with
+    two Q tiles, every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's
+    first step), O staged through shared memory (`oreg`'s 4-byte stores lost 5-8% at d256)."""
     d = cfg.d_head
     return (cfg.warp_specialized and cfg.intra_wg_overlap
             and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
             and cfg.n_stages in _TUNE_STAGES[d] and cfg.pingpong in _TUNE_PINGPONG[d]
             and not (d == 64 and cfg.persistent and not cfg.double_q)
-            and cfg.exp_emulation == 0 and not cfg.cp_async)
+            and cfg.exp_emulation == 0 and not cfg.cp_async
+            and cfg.lazy_rescale in _TUNE_LAZY[d] and not cfg.o_direct)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
     out = []
     for dtype, d in itertools.product(dtypes, d_heads):
-        for (b_r, b_c), stages, pingpong, (persistent, double_q) in itertools.product(
-                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES):
+        for (b_r, b_c), stages, pingpong, (persistent, double_q), lazy in itertools.product(
+                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES, _TUNE_LAZY[d]):
             try:
                 cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent,
-                                                double_q)
+                                                double_q, lazy_rescale=lazy)
             except ValueError:
                 continue  # over the register or shared-memory budget
             if should_autotune(cfg):
