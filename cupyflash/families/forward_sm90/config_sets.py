@@ -81,14 +81,17 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
 # (exp_emulation) stays out: on the H100 (2026-11-23, docs/autotune_sm90_candidates_h100.jsonl)
 # a quarter of the scores on the FMA units lost a median 6% (0.83-1.04x over 192 d64 pairs,
 # 0.88-1.06x over 24 d128 ones), causal or not: the softmax is bound by issue, not by MUFU.
-_TUNE_TILES = {64: ((192, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
+_TUNE_TILES = {64: ((192, 128), (128, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
 _TUNE_STAGES = {64: (2, 3), 128: (2, 3), 256: (2,)}
 _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
 # Lazy rescaling (threshold 2^8), measured on the H100 (2026-11-23, scripts/probe_sm90_d64_256.py,
-# beside cuDNN): d256 +4-7% at every S from 2k to 16k, bf16 and fp16, so d256 candidates all
-# have it; d64 +0-11% on the 192x128 tile but -10% on the causal 128x176 one at 16k, so d64 times
-# both; d128 not measured against its table yet.
-_TUNE_LAZY = {64: (False, True), 128: (False,), 256: (True,)}
+# two runs beside cuDNN): d256 +4-9% at every S from 1k to 16k, causal or not; d64 +0-11% on the
+# three-consumer 192x128 tile but -4..-10% on the two-consumer 128x176 one; so both time both (the
+# defaults keep exact rescaling: forward_varlen has not run lazy configs on a GPU yet); d128 (two
+# consumers) -1..-4%, so d128 keeps exact rescaling.
+# d64's 128x128 tile: causal S <= 2k (no ragged 192-row last block, a smaller diagonal),
+# +16-27% over 192x128 at 512/1k.
+_TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
 _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
 
 
