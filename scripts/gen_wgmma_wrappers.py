@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-N_VALUES = (64, 80, 128, 176, 256)  # key-tile columns (S = Q K^T) and head dimensions (O += P V)
+N_VALUES = (64, 80, 128, 176, 192, 256)  # key-tile columns (S = Q K^T) and head dimensions (O += P V)
 DTYPES = (("FP16", "f16"), ("BF16", "bf16"))
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_sm90.cuh"
 

@@ -8,6 +8,7 @@
     ... python scripts/sanitize_sm90.py --quick           # 4 configs x 2 shapes x 2
     ... python scripts/sanitize_sm90.py --multi-tile      # persistent CTAs taking several tiles
     ... python scripts/sanitize_sm90.py --configs "SHORT|SHORT"   # only these configs (every shape)
+    ... python scripts/sanitize_sm90.py --multi-tile --configs "SHORT|SHORT"   # these, on many tiles
 
 Every progression config of bf16 d_head 128 plus the d_head 64 and 256 defaults, on three
 shapes (ragged lengths, S_q < S_k and S_q > S_k, MQA/GQA), causal off and on, LSE on. CuPy's
@@ -71,10 +72,11 @@ def sanitize_configs(quick: bool = False) -> list[HopperForwardKernelConfig]:
     return [configs[0], configs[1], configs[5], configs[-1]] if quick else configs
 
 
-def multi_tile_launches(rng: np.random.Generator) -> Iterator[Launch]:
-    """MULTI_TILE's configs, causal off and on, on 3 query blocks (the last one ragged) x 48 heads."""
-    for text in MULTI_TILE:
-        cfg = HopperForwardKernelConfig.parse(text)
+def multi_tile_launches(rng: np.random.Generator,
+                        configs: list[HopperForwardKernelConfig] | None = None) -> Iterator[Launch]:
+    """MULTI_TILE's configs (or `configs`), causal off and on, on 3 query blocks (the last one
+    ragged) x 48 heads."""
+    for cfg in configs or [HopperForwardKernelConfig.parse(text) for text in MULTI_TILE]:
         seq = 2 * cfg.B_r + 44
         shape = (1, seq, seq, *MULTI_TILE_HEADS)
         for causal in (False, True):
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
     rng = np.random.default_rng(0)
-    todo = multi_tile_launches(rng) if "--multi-tile" in args else launches(rng, quick, configs)
+    todo = multi_tile_launches(rng, configs) if "--multi-tile" in args else launches(rng, quick, configs)
     done = run_launches(todo, lambda line: print(line, flush=True))
     print(f"sanitize_sm90: {len(done.failures)} failure(s) in {done.runs} launches")
     return 1 if done.failures else 0

@@ -92,7 +92,7 @@ def test_parse_rejects(text, message):
     ((DType.BF16, 64, 192, 128, 2, False, False, False, False), "B_r == 192"),
     ((DType.BF16, 128, 192, 128, 2, True, True, True, False), "accumulator registers"),
     ((DType.BF16, 128, 128, 32, 2, True, False, True, False), "B_c in"),
-    ((DType.BF16, 128, 128, 192, 2, True, False, True, False), "B_c in"),
+    ((DType.BF16, 128, 128, 96, 2, True, False, True, False), "B_c in"),
     ((DType.BF16, 128, 128, 128, 5, True, False, True, False), "n_stages in"),
     ((DType.BF16, 128, 64, 128, 2, True, True, True, False), "pingpong needs two or three consumer warpgroups"),
     ((DType.BF16, 128, 128, 128, 2, False, True, True, False), "pingpong needs two or three consumer warpgroups"),
@@ -225,7 +225,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false}>, true, false>")
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false}>, true, false>")
 
 
 def test_registered_as_a_family_of_the_seam():

@@ -26,11 +26,16 @@ CF_DEVICE float poly_exp2(float x) {
 
 // EMU_QUARTERS: of every four 8-column tiles of scores, this many take their exponentials from
 // poly_exp2 (the optimized path only; 0 = all on MUFU.EX2).
-template <int M_TILES, int N_TILES, bool OPTIMIZED, int EMU_QUARTERS = 0>
+// LAZY_LOG2 > 0 (optimized path only): a row's running max moves only when a block's max exceeds
+// it by more than LAZY_LOG2 in exp2 units; otherwise the old max stays, the rescale factor is
+// exactly 1 and the probabilities may reach 2^LAZY_LOG2. Sums, outputs and the log-sum-exp all
+// refer to the same (stale) max, so the result is unchanged but for rounding.
+template <int M_TILES, int N_TILES, bool OPTIMIZED, int EMU_QUARTERS = 0, int LAZY_LOG2 = 0>
 struct OnlineSoftmax {
     // OPTIMIZED keeps the running max in raw score units and folds scale*log2(e) into one FFMA
     // that feeds ex2; the plain path scales every score first and converts to base 2 separately.
     static_assert(EMU_QUARTERS == 0 || OPTIMIZED, "exp2 emulation is a variant of the optimized path");
+    static_assert(LAZY_LOG2 == 0 || OPTIMIZED, "lazy rescaling is a variant of the optimized path");
     float row_max[M_TILES][2];
     float row_sum[M_TILES][2];
 
@@ -66,6 +71,14 @@ struct OnlineSoftmax {
 #pragma unroll
                 for (int n = 0; n < N_TILES; ++n) block_max = fmaxf(block_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
                 block_max = quad_max(block_max);
+                // Lazy: keep the old max unless the block's exceeds it by more than 2^LAZY_LOG2 (an
+                // all-masked row's -inf is replaced by any finite max). A select, not a branch:
+                // the rows of a warp decide differently.
+                bool keep = false;
+                if constexpr (LAZY_LOG2 > 0 && !FIRST) {
+                    keep = !(block_max * scale_log2 > fmaf(row_max[m][h], scale_log2, (float)LAZY_LOG2));
+                    block_max = keep ? row_max[m][h] : block_max;
+                }
                 // A row whose keys are all masked so far has max -inf; use 0 so that
                 // (-inf) - (-inf) never produces NaN. Its probabilities are exp2(-inf) = 0.
                 const float safe_max = block_max == CF_NEG_INF ? 0.f : block_max;
@@ -75,6 +88,7 @@ struct OnlineSoftmax {
                         rescale[m][h] = 1.f;
                     } else {
                         rescale[m][h] = fast_exp2(fmaf(row_max[m][h], scale_log2, -max_scaled));
+                        if constexpr (LAZY_LOG2 > 0) rescale[m][h] = keep ? 1.f : rescale[m][h];
                         row_sum[m][h] *= rescale[m][h];
                     }
                     float sum = 0.f;

@@ -22,6 +22,11 @@ struct StaticHopperForwardConfig {
     static constexpr int Q_BUFFERS = C.double_q ? 2 : 1;  // tile t uses Q tile t % Q_BUFFERS
     static constexpr int EXP_EMULATION = C.exp_emulation;  // quarters of the scores: exp2 on FMA
     static constexpr bool CP_ASYNC = C.cp_async;  // consumer threads load Q/K/V with cp.async, no TMA
+    static constexpr bool O_DIRECT = C.o_direct;  // O stored from registers, not staged in the Q tile
+    // A persistent CTA's Q tile is free once the tile's last Q K^T has completed (O_DIRECT: the
+    // epilogue no longer stages O in it), so the consumers release it there.
+    static constexpr bool EARLY_Q_RELEASE = O_DIRECT && PERSISTENT;
+    static constexpr bool LAZY_RESCALE = C.lazy_rescale;  // running max moved only when it grows by > 2^8
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup

@@ -1,7 +1,8 @@
 // Epilogue of one consumer warpgroup: O / row sum, converted to 16-bit, staged through the
 // warpgroup's own 64 rows of the Q tile (128B-swizzled, so the 4-byte writes of the accumulator
 // layout are bank-conflict free), then written to global memory in 16-byte chunks; plus the
-// log-sum-exp of each row when requested.
+// log-sum-exp of each row when requested. O_DIRECT configs store O from the accumulator
+// registers instead (4-byte stores of column pairs), leaving the Q tile alone.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -13,6 +14,36 @@ struct Epilogue {
         return q_base + (col / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES + rr * Cfg::ROW_BYTES + chunk * 16 + (col % 8) * 2;
     }
 
+    CF_DEVICE static void store_lse(const Consumer<Cfg, CAUSAL>& c, const float (&total)[1][2]) {
+        const HopperForwardParams& p = c.p;
+        if (p.lse != nullptr && (c.lane & 3) == 0) {
+            const long long row_base = c.tile.lse_offset(p);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = c.row() + 8 * h;
+                if (row < c.tile.seq_len_q(p))
+                    p.lse[row_base + row] = c.softmax.stats.log_sum_exp(0, h, total[0][h], p.softmax_scale);
+            }
+        }
+    }
+
+    // O_DIRECT: each thread writes its two rows' column pairs (8n + 2 * (lane % 4), +1) as 4-byte
+    // stores; a warp instruction covers 16 bytes of each of 8 rows, merged in L2.
+    CF_DEVICE static void store_direct(const Consumer<Cfg, CAUSAL>& c, float inv0, float inv1) {
+        const HopperForwardParams& p = c.p;
+        u16* o_dst = static_cast<u16*>(p.o) + c.tile.o_offset(p);
+        const int rows_valid = c.tile.seq_len_q(p);
+        const int row = c.row();
+        u32* dst0 = reinterpret_cast<u32*>(o_dst + (long long)row * p.o_seq_stride + 2 * (c.lane & 3));
+        u32* dst1 = reinterpret_cast<u32*>(o_dst + (long long)(row + 8) * p.o_seq_stride + 2 * (c.lane & 3));
+        const bool ok0 = row < rows_valid, ok1 = row + 8 < rows_valid;
+#pragma unroll
+        for (int n = 0; n < Cfg::D / 8; ++n) {
+            if (ok0) dst0[4 * n] = pack_pair<Cfg::dtype>(c.o[n][0] * inv0, c.o[n][1] * inv0);
+            if (ok1) dst1[4 * n] = pack_pair<Cfg::dtype>(c.o[n][2] * inv1, c.o[n][3] * inv1);
+        }
+    }
+
     CF_DEVICE static void store(Consumer<Cfg, CAUSAL>& c) {
         const HopperForwardParams& p = c.p;
         float total[1][2];
@@ -20,6 +51,11 @@ struct Epilogue {
         const float inv0 = total[0][0] > 0.f ? 1.f / total[0][0] : 0.f;
         const float inv1 = total[0][1] > 0.f ? 1.f / total[0][1] : 0.f;
         const int r0 = 16 * c.warp + (c.lane >> 2);  // row inside the warpgroup's 64
+        if constexpr (Cfg::O_DIRECT) {
+            store_lse(c, total);
+            store_direct(c, inv0, inv1);
+            return;  // the Q tile was released after the last Q K^T (persistent) or is not reused
+        }
         const u32 q_base = c.q_tile();
         // Every wgmma of this warpgroup that read its Q rows has completed (waited in the
         // mainloop), and the Q load itself has landed (q_full waited), so the rows are free.
@@ -30,15 +66,7 @@ struct Epilogue {
             st_shared_4(q_tile_address(q_base, c.wg, r0 + 8, col),
                         pack_pair<Cfg::dtype>(c.o[n][2] * inv1, c.o[n][3] * inv1));
         }
-        if (p.lse != nullptr && (c.lane & 3) == 0) {
-            const long long row_base = c.tile.lse_offset(p);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = c.row() + 8 * h;
-                if (row < c.tile.seq_len_q(p))
-                    p.lse[row_base + row] = c.softmax.stats.log_sum_exp(0, h, total[0][h], p.softmax_scale);
-            }
-        }
+        store_lse(c, total);
         named_barrier_sync(Consumer<Cfg, CAUSAL>::EPILOGUE_BARRIER + c.wg, 128);
         constexpr int CHUNKS = Cfg::D / 8;  // 16-byte chunks per row
         u16* o_dst = static_cast<u16*>(p.o) + c.tile.o_offset(p);

@@ -86,6 +86,12 @@ struct Consumer {
     CF_DEVICE void release_v(int stage) const {
         if (lane == 0) mbarrier_arrive(smem.v_empty(stage));
     }
+    // EARLY_Q_RELEASE: the tile's last Q K^T has completed (or it has none), so the producer may
+    // load the CTA's next Q into this tile while P V and the epilogue (from registers) finish.
+    CF_DEVICE void release_q_early() const {
+        if constexpr (Cfg::EARLY_Q_RELEASE)
+            if (lane == 0) mbarrier_arrive(smem.q_empty(q_buffer<Cfg>(tile_iter)));
+    }
 
     // A turn barrier counts 256 threads: the 128 of the warpgroup waiting for its turn and the
     // 128 of its predecessor in the ring handing it over. A warpgroup cannot hand over twice
@@ -104,6 +110,11 @@ struct Consumer {
     }
 
     CF_DEVICE void rescale_output(const float (&rescale)[1][2]) {
+        if constexpr (Cfg::LAZY_RESCALE) {
+            // Lazy rescaling leaves most factors at exactly 1: skip when all of the warp's are
+            // (a warp-uniform branch; the multiplications would be no-ops).
+            if (!__any_sync(0xffffffffu, rescale[0][0] != 1.f || rescale[0][1] != 1.f)) return;
+        }
 #pragma unroll
         for (int n = 0; n < Cfg::D / 8; ++n) {
             o[n][0] *= rescale[0][0];
@@ -133,7 +144,10 @@ struct Consumer {
     template <class Refill>
     CF_DEVICE void run(int n_blocks, Refill&& refill) {
         mbarrier_wait(smem.q_full(q_buffer<Cfg>(tile_iter)), q_phase<Cfg>(tile_iter));
-        if (n_blocks <= 0) return;
+        if (n_blocks <= 0) {
+            release_q_early();
+            return;
+        }
         if constexpr (Cfg::PINGPONG)
             if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
         if constexpr (Cfg::OVERLAP) run_overlapped(n_blocks, refill);
@@ -153,6 +167,7 @@ struct Consumer {
             wgmma_wait<0>();
             fence_registers(s[0]);
             release_k(stage);
+            if (j == n_blocks - 1) release_q_early();
             softmax_block(s, j);
             mbarrier_wait(smem.v_full(stage), phase);
             wait_turn();
@@ -180,6 +195,7 @@ struct Consumer {
         wgmma_wait<0>();
         fence_registers(s[0]);
         release_k(first);
+        if (n_blocks == 1) release_q_early();
         Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
         softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
         Softmax::convert(s, pa);
@@ -196,6 +212,7 @@ struct Consumer {
             wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
             fence_registers(s[0]);
             release_k(stage);
+            if (j == n_blocks - 1) release_q_early();
             Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
             softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
             wgmma_wait<0>();

@@ -11,7 +11,7 @@ struct WarpgroupSoftmax {
     using Scores = float[1][S_TILES][4];
     using Probabilities = u32[PV_STEPS][4];
 
-    OnlineSoftmax<1, S_TILES, true, Cfg::EXP_EMULATION> stats;
+    OnlineSoftmax<1, S_TILES, true, Cfg::EXP_EMULATION, Cfg::LAZY_RESCALE ? 8 : 0> stats;
 
     CF_DEVICE void init() { stats.init(); }
 

@@ -11,8 +11,9 @@ the short form, which names the family:
 
 The features start with how Q/K/V reach shared memory: `tma` (TMA copies) or `cpasync` (16-byte
 cp.async copies issued by every consumer thread: the progression's first step, wgmma alone);
-`ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles) and `emuN` (exp2 of N quarters
-of the scores on the FMA units) are the optional features. Invalid combinations raise
+`ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
+registers, Q released early), `lazy` (threshold rescaling) and `emuN` (exp2 of N quarters of the
+scores on the FMA units) are the optional features. Invalid combinations raise
 ValueError naming the rule.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "
 FAMILY = "forward_sm90"
 D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
 B_R_VALUES = (64, 128, 192)   # 64 query rows per consumer warpgroup (one wgmma m64 tile)
-B_C_VALUES = (64, 80, 128, 176)  # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256)
+# key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256, 192 at d64)
+B_C_VALUES = (64, 80, 128, 176, 192)
 STAGE_VALUES = (1, 2, 3, 4)   # K/V ring slots
 EXP_EMULATION_VALUES = (0, 1, 2)  # quarters of each row's score columns whose exp2 runs on the FMA units
 MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
@@ -66,6 +68,16 @@ class HopperForwardKernelConfig(KernelConfig):
     # Q/K/V loaded by the consumer threads with 16-byte cp.async (zero-filled past the sequence
     # ends) into the same 128B-swizzled tiles, instead of TMA: wgmma without the copy engine.
     cp_async: bool = False
+    # O written to global memory straight from the accumulator registers (4-byte stores) instead
+    # of staged through the Q tile; persistent CTAs then release their Q tile as soon as the
+    # tile's last Q K^T has completed, so the next tile's Q loads during the last P V and the
+    # epilogue (at d256 no second Q tile fits in shared memory).
+    o_direct: bool = False
+    # Lazy rescaling: a row's running max (and O, and its sum) are only moved when a block's max
+    # exceeds it by more than 2^8 in exp2 units; otherwise the stale max stays (probabilities up
+    # to 256, exact in fp32 and representable in fp16/bf16) and the O rescale (d_head/2 FMULs
+    # per thread per key block) is skipped by the whole warp.
+    lazy_rescale: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -120,13 +132,16 @@ class HopperForwardKernelConfig(KernelConfig):
     # ------------------------------------------------------------ short form
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
-                                        "qbuf2": "double_q"}
+                                        "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy")  # written after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
-        features = [self.loads] + [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
-        if self.exp_emulation:
-            features.append(f"emu{self.exp_emulation}")
+        on = [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
+        emu = [f"emu{self.exp_emulation}"] if self.exp_emulation else []
+        # emuN stays right after the older flags, so every earlier short form reads as before
+        features = ([self.loads] + [f for f in on if f not in self._LATE_FLAGS] + emu
+                    + [f for f in on if f in self._LATE_FLAGS])
         dtype = self.dtype.name if isinstance(self.dtype, DType) else str(self.dtype)
         return (f"{FAMILY}({dtype}, {self.d_head}, {self.B_r}, {self.B_c}, {self.n_stages}): "
                 + "+".join(features))
@@ -169,4 +184,5 @@ class HopperForwardKernelConfig(KernelConfig):
             flags[cls._FLAGS[feat]] = True
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
-                   flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]])
+                   flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
+                   o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"])

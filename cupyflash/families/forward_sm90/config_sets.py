@@ -81,32 +81,42 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
 # (exp_emulation) stays out: on the H100 (2026-11-23, docs/autotune_sm90_candidates_h100.jsonl)
 # a quarter of the scores on the FMA units lost a median 6% (0.83-1.04x over 192 d64 pairs,
 # 0.88-1.06x over 24 d128 ones), causal or not: the softmax is bound by issue, not by MUFU.
-_TUNE_TILES = {64: ((192, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
+_TUNE_TILES = {64: ((192, 128), (128, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
 _TUNE_STAGES = {64: (2, 3), 128: (2, 3), 256: (2,)}
 _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
+# Lazy rescaling (threshold 2^8), measured on the H100 (2026-11-23, scripts/probe_sm90_d64_256.py,
+# two runs beside cuDNN): d256 +4-9% at every S from 1k to 16k, causal or not; d64 +0-11% on the
+# three-consumer 192x128 tile but -4..-10% on the two-consumer 128x176 one; so both time both (the
+# defaults keep exact rescaling: forward_varlen has not run lazy configs on a GPU yet); d128 (two
+# consumers) -1..-4%, so d128 keeps exact rescaling.
+# d64's 128x128 tile: causal S <= 2k (no ragged 192-row last block, a smaller diagonal),
+# +16-27% over 192x128 at 512/1k.
+_TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
 _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
 
 
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
     """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
-    stages and ping-pong listed for its d_head, at d64 persistent CTAs only with two Q tiles, and
-    every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's first step)."""
+    stages, ping-pong and lazy rescaling listed for its d_head, at d64 persistent CTAs only with
+    two Q tiles, every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's
+    first step), O staged through shared memory (`oreg`'s 4-byte stores lost 5-8% at d256)."""
     d = cfg.d_head
     return (cfg.warp_specialized and cfg.intra_wg_overlap
             and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
             and cfg.n_stages in _TUNE_STAGES[d] and cfg.pingpong in _TUNE_PINGPONG[d]
             and not (d == 64 and cfg.persistent and not cfg.double_q)
-            and cfg.exp_emulation == 0 and not cfg.cp_async)
+            and cfg.exp_emulation == 0 and not cfg.cp_async
+            and cfg.lazy_rescale in _TUNE_LAZY[d] and not cfg.o_direct)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
     out = []
     for dtype, d in itertools.product(dtypes, d_heads):
-        for (b_r, b_c), stages, pingpong, (persistent, double_q) in itertools.product(
-                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES):
+        for (b_r, b_c), stages, pingpong, (persistent, double_q), lazy in itertools.product(
+                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES, _TUNE_LAZY[d]):
             try:
                 cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent,
-                                                double_q)
+                                                double_q, lazy_rescale=lazy)
             except ValueError:
                 continue  # over the register or shared-memory budget
             if should_autotune(cfg):

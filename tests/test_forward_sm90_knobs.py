@@ -1,0 +1,79 @@
+"""forward_sm90's `oreg` and `lazy` knobs and the 192-column key tile without a GPU: short forms
+(the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
+configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+from test_gpu_forward_sm90_knobs import KNOB_CONFIGS
+
+
+@pytest.mark.parametrize("text", KNOB_CONFIGS + (
+    "forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+emu1+oreg+lazy",))
+def test_short_forms_round_trip(text):
+    cfg = H.parse(text)
+    assert cfg.short_form() == text and H.parse(cfg.short_form()) == cfg
+
+
+def test_new_flags_default_off_and_keep_older_short_forms():
+    cfg = H(DType.BF16, 64, 192, 128, 2, True, True, True, True, True, 1)
+    assert not cfg.o_direct and not cfg.lazy_rescale
+    assert cfg.short_form() == "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+emu1"
+    both = cfg.replace(o_direct=True, lazy_rescale=True)
+    assert both.short_form().endswith("+emu1+oreg+lazy") and both.smem_bytes() == cfg.smem_bytes()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("forward_sm90(BF16, 64, 192, 128, 2): tma+ws+oreg+oreg", "given twice"),
+    ("forward_sm90(BF16, 64, 192, 128, 2): tma+ws+lazier", "unknown feature"),
+])
+def test_parse_rejects(text, message):
+    with pytest.raises(ValueError, match=message):
+        H.parse(text)
+
+
+def test_wide_key_tile_only_where_its_accumulators_fit():
+    assert H(DType.BF16, 64, 128, 192, 2, True, True, True, False).B_c == 192  # 96 + 32 + 48 <= 200
+    with pytest.raises(ValueError, match="accumulator registers"):  # 96 + 32 + 48 > 128 (three consumers)
+        H(DType.BF16, 64, 192, 192, 2, True, True, True, False)
+    with pytest.raises(ValueError, match="accumulator registers"):  # 96 + 64 + 48 > 200
+        H(DType.BF16, 128, 128, 192, 2, True, True, True, False)
+
+
+def test_rendered_struct_carries_the_knobs():
+    from cupyflash.render import name_expression
+
+    cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
+    assert name_expression(cfg, False).endswith("0, false, true, true}>, false, false>")
+
+
+_WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
+
+
+@pytest.mark.compile
+def test_knob_configs_compile_clean():
+    from cupyflash.compiler import compile_module
+    from cupyflash.render import name_expression, render_family_source
+
+    source = render_family_source("forward_sm90")
+    items = [(H.parse(t), causal) for t in KNOB_CONFIGS for causal in (False, True)]
+
+    def build(item):
+        cfg, causal = item
+        expr = name_expression(cfg, causal)
+        module = compile_module(source, [expr], "sm_90a")
+        return str(cfg), causal, module.resources.get(expr), module.log
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        built = list(pool.map(build, items))
+    for name, causal, res, log in built:
+        assert not _WARNING.search(log), (name, causal, [l for l in log.splitlines() if _WARNING.search(l)][:2])
+        if res is not None:  # NVRTC may serve a module from its own cache without a ptxas report
+            assert res.spill_bytes == 0 and res.stack_frame_bytes == 0, (name, causal, res)
+    assert any(res is not None for _, _, res, _ in built)

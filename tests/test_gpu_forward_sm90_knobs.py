@@ -1,0 +1,95 @@
+"""GPU tests of forward_sm90's `oreg` (O stored from registers; persistent CTAs release their Q
+tile after the last Q K^T), `lazy` (threshold rescaling) and the 192-column key tile, against
+the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
+S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
+several times. Skipped cleanly without a compute capability 9.0 GPU."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash.device import has_gpu
+
+
+def _is_sm90() -> bool:
+    if not has_gpu():
+        return False
+    from cupyflash.device import compute_capability
+
+    return compute_capability(0) == 90
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _is_sm90(), reason="needs a compute capability 9.0 GPU")]
+
+# Every new code path once per d_head it serves, persistent or not, with one or two Q tiles.
+KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg",
+                "forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy",
+                "forward_sm90(BF16, 256, 128, 80, 2): tma+ws+overlap+lazy",
+                "forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy",
+                "forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+lazy",
+                "forward_sm90(BF16, 64, 128, 192, 2): tma+ws+pingpong+overlap",
+                "forward_sm90(FP16, 64, 128, 192, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy",
+                "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+oreg+lazy",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+oreg")
+
+if _is_sm90():
+    import cupy as cp
+
+    from gpu_reference import check_attention, poisoned, random_inputs
+    from cupyflash.families.forward_sm90 import forward_sm90
+    from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+
+    CONFIGS = [H.parse(t) for t in KNOB_CONFIGS]
+else:
+    CONFIGS = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed():
+    from cupyflash.prewarm import prewarm
+
+    report = prewarm(sorted(CONFIGS), ["sm_90a"], progress=None, causal=(False, True))
+    assert report.ok, [r for r in report.results if not r.ok][:2]
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def _inputs(rng, dtype, batch, seq_q, seq_k, heads, kv_heads, d):
+    return (random_inputs(cp, dtype, (batch, seq_q, heads, d), rng),
+            random_inputs(cp, dtype, (batch, seq_k, kv_heads, d), rng),
+            random_inputs(cp, dtype, (batch, seq_k, kv_heads, d), rng))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+def test_many_tiles_ragged_edges_with_lse(cfg, causal, rng):
+    """More tiles than SMs for the persistent ones (each CTA takes several, so the early Q
+    release and its phases carry across tiles), then lengths off the tile sizes, S_q != S_k
+    both ways (causal tiles with no visible key), GQA and MQA, LSE."""
+    cases = [(2, 3 * cfg.B_r - 17, 3 * cfg.B_r - 12, 40, 8), (2, 77, 200, 4, 2), (1, 1, 300, 4, 1),
+             (2, 130, 63, 4, 2), (1, 513, 1537, 8, 2)]
+    for batch, sq, sk, h, hkv in cases:
+        q, k, v = _inputs(rng, cfg.dtype, batch, sq, sk, h, hkv, cfg.d_head)
+        out = poisoned(cp, cfg.dtype, q.shape)
+        lse = cp.full((batch, h, sq), np.nan, dtype=cp.float32)
+        forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+        check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=f"{cfg} {(batch, sq, sk, h, hkv)}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.lazy_rescale], ids=str)
+def test_lazy_rescale_with_growing_scores(cfg, causal, rng):
+    """Keys scaled up along the sequence (x0.25 .. x6): each row's max grows by far more than
+    the lazy threshold (2^8) over the key blocks, so rows move their max several times, some
+    lanes of a warp do while others keep theirs, and probabilities reach up to 2^8 in between."""
+    seq = 6 * cfg.B_c + 37
+    q, _, v = _inputs(rng, cfg.dtype, 2, seq, seq, 4, 4, cfg.d_head)
+    ramp = np.linspace(0.25, 6.0, seq, dtype=np.float32).reshape(1, seq, 1, 1)
+    k = cp.asarray((rng.standard_normal(q.shape, dtype=np.float32) * ramp).astype(cfg.dtype.numpy_dtype))
+    out = poisoned(cp, cfg.dtype, q.shape)
+    lse = cp.full((2, 4, seq), np.nan, dtype=cp.float32)
+    forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+    check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=str(cfg))
