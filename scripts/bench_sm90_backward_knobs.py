@@ -6,8 +6,8 @@
 
 Grid of bench.py --mode backward (batch*seq = 16384, 16 heads, d_head 128, S_q = S_k). Per point:
 SDPA cuDNN (torch.autograd.grad of its output) and cupyflash.backward with each config of
-CONFIGS (the family's default, then the default with the launch knobs lpt / pdl / pdl+dq_early /
-lpt+pdl+dq_early), timed in interleaved rounds (each round times every implementation once, in a
+KNOB_SETS (the family's default, then the default with the launch knobs lpt / pdl / pdl+dq_early /
+lpt+pdl+dq_early, and with three stages, plain and with all three knobs), timed in interleaved rounds (each round times every implementation once, in a
 rotated order, each sample behind a ~1 ms GPU spin so only GPU time is measured); the median of
 the rounds is reported. Each config's gradients are checked once against the default's (relative
 L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the default config's
@@ -29,14 +29,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward as bb  # noqa: E402
 
-KNOB_SETS = ((), ("lpt",), ("pdl",), ("pdl", "dq_early"), ("lpt", "pdl", "dq_early"))
+# (n_stages, knobs added to the default dq_tma+dq_mid tile); the default first
+KNOB_SETS = ((2, ()), (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
+             (3, ()), (3, ("lpt", "pdl", "dq_early")))
 
 
 def configs(dtype):
     from cupyflash.families.backward_sm90.config_sets import default_config
 
     base = default_config(dtype, 128)
-    return [base.replace(**{k: True for k in ks}) for ks in KNOB_SETS]
+    return [base.replace(n_stages=st, **{k: True for k in ks}) for st, ks in KNOB_SETS]
 
 
 def timed_rounds(torch, fns: dict, rounds: int) -> dict:
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
                 print(json.dumps(rec), flush=True)
     Path(args.json).write_text(json.dumps(records, indent=1))
     names = list(records[0]["ratio_cudnn"])
-    short = {n: (n.partition(": ")[2] or "plain") for n in names}
+    short = {n: n.split(", ")[-1].partition(": ")[0].rstrip(")") + "st " + n.partition(": ")[2] for n in names}
     print("\ndtype causal S    cuDNN | " + " | ".join(short[n].replace("dq_tma+dq_mid", "dflt") for n in names)
           + " | pre/dkdv/conv us (default)")
     for r in records:

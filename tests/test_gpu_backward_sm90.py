@@ -48,12 +48,17 @@ def with_knobs(cfg, **knobs):
     return cfg.replace(**{k: bool(knobs.get(k, False)) for k in KNOBS})
 
 
-# The launch knobs (lpt, pdl, dq_early) on the dq_tma+dq_mid tile, as config_sets.LAUNCH_KNOB_SETS.
-LAUNCH_KNOBS = {"+".join(k): k for k in (("lpt",), ("pdl",), ("pdl", "dq_early"), ("lpt", "pdl", "dq_early"))}
+# The launch knobs (lpt, pdl, dq_early) on the dq_tma+dq_mid tile, as config_sets.LAUNCH_KNOB_SETS
+# (two stages), and all of them with three stages (lse2/dvec in their own ring).
+LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
+    (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
+    (3, ("lpt", "pdl", "dq_early")))}
 
 
 def launch_knobs(dtype, name):
-    return with_knobs(default_config(dtype, 128), dq_tma=True, dq_mid=True, **{k: True for k in LAUNCH_KNOBS[name]})
+    stages, knobs = LAUNCH_KNOBS[name]
+    cfg = with_knobs(default_config(dtype, 128), dq_tma=True, dq_mid=True, **{k: True for k in knobs})
+    return cfg.replace(n_stages=stages)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -43,8 +43,10 @@ struct StaticHopperBackwardConfig {
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int STAT_BYTES = BR * 4;          // lse2 or dvec of one query block
-    static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;
-    static constexpr int STAGE_BYTES = (STAGE_LOAD_BYTES + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+    static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;  // one stage's q_full transaction
+    // Q and dO tiles of a stage (a multiple of 1024: tiles stay 1024-aligned); its lse2 and dvec
+    // rows live in a separate small ring (STATS_OFFSET), so 3 stages fit beside dq_tma's panels.
+    static constexpr int STAGE_BYTES = 2 * Q_BYTES;
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
@@ -69,7 +71,8 @@ struct StaticHopperBackwardConfig {
     static constexpr int STAGE_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = STAGE_OFFSET + STAGES * STAGE_BYTES;
     static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
-    static constexpr int BAR_OFFSET = DQ_OFFSET + DQ_BYTES;
+    static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
+    static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
     static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
@@ -83,6 +86,7 @@ struct StaticHopperBackwardConfig {
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
     static_assert(BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
+    static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
@@ -94,7 +98,7 @@ struct BwdSmem {
     CF_DEVICE u32 v() const { return base + Cfg::V_OFFSET; }
     CF_DEVICE u32 q(int s) const { return base + Cfg::STAGE_OFFSET + s * Cfg::STAGE_BYTES; }
     CF_DEVICE u32 dout(int s) const { return q(s) + Cfg::Q_BYTES; }
-    CF_DEVICE u32 lse2(int s) const { return q(s) + 2 * Cfg::Q_BYTES; }
+    CF_DEVICE u32 lse2(int s) const { return base + Cfg::STATS_OFFSET + s * 2 * Cfg::STAT_BYTES; }
     CF_DEVICE u32 dvec(int s) const { return lse2(s) + Cfg::STAT_BYTES; }
     // dS^T of warpgroup wg in buffer buf; a buffer's warpgroups are contiguous (keys 0..B_c-1).
     CF_DEVICE u32 ds(int buf, int wg) const {

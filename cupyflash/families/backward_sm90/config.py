@@ -102,7 +102,7 @@ class HopperBackwardKernelConfig(KernelConfig):
             not self.dq_early or (self.pdl and self.dq_tma)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
-        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
+        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
                f"{MAX_SMEM_PER_BLOCK} bytes", self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 
     # ------------------------------------------------------------- resources
@@ -120,14 +120,14 @@ class HopperBackwardKernelConfig(KernelConfig):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel; must equal StaticHopperBackwardConfig::SMEM_BYTES."""
         kv = 2 * self.B_c * self.d_head * 2
-        stage = 2 * self.B_r * self.d_head * 2 + 2 * self.B_r * 4
-        stage = -(-stage // 1024) * 1024
+        stage = 2 * self.B_r * self.d_head * 2  # Q and dO tiles (a multiple of 1024 bytes)
+        stats = self.n_stages * 2 * self.B_r * 4  # lse2 and dvec rows of every stage, their own ring
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
             dq = self.B_r * self.d_head * 4
         barriers = 8 * (1 + 2 * self.n_stages)
-        return kv + self.n_stages * stage + ds + dq + barriers + 1024
+        return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
 
     @property
     def pad_rows(self) -> int:

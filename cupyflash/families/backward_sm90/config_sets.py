@@ -42,6 +42,8 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
             out += [cfg.replace(dq_mid=True), cfg.replace(nomask=True)]
             if st == 2:  # the launch knobs on the dq_tma+dq_mid tile
                 out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS]
+            elif st == 3:  # three stages (lse2/dvec in their own ring) with all of them
+                out.append(cfg.replace(dq_mid=True, **LAUNCH_KNOB_SETS[-1]))
     return sorted(out)
 
 
