@@ -7,9 +7,9 @@
 Grid of bench.py --mode backward (batch*seq = 16384, 16 heads, d_head 128, S_q = S_k). Per point:
 SDPA cuDNN (torch.autograd.grad of its output) and cupyflash.backward with each config of
 KNOB_SETS (the family's default, then the default with the launch knobs lpt / pdl / pdl+dq_early /
-lpt+pdl+dq_early, and with three stages, plain and with all three knobs), timed in interleaved rounds (each round times every implementation once, in a
-rotated order, each sample behind a ~1 ms GPU spin so only GPU time is measured); the median of
-the rounds is reported. Each config's gradients are checked once against the default's (relative
+lpt+pdl+dq_early, and with three stages, plain and with all three knobs), timed in interleaved
+rounds (each round times every implementation once, in a rotated order, each sample behind a
+~1 ms GPU spin so only GPU time is measured); the median of the rounds is reported. Each config's gradients are checked once against the default's (relative
 L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the default config's
 three kernels are timed one by one (CUDA events between the launches): the preprocess, dK/dV and
 convert shares of one call.
@@ -159,7 +159,8 @@ def main(argv=None) -> int:
         parts = "/".join(f"{r['default_kernels_ms'].get(k, 0) * 1e3:.0f}" for k in ("preprocess", "dkdv", "convert"))
         print(f"{r['dtype']:<5} {int(r['causal'])}      {r['seq']:<5} {r['tflops']['sdpa_cudnn']:5.0f} | {cells} | "
               f"{parts} of {r['ms'][names[0]] * 1e3:.0f}")
-    bad = [(r["dtype"], r["seq"], r["causal"], n, x) for r in records for n, x in r["check_vs_default"].items() if x > 1e-2]
+    bad = [(r["dtype"], r["seq"], r["causal"], n, x)
+           for r in records for n, x in r["check_vs_default"].items() if x > 1e-2]
     print("checks vs default:", "all <= 1e-2" if not bad else bad)
     geo = {}
     for n in names:
