@@ -10,8 +10,9 @@
 // convert: dq = dq_accum * softmax_scale in the input precision. pdl: waits for the dK/dV grid
 //   (griddepcontrol.wait) before reading. dq_early: waits only for its own block's counter to
 //   reach the number of key blocks that add to it (the dK/dV writer warps count them), so blocks
-//   finished early are converted while the dK/dV kernel's last wave still runs; CTA (0, 0, 0)
-//   waits for the whole dK/dV grid before it exits, so the call ends after that grid.
+//   finished early are converted while the dK/dV kernel's last wave still runs (after ~1 s of
+//   spinning it waits for the whole grid instead); CTA (0, 0, 0) waits for the whole dK/dV grid
+//   before it exits, so the call ends after that grid.
 #pragma once
 
 CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {  // L2 only: other CTAs' reductions land there
@@ -88,16 +89,23 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
         if (expected == 0) {
             bwd_pdl_wait();  // no key block adds to these rows: the preprocess's zeros, once written
         } else {
+            // Spin on the counter for up to ~1 s, then wait for the whole dK/dV grid instead, so
+            // the counters only ever make the wait shorter (a block whose CTAs run longer than
+            // that is still read complete).
+            constexpr int MAX_SPINS = 1 << 22;
+            __shared__ int counted;
             if (threadIdx.x == 0) {
-                // Spins before giving up (about 1 s): a wrong count then shows as a wrong dQ in
-                // the tests instead of a hang.
-                constexpr int MAX_SPINS = 1 << 22;
                 const unsigned* counter = dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads,
                                                                             p.seq_len_q_pad, batch, head, blockIdx.x);
-                for (int spin = 0; spin < MAX_SPINS && ld_acquire_gpu(counter) < (unsigned)expected; ++spin)
+                int spin = 0;
+                while (spin < MAX_SPINS && ld_acquire_gpu(counter) < (unsigned)expected) {
                     __nanosleep(256);
+                    ++spin;
+                }
+                counted = spin < MAX_SPINS;
             }
             __syncthreads();
+            if (!counted) bwd_pdl_wait();
         }
     } else if constexpr (Cfg::PDL) {
         bwd_pdl_wait();
