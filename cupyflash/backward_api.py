@@ -193,7 +193,14 @@ def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) 
     launcher = None if hopper else get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    acc, acc_ptr = (None, 0) if plan.deterministic else _workspace(q, plan.dq_accum_shape, stream_ptr)
+    if plan.deterministic:
+        acc, acc_ptr = None, 0
+    elif hopper:  # dq_early configs keep per-block counters behind the fp32 elements
+        from .families.backward_sm90.launch import dq_workspace_shape
+
+        acc, acc_ptr = _workspace(q, dq_workspace_shape(plan), stream_ptr)
+    else:
+        acc, acc_ptr = _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
     params = plan.pack(ptrs)
     if hopper:

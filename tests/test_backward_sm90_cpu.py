@@ -40,9 +40,11 @@ def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
     assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    # K, V (64 KiB) + 2 stages of Q, dO, lse2, dvec (33 KiB each) + two dS^T buffers (16 KiB
-    # each) + the dQ panels (32 KiB) + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 33792 + 2 * 16384 + 32768 + 40 + 1024
+    # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
+    # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
+    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 40 + 1024
+    # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
+    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 56 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
 
 
@@ -62,12 +64,14 @@ def test_parse_rejects(text):
     ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
-    ((DType.BF16, 128, 64, 128, 3, False, True), "shared memory"),
     ((DType.BF16, 64, 64, 128, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
     ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
     ((DType.BF16, 128, 64, 128, 2, False, True, True, True), "exclude each other"),
+    ((DType.BF16, 128, 64, 128, 2, False, False, False, False, False, True), "pdl needs dq_tma"),
+    ((DType.BF16, 128, 64, 128, 2, False, True, True, False, False, False, True), "dq_early needs pdl"),
+    ((DType.BF16, 128, 64, 128, 2, True, False, False, False, False, True, True), "pdl needs dq_tma"),
 ])
 def test_rules(fields, rule):
     with pytest.raises(ValueError, match=rule):
@@ -96,8 +100,10 @@ def test_dq_tma_short_form_and_smem():
     plain = cfg.replace(dq_tma=False)
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
-    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2)}
-    assert len(tma_cfgs) == 12  # 2 dtypes x 2 stage counts x (plain, dq_mid, nomask)
+    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2), (128, 128, 3)}
+    # 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch knob sets on dq_mid: all at
+    # 2 stages, the full set at 3)
+    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 1)
     knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
     assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
     assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
@@ -189,10 +195,22 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_name_expressions_pdl_use_own_row_kernels(deterministic):
+    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=True)
+    exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=True, deterministic=deterministic))
+    own = f"<StaticHopperBackwardConfig<{BACKWARD_SM90.config_literal(cfg)}>, true, {str(deterministic).lower()}>"
+    assert exprs["preprocess"] == "backward_sm90_preprocess_kernel" + own
+    if deterministic:  # backward_sm80's dQ pass, launched plainly
+        assert exprs["dq"].startswith("backward_dq_kernel<StaticBackwardKernelConfig<")
+    else:
+        assert exprs["convert"] == "backward_sm90_convert_kernel" + own
 
 
 def test_geometry():
@@ -238,6 +256,26 @@ def test_launch_sequence(deterministic):
     dkdv = steps[1]
     assert dkdv.grid == (2, 2, 2) and dkdv.block == 384 and dkdv.smem == cfg.smem_bytes() and dkdv.hopper_params
     assert steps[0].grid == (2, 4, 2) and not steps[0].hopper_params
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_launch_sequence_pdl(deterministic):
+    cfg = config_sets.default_config(DType.BF16, 128)
+    p, _ = _plan(cfg, deterministic, b=2, sq=100, sk=200, h=4, hk=2)
+    assert not any(s.pdl for s in launch.launch_sequence(p))
+    p, _ = _plan(cfg.replace(pdl=True), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
+    # the dK/dV kernel and the convert kernel wait for their predecessor themselves; the dQ pass does not
+    assert [s.pdl for s in launch.launch_sequence(p)] == [False, True, not deterministic]
+
+
+def test_dq_workspace_shape():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    p, _ = _plan(cfg, b=2, sq=100, sk=200, h=4, hk=2)
+    assert launch.dq_workspace_shape(p) == p.dq_accum_shape == (2, 4, 128, 128)
+    p, _ = _plan(cfg.replace(pdl=True, dq_early=True), b=2, sq=100, sk=200, h=4, hk=2)
+    assert launch.dq_workspace_shape(p) == (2 * 4 * 128 * 128 + 2 * 4 * 2,)  # + one counter per query block
+    p, _ = _plan(cfg.replace(pdl=True, dq_early=True), True, b=2, sq=100, sk=200, h=4, hk=2)
+    assert launch.dq_workspace_shape(p) == p.dq_accum_shape  # deterministic: no dq_accum is allocated
 
 
 def test_launch_sequence_no_query_rows_runs_dkdv_only():

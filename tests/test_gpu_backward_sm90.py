@@ -48,6 +48,19 @@ def with_knobs(cfg, **knobs):
     return cfg.replace(**{k: bool(knobs.get(k, False)) for k in KNOBS})
 
 
+# The launch knobs (lpt, pdl, dq_early) on the dq_tma+dq_mid tile, as config_sets.LAUNCH_KNOB_SETS
+# (two stages), and all of them with three stages (lse2/dvec in their own ring).
+LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
+    (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
+    (3, ("lpt", "pdl", "dq_early")))}
+
+
+def launch_knobs(dtype, name):
+    stages, knobs = LAUNCH_KNOBS[name]
+    cfg = with_knobs(default_config(dtype, 128), dq_tma=True, dq_mid=True, **{k: True for k in knobs})
+    return cfg.replace(n_stages=stages)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile every module the tests use in parallel (NVRTC needs no GPU), then run them warm."""
@@ -57,9 +70,11 @@ def prewarmed_cache():
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = max(1, min(16, os.cpu_count() or 1))
     bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 for bulk in (True, False)]
+    launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
-        prewarm(DEFAULTS + bulk, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()),
+        prewarm(DEFAULTS + bulk + launch, ["sm_90a"], jobs=jobs, progress=None,
+                variants=BACKWARD_SM90.all_variants()),
         prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
                 causal=(False, True)),
     ]
@@ -158,6 +173,35 @@ def test_dq_tma_many_blocks_and_heads(dtype, rng):
     # deterministic: no writer warp, backward_sm80's dQ pass (the config's register split still applies)
     run_case(with_knobs(default_config(dtype, 128), dq_tma=True), 2, 333, 270, 4, 2, True, rng,
              deterministic=True)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("knobs", list(LAUNCH_KNOBS))
+def test_launch_knob_shapes(knobs, dtype, case, rng):
+    """lpt (causal CTAs longest first), pdl (programmatic dependent launches, the family's own
+    row kernels) and dq_early (dQ blocks converted as their counters complete; the 203x77 causal
+    case has query blocks no key block adds to, the 100x2100 one key blocks with no query block)."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(launch_knobs(dtype, knobs), batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("knobs", list(LAUNCH_KNOBS))
+def test_launch_knobs_many_blocks_heads_and_repeats(knobs, rng):
+    """Many CTAs per chunk and per counter (GQA: each kv head's CTAs count every q head of its
+    group), back-to-back calls on one stream (each call's counters are reset by its preprocess),
+    and the deterministic variant (pdl preprocess and dK/dV kernel, then backward_sm80's dQ pass)."""
+    cfg = launch_knobs(DType.BF16, knobs)
+    run_case(cfg, 3, 1500, 1300, 8, 2, True, rng)
+    run_case(cfg, 2, 1000, 1000, 6, 3, False, rng)
+    q, k, v, dout, out, lse = _inputs(cfg.dtype, 128, 2, 777, 900, 4, 2, True, rng)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
+    for _ in range(3):
+        again = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
+    for a, b in zip(first, again):  # fp32 atomics: the same values to rounding, never stale blocks
+        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
+        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+    run_case(cfg, 2, 333, 270, 4, 2, True, rng, deterministic=True)
 
 
 @pytest.mark.parametrize("d_head", D_HEADS)

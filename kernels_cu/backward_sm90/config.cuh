@@ -20,6 +20,11 @@ struct StaticHopperBackwardConfig {
     static constexpr bool DQ_TMA = C.dq_tma;    // dQ staged in swizzled panels, TMA-reduced by a writer warp
     static constexpr bool DQ_MID = C.dq_mid;    // GEMM order dV | barrier | dQ, dK (else dV, dK | barrier | dQ)
     static constexpr bool NOMASK = C.nomask;    // fully visible score tiles skip the mask arithmetic
+    static constexpr bool LPT = C.lpt;          // causal: longest CTAs first, in chunks of heads sized to L2
+    static constexpr bool PDL = C.pdl;          // programmatic dependent launches (griddepcontrol)
+    static constexpr bool DQ_EARLY = C.dq_early;  // per-block counters: convert each dQ block once complete
+    // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
+    static constexpr int LPT_L2_KIB = 16 << 10;
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
     static constexpr int CONSUMERS = BC / WG_KEYS;
@@ -38,8 +43,10 @@ struct StaticHopperBackwardConfig {
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int STAT_BYTES = BR * 4;          // lse2 or dvec of one query block
-    static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;
-    static constexpr int STAGE_BYTES = (STAGE_LOAD_BYTES + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+    static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;  // one stage's q_full transaction
+    // Q and dO tiles of a stage (a multiple of 1024: tiles stay 1024-aligned); its lse2 and dvec
+    // rows live in a separate small ring (STATS_OFFSET), so 3 stages fit beside dq_tma's panels.
+    static constexpr int STAGE_BYTES = 2 * Q_BYTES;
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
@@ -64,7 +71,8 @@ struct StaticHopperBackwardConfig {
     static constexpr int STAGE_OFFSET = 2 * KV_BYTES;
     static constexpr int DS_OFFSET = STAGE_OFFSET + STAGES * STAGE_BYTES;
     static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
-    static constexpr int BAR_OFFSET = DQ_OFFSET + DQ_BYTES;
+    static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
+    static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
     static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
@@ -75,6 +83,10 @@ struct StaticHopperBackwardConfig {
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
     static_assert(!DQ_TMA || (CONSUMERS == 2 && D == 128), "dq_tma: each warpgroup stages half of dQ's columns");
     static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
+    static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
+    static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
+    static_assert(BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
+    static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
@@ -86,7 +98,7 @@ struct BwdSmem {
     CF_DEVICE u32 v() const { return base + Cfg::V_OFFSET; }
     CF_DEVICE u32 q(int s) const { return base + Cfg::STAGE_OFFSET + s * Cfg::STAGE_BYTES; }
     CF_DEVICE u32 dout(int s) const { return q(s) + Cfg::Q_BYTES; }
-    CF_DEVICE u32 lse2(int s) const { return q(s) + 2 * Cfg::Q_BYTES; }
+    CF_DEVICE u32 lse2(int s) const { return base + Cfg::STATS_OFFSET + s * 2 * Cfg::STAT_BYTES; }
     CF_DEVICE u32 dvec(int s) const { return lse2(s) + Cfg::STAT_BYTES; }
     // dS^T of warpgroup wg in buffer buf; a buffer's warpgroups are contiguous (keys 0..B_c-1).
     CF_DEVICE u32 ds(int buf, int wg) const {
@@ -114,6 +126,7 @@ struct BwdSchedule {
         s.n_block = blockIdx.x;
         s.kv_head = blockIdx.y;
         s.batch = blockIdx.z;
+        if constexpr (CAUSAL && Cfg::LPT) s.longest_first<Cfg>(p);
         s.group = p.kv_group_size;
         const int m_end = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
         int first = 0;
@@ -121,6 +134,25 @@ struct BwdSchedule {
         s.m_begin = first;
         s.m_blocks = max(0, m_end - first);
         return s;
+    }
+    // lpt: CTAs are started in linear block order, so give the first ones the most query blocks.
+    // Linear index L over (n fastest, kv head, batch) is re-cut into chunks of `per` (kv head,
+    // batch) pairs whose Q and dO fit in LPT_L2_KIB; inside a chunk key block 0 of every pair
+    // comes first, then key block 1, ... (a causal key block has fewer query blocks the later it
+    // is). The chunk keeps the concurrent CTAs' Q/dO reads inside L2.
+    template <class Cfg>
+    CF_DEVICE void longest_first(const HopperBackwardParams& p) {
+        const int nb = gridDim.x, pairs = gridDim.y * gridDim.z;
+        // KiB of Q + dO (16-bit) per (kv head, batch): 32-bit up to seq_len_q * group < 2^31 / (D / 256)
+        const int pair_kib = max(1, p.kv_group_size * p.seq_len_q / (1024 / (Cfg::D * 4)));
+        const int per = max(1, min(pairs, Cfg::LPT_L2_KIB / pair_kib));
+        const int linear = blockIdx.x + nb * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int chunk = linear / (per * nb), r = linear % (per * nb);
+        const int in_chunk = min(per, pairs - chunk * per);  // the last chunk may be smaller
+        const int pair = chunk * per + r % in_chunk;
+        n_block = r / in_chunk;
+        kv_head = pair % gridDim.y;
+        batch = pair / gridDim.y;
     }
     CF_DEVICE int iterations() const { return group * m_blocks; }
     CF_DEVICE int q_head(int it) const { return kv_head * group + it / m_blocks; }
@@ -168,6 +200,52 @@ CF_DEVICE void bulk_wait_group_0() {
 template <int N>
 CF_DEVICE void bulk_wait_group_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's most recent bulk groups are pending (writes included).
+template <int N>
+CF_DEVICE void bulk_wait_group_done() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's completed async-proxy writes to global memory (TMA reductions) before its
+// later generic-proxy operations (the counter's release below).
+CF_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+CF_DEVICE void red_release_gpu_add(unsigned* dst, unsigned v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(dst), "r"(v) : "memory");
+}
+CF_DEVICE unsigned ld_acquire_gpu(const unsigned* src) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(src) : "memory");
+    return v;
+}
+
+// Programmatic dependent launch (pdl; cupyflash/families/backward_sm90/pdl_launch.py). wait:
+// this thread waits until the kernel before it on the stream has completed and its writes are
+// visible; launch_dependents: the next kernel may start once every CTA of this one has executed
+// it (or exited). Both are no-ops in a kernel launched without the attribute.
+CF_DEVICE void bwd_pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+CF_DEVICE void bwd_pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// dq_early: the counter of query block m of (batch, head), behind the dq_accum workspace's
+// fp32 (batch, n_heads, seq_len_q_pad, D) elements, one unsigned per B_r rows.
+template <int D, int BR>
+CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_heads, int seq_len_q_pad, int batch,
+                                     int head, int m) {
+    unsigned* base = reinterpret_cast<unsigned*>(dq_accum + (long long)batch_count * n_heads * seq_len_q_pad * D);
+    return base + ((long long)batch * n_heads + head) * (seq_len_q_pad / BR) + m;
+}
+
+// Number of dK/dV CTAs (key blocks of BC) that add to query block m (of BR rows): every key
+// block, or causal (bottom-right: key j visible from query i when j <= i + seq_k - seq_q) those
+// whose BwdSchedule starts at or before m: max(0, n BC - (seq_k - seq_q)) / BR <= m, i.e.
+// n BC < (m + 1) BR + seq_k - seq_q.
+template <int BR, int BC, bool CAUSAL>
+CF_DEVICE int dq_block_contributors(int m, int seq_len_q, int seq_len_k) {
+    const int n_blocks = (seq_len_k + BC - 1) / BC;
+    if constexpr (!CAUSAL) return n_blocks;
+    const long long x = (long long)(m + 1) * BR + seq_len_k - seq_len_q;
+    if (x <= 0) return 0;
+    return (int)min((long long)n_blocks, (x + BC - 1) / BC);
 }
 
 CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {

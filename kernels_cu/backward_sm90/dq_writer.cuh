@@ -9,6 +9,8 @@
 // DQ_TMA_EMPTY_BARRIER + w (the writer arrives once the panels are read, the consumers wait
 // before staging the next block). Each has at most one phase outstanding: the writer frees a
 // warpgroup's panels once before its first block and then once after each block but the last.
+// With dq_early the writer also counts each (head, query block) it has finished adding to (one
+// iteration late, so the wait for the reductions' completion rarely blocks).
 #pragma once
 
 template <class Cfg>
@@ -21,10 +23,12 @@ struct BwdDqWriter {
     CF_DEVICE void run() const {
         const int n = sched.iterations();
         if (n == 0) return;
+        if constexpr (Cfg::PDL) bwd_pdl_wait();  // dq_accum is zeroed (and counters reset) by the preprocess
 #pragma unroll
         for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
-        // (head, query block) of iteration it, stepped instead of divided (this warp has 32 registers)
+        // (head, query block) of iteration it, stepped instead of divided (this warp has few registers)
         int head = sched.q_head(0), m = 0;
+        int prev_head = head, prev_m = 0;  // dq_early: the block issued one iteration before, not yet counted
         for (int it = 0; it < n; ++it) {
             const int row0 = (sched.m_begin + m) * Cfg::BR;
 #pragma unroll
@@ -38,21 +42,46 @@ struct BwdDqWriter {
                     bulk_commit_group();
                 }
             }
+            const int cur_head = head, cur_m = sched.m_begin + m;
             if (++m == sched.m_blocks) {
                 m = 0;
                 ++head;
             }
-            if (it + 1 == n) break;
-            // Warpgroup 0's group is the older one: free its panels first.
-            if (lane == 0) bulk_wait_group_read<1>();
-            __syncwarp();
-            named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER, Cfg::DQ_TMA_THREADS);
-            if (lane == 0) bulk_wait_group_read<0>();
-            __syncwarp();
-            named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + 1, Cfg::DQ_TMA_THREADS);
+            if (it + 1 < n) {
+                // Warpgroup 0's group is the older one: free its panels first.
+                if (lane == 0) bulk_wait_group_read<1>();
+                __syncwarp();
+                named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER, Cfg::DQ_TMA_THREADS);
+                if (lane == 0) bulk_wait_group_read<0>();
+                __syncwarp();
+                named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + 1, Cfg::DQ_TMA_THREADS);
+            }
+            if constexpr (Cfg::DQ_EARLY) {
+                // The previous block's reductions (all but this iteration's CONSUMERS groups)
+                // have completed by now or soon: count it done for the convert kernel.
+                if (it > 0 && lane == 0) {
+                    bulk_wait_group_done<Cfg::CONSUMERS>();
+                    count_block(prev_head, prev_m);
+                }
+                __syncwarp();
+                prev_head = cur_head;
+                prev_m = cur_m;
+            }
         }
         // The reductions are complete before the CTA exits (its shared memory is still read).
-        if (lane == 0) bulk_wait_group_0<false>();
+        if (lane == 0) {
+            bulk_wait_group_0<false>();
+            if constexpr (Cfg::DQ_EARLY) count_block(prev_head, prev_m);
+        }
         __syncwarp();
+    }
+
+    // dq_early: this CTA's additions to query block m of `head` are complete and visible (the
+    // async proxy's writes ordered before the release by the proxy fence).
+    CF_DEVICE void count_block(int head, int m) const {
+        fence_proxy_async_global();
+        red_release_gpu_add(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad,
+                                                              sched.batch, head, m),
+                            1u);
     }
 };

@@ -2,6 +2,7 @@
 // then per query block Q, dO (4-D tensor copies) and its lse2/dvec rows (1-D bulk copies) into a
 // ring stage, all four completing the stage's q_full barrier. A stage is refilled once every
 // consumer thread has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed).
+// With pdl the K/V loads are issued before waiting for the preprocess kernel.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -19,6 +20,13 @@ struct BwdProducer {
                         sched.kv_head, sched.batch);
             tma_load_4d(smem.v() + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_v, smem.kv_full(), c * Cfg::COL_BLOCK, key0,
                         sched.kv_head, sched.batch);
+        }
+        if constexpr (Cfg::PDL) {
+            // K and V are inputs; lse2 and dvec (and, for the writer warp, dq_accum) are the
+            // preprocess's: wait for it here, then let the convert kernel's grid launch (its
+            // CTAs find SMs only as this grid's last wave drains).
+            bwd_pdl_wait();
+            bwd_pdl_launch_dependents();
         }
         const int n = sched.iterations();
         for (int it = 0; it < n; ++it) {

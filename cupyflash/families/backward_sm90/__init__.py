@@ -25,6 +25,10 @@ from .params import HOPPER_BACKWARD_PARAMS
 __all__ = ["BackwardSm90Family", "BACKWARD_SM90", "HopperBackwardKernelConfig", "roles_for"]
 
 
+# pdl configs: roles served by this family's own row kernels (same BackwardParams, same grid).
+OWN_ROW_KERNELS = {"preprocess": "backward_sm90_preprocess_kernel", "convert": "backward_sm90_convert_kernel"}
+
+
 class BackwardSm90Family(KernelFamily):
     name = "backward_sm90"
     kind = "backward"
@@ -37,7 +41,7 @@ class BackwardSm90Family(KernelFamily):
     headers = BACKWARD_SM80.headers + (
         "common/ptx_sm90.cuh", "common/wgmma_sm90.cuh", "backward_sm90/wgmma_tt.cuh", "backward_sm90/config.cuh",
         "backward_sm90/producer.cuh", "backward_sm90/dq_writer.cuh", "backward_sm90/mainloop.cuh", "backward_sm90/epilogue.cuh",
-        "backward_sm90/kernel.cuh")
+        "backward_sm90/kernel.cuh", "backward_sm90/rows.cuh")
     static_wrapper = "StaticHopperBackwardConfig"
     roles = (
         KernelRole("dkdv", "backward_sm90_dkdv_kernel", HOPPER_BACKWARD_PARAMS),
@@ -60,16 +64,23 @@ class BackwardSm90Family(KernelFamily):
         return config_sets.get_kernel_configs(key)
 
     def name_expressions(self, cfg: HopperBackwardKernelConfig, variant: Variant | None = None) -> dict[str, str]:
-        """The dK/dV kernel on this config; the reused roles on its backward_sm80 companion; only
-        the roles the variant launches."""
+        """The dK/dV kernel on this config; the reused roles on its backward_sm80 companion (pdl
+        configs: preprocess and convert are this family's own, kernels_cu/backward_sm90/rows.cuh);
+        only the roles the variant launches."""
         variant = self.default_variant() if variant is None else self.check_variant(variant)
         flags = "".join(", true" if flag else ", false" for flag in variant)
         own = f"{self.static_wrapper}<{self.config_literal(cfg)}>"
         companion = f"{BACKWARD_SM80.static_wrapper}<{self.config_literal(config_sets.companion_config(cfg))}>"
         out = {}
         for role in self.roles:
-            if role.role in roles_for(variant[1]):
-                out[role.role] = f"{role.template}<{own if role.role == 'dkdv' else companion}{flags}>"
+            if role.role not in roles_for(variant[1]):
+                continue
+            if role.role == "dkdv":
+                out[role.role] = f"{role.template}<{own}{flags}>"
+            elif cfg.pdl and role.role in OWN_ROW_KERNELS:
+                out[role.role] = f"{OWN_ROW_KERNELS[role.role]}<{own}{flags}>"
+            else:
+                out[role.role] = f"{role.template}<{companion}{flags}>"
         return out
 
     def block_threads(self, cfg: HopperBackwardKernelConfig, role: str | None = None) -> int:

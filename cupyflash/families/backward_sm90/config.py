@@ -7,6 +7,7 @@ name expression and the short form, which names the family:
     backward_sm90(BF16, 128, 64, 128, 2): dq_bulk
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma+nomask
+    backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early
     backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: KNOB+KNOB...]  (KNOBS, in that order)
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
@@ -23,6 +24,16 @@ Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after 
 finished, and its result handed on, while dK still runs; the default queues dV and dK before
 the barrier and dQ last); `nomask` lets a warpgroup skip the mask arithmetic of its score tile
 when every (key, query) pair of it is visible (no tail, below the causal diagonal).
+Launch knobs: `lpt` orders causal CTAs longest first (key block 0 of every (kv head, batch) of
+a chunk of heads whose Q/dO fit in L2, then key block 1, ...), so the last CTAs to start are the
+short ones; non-causal calls keep the plain order. `pdl` launches the dK/dV kernel and the
+convert kernel as programmatic dependents (griddepcontrol) of the kernel before each, with the
+family's own preprocess and convert kernels (kernels_cu/backward_sm90/rows.cuh): a kernel's
+prologue overlaps its predecessor's tail. `dq_early` (needs pdl and dq_tma) converts each query
+block's dQ as soon as every key block that adds to it is done: the writer warp counts finished
+blocks in per-(batch, head, query block) counters behind the dq_accum workspace, and the convert
+kernel's CTAs, started while the dK/dV kernel's last wave still runs, wait on their counter
+instead of on the whole dK/dV grid.
 """
 from __future__ import annotations
 
@@ -36,7 +47,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
            "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
-KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask")  # the boolean fields after n_stages, short-form order
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -67,6 +78,9 @@ class HopperBackwardKernelConfig(KernelConfig):
     dq_tma: bool = False
     dq_mid: bool = False
     nomask: bool = False
+    lpt: bool = False
+    pdl: bool = False
+    dq_early: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -82,9 +96,13 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
         yield ("dq_mid and nomask exclude each other (ptxas serialises the wgmma chain at the consumers' 232 "
                "registers, C7512)", not (self.dq_mid and self.nomask))
+        yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
+               not self.pdl or self.dq_tma)
+        yield "dq_early needs pdl and dq_tma (the writer warp counts finished blocks)", \
+            not self.dq_early or (self.pdl and self.dq_tma)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
-        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, 1 KiB) <= "
+        yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
                f"{MAX_SMEM_PER_BLOCK} bytes", self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 
     # ------------------------------------------------------------- resources
@@ -102,14 +120,14 @@ class HopperBackwardKernelConfig(KernelConfig):
     def smem_bytes(self) -> int:
         """Dynamic shared memory of the dK/dV kernel; must equal StaticHopperBackwardConfig::SMEM_BYTES."""
         kv = 2 * self.B_c * self.d_head * 2
-        stage = 2 * self.B_r * self.d_head * 2 + 2 * self.B_r * 4
-        stage = -(-stage // 1024) * 1024
+        stage = 2 * self.B_r * self.d_head * 2  # Q and dO tiles (a multiple of 1024 bytes)
+        stats = self.n_stages * 2 * self.B_r * 4  # lse2 and dvec rows of every stage, their own ring
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
             dq = self.B_r * self.d_head * 4
         barriers = 8 * (1 + 2 * self.n_stages)
-        return kv + self.n_stages * stage + ds + dq + barriers + 1024
+        return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
 
     @property
     def pad_rows(self) -> int:

@@ -23,6 +23,11 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 _DEFAULTS = {64: (128, 2, {}), 128: (128, 2, {"dq_tma": True, "dq_mid": True})}
 
 
+# Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
+LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
+                    {"lpt": True, "pdl": True, "dq_early": True})
+
+
 def all_configs() -> list[HopperBackwardKernelConfig]:
     out = []
     # dQ modes (dq_bulk, dq_tma): fp32 atomics, bulk row reductions, TMA tensor reductions
@@ -35,6 +40,10 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
         out.append(cfg)
         if tma:  # the schedule knobs, on the dq_tma tile only (the set stays small)
             out += [cfg.replace(dq_mid=True), cfg.replace(nomask=True)]
+            if st == 2:  # the launch knobs on the dq_tma+dq_mid tile
+                out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS]
+            elif st == 3:  # three stages (lse2/dvec in their own ring) with all of them
+                out.append(cfg.replace(dq_mid=True, **LAUNCH_KNOB_SETS[-1]))
     return sorted(out)
 
 

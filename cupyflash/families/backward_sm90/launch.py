@@ -17,8 +17,10 @@ from ..forward_sm90 import tma
 from . import BACKWARD_SM90, roles_for
 from .config import D_HEADS, DQ_TMA_COLS, HopperBackwardKernelConfig
 from .params import pack_params
+from .pdl_launch import launch_pdl
 
-__all__ = ["check_sm90_problem", "pack_dkdv", "dq_tma_spec", "dq_descriptor", "LaunchStep", "launch_sequence", "launch_backward_sm90",
+__all__ = ["check_sm90_problem", "pack_dkdv", "dq_tma_spec", "dq_descriptor", "LaunchStep", "launch_sequence", "dq_workspace_shape",
+           "launch_backward_sm90",
            "get_kernels"]
 
 
@@ -83,6 +85,12 @@ class LaunchStep(NamedTuple):
     block: int
     smem: int
     hopper_params: bool  # HopperBackwardParams (dkdv) or BackwardParams (the reused kernels)
+    pdl: bool = False  # launched as a programmatic dependent of the step before it
+
+
+# pdl configs: the roles whose kernels wait for their predecessor themselves (griddepcontrol.wait
+# or dq_early's counters); backward_sm80's deterministic dQ pass does not, so it is launched plainly.
+_PDL_ROLES = ("dkdv", "convert")
 
 
 def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
@@ -94,8 +102,19 @@ def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
                                   plan.seq_len_k)
         if grid[0]:
             out.append(LaunchStep(role, grid, BACKWARD_SM90.block_threads(cfg, role),
-                                  BACKWARD_SM90.smem_bytes(cfg, role), role == "dkdv"))
+                                  BACKWARD_SM90.smem_bytes(cfg, role), role == "dkdv",
+                                  cfg.pdl and bool(out) and role in _PDL_ROLES))
     return out
+
+
+def dq_workspace_shape(plan: BackwardPlan) -> tuple[int, ...]:
+    """Shape of the fp32 dQ workspace: plan.dq_accum_shape, or for dq_early one flat array with
+    a 32-bit counter per query block of every (batch, head) behind those elements (the kernels
+    find the counters at dq_accum + batch * n_heads * seq_len_q_pad * d_head)."""
+    if not plan.cfg.dq_early or plan.deterministic:
+        return plan.dq_accum_shape
+    elements = plan.batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
+    return (elements + plan.batch * plan.n_heads * (plan.seq_len_q_pad // plan.cfg.B_r),)
 
 
 _lock = threading.Lock()
@@ -121,5 +140,8 @@ def launch_backward_sm90(plan: BackwardPlan, sm80_params: bytes, hopper_params: 
     `sm80_params` (BackwardParams) for the reused kernels, `hopper_params` for dkdv."""
     kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
     for step in launch_sequence(plan):
-        kernels[step.role].launch(step.grid, step.block, step.smem, stream_ptr,
-                                  hopper_params if step.hopper_params else sm80_params)
+        params = hopper_params if step.hopper_params else sm80_params
+        if step.pdl:
+            launch_pdl(kernels[step.role], step.grid, step.block, step.smem, stream_ptr, params)
+        else:
+            kernels[step.role].launch(step.grid, step.block, step.smem, stream_ptr, params)

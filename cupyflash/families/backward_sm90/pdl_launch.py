@@ -1,0 +1,60 @@
+"""Programmatic dependent launches of the Hopper backward family's kernels (`pdl` configs).
+
+The dK/dV kernel and the convert kernel of a pdl config are launched with the
+programmatic-stream-serialization attribute (cuLaunchKernelEx through kvcache_pdl.PDLLaunch), so
+each may start while the kernel before it on the stream still runs; the kernels order their
+reads themselves (griddepcontrol.wait, or dq_early's per-block counters; kernels_cu/backward_sm90).
+Where PDL is off (CUPYFLASH_PDL=0, a driver without cuLaunchKernelEx) the launch is the ordinary
+one and the griddepcontrol instructions are no-ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from ...kvcache_pdl import PDLLaunch
+from ...registry import LoadedKernel
+
+__all__ = ["launch_pdl"]
+
+
+class _Launcher:
+    """One (kernel, geometry)'s PDL launch with its own parameter buffer (cuLaunchKernelEx copies
+    the arguments during the call, so the buffer is reusable once it returns)."""
+
+    __slots__ = ("pdl", "buf", "argv", "argv_ptr", "size", "lock")
+
+    def __init__(self, kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int) -> None:
+        from ...registry import _launch_kernel
+
+        self.size = kernel.params_size
+        self.buf = ctypes.create_string_buffer(self.size)
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self.argv)
+        self.lock = threading.Lock()
+        func, (gx, gy, gz) = kernel.func_ptr, grid
+
+        def plain(stream: int, argv: int, extra: int = 0) -> None:
+            _launch_kernel(func, gx, gy, gz, block, 1, 1, smem, stream, argv, extra)
+
+        self.pdl = PDLLaunch(func, grid, block, smem, plain)
+
+
+_lock = threading.Lock()
+_launchers: dict[tuple, _Launcher] = {}
+
+
+def launch_pdl(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, stream_ptr: int,
+               params: bytes) -> None:
+    """Launch `kernel` as a programmatic dependent of the previous kernel on `stream_ptr`."""
+    if len(params) != kernel.params_size:
+        raise ValueError(f"params: expected {kernel.params_size} bytes of the packed parameter struct, "
+                         f"got {len(params)}")
+    key = (kernel.func_ptr, grid, block, smem)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        with _lock:
+            launcher = _launchers.setdefault(key, _Launcher(kernel, grid, block, smem))
+    with launcher.lock:
+        ctypes.memmove(launcher.buf, params, launcher.size)
+        launcher.pdl(stream_ptr, launcher.argv_ptr)

@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""backward_sm90 launch knobs beside SDPA cuDNN, and where one call's time goes.
+
+    python scripts/bench_sm90_backward_knobs.py [--dtypes bf16,fp16] [--seqs 1k,4k,16k] [--rounds 15]
+                                                [--json knobs.json] [--winner-file winner.txt]
+
+Grid of bench.py --mode backward (batch*seq = 16384, 16 heads, d_head 128, S_q = S_k). Per point:
+SDPA cuDNN (torch.autograd.grad of its output) and cupyflash.backward with each config of
+KNOB_SETS (the family's default, then the default with the launch knobs lpt / pdl / pdl+dq_early /
+lpt+pdl+dq_early, and with three stages, plain and with all three knobs), timed in interleaved
+rounds (each round times every implementation once, in a rotated order, each sample behind a
+~1 ms GPU spin so only GPU time is measured); the median of the rounds is reported. Each config's gradients are checked once against the default's (relative
+L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the default config's
+three kernels are timed one by one (CUDA events between the launches): the preprocess, dK/dV and
+convert shares of one call.
+
+Prints a table of TFLOP/s (backward FLOPs = 2.5 x forward, half when causal) and ratios to
+cuDNN, and writes the config with the best geometric-mean ratio to --winner-file.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_backward as bb  # noqa: E402
+
+# (n_stages, knobs added to the default dq_tma+dq_mid tile); the default first
+KNOB_SETS = ((2, ()), (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
+             (3, ()), (3, ("lpt", "pdl", "dq_early")))
+
+
+def configs(dtype):
+    from cupyflash.families.backward_sm90.config_sets import default_config
+
+    base = default_config(dtype, 128)
+    return [base.replace(n_stages=st, **{k: True for k in ks}) for st, ks in KNOB_SETS]
+
+
+def timed_rounds(torch, fns: dict, rounds: int) -> dict:
+    """Median ms of each fn over `rounds` interleaved rounds (rotated order, spin before each)."""
+    names = list(fns)
+    samples = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(bb.SPIN_CYCLES)
+            start.record()
+            fns[n]()
+            end.record()
+            end.synchronize()
+            samples[n].append(start.elapsed_time(end))
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def kernel_breakdown(torch, fn, reps: int) -> dict:
+    """Median ms of each kernel of fn()'s backward_sm90 launch sequence (events between launches)."""
+    import cupyflash.families.backward_sm90.launch as launch
+
+    original = launch.launch_backward_sm90
+    times: dict[str, list] = {}
+
+    def timed(plan, sm80_params, hopper_params, stream_ptr):
+        kernels = launch.get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+        for step in launch.launch_sequence(plan):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            kernels[step.role].launch(step.grid, step.block, step.smem, stream_ptr,
+                                      hopper_params if step.hopper_params else sm80_params)
+            end.record()
+            times.setdefault(step.role, []).append((start, end))
+
+    launch.launch_backward_sm90 = timed
+    try:
+        for _ in range(reps):
+            torch.cuda._sleep(bb.SPIN_CYCLES)
+            fn()
+        torch.cuda.synchronize()
+    finally:
+        launch.launch_backward_sm90 = original
+    return {role: statistics.median(s.elapsed_time(e) for s, e in pairs) for role, pairs in times.items()}
+
+
+def rel_l2(torch, a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def point(torch, dtype, seq: int, causal: bool, rounds: int) -> dict:
+    import cupyflash
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch = bb.TOKENS // seq
+    tdt = {"BF16": torch.bfloat16, "FP16": torch.float16}[dtype.name]
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+    q, k, v, do = (torch.randn(batch, seq, bb.HEADS, 128, device="cuda", dtype=tdt, generator=gen) for _ in range(4))
+    out, lse = cupyflash.forward(None, q, k, v, causal=causal, return_lse=True)
+    fns, grads = {}, {}
+    for cfg in configs(dtype):
+        g = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
+        grads[str(cfg)] = g
+        fns[str(cfg)] = (lambda cfg=cfg, g=g: cupyflash.backward(do, q, k, v, out, lse, causal=causal, cfg=cfg,
+                                                                  dq=g[0], dk=g[1], dv=g[2]))
+        fns[str(cfg)]()
+    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    dot = do.transpose(1, 2)
+    fns["sdpa_cudnn"] = lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
+    torch.cuda.synchronize()
+    names = [str(c) for c in configs(dtype)]
+    ref = grads[names[0]]
+    checks = {n: max(rel_l2(torch, a, b) for a, b in zip(grads[n], ref)) for n in names[1:]}
+    for _ in range(3):  # warm-up
+        for fn in fns.values():
+            fn()
+    ms = timed_rounds(torch, fns, rounds)
+    flops = bb.backward_flops(batch, bb.HEADS, seq, 128, causal)
+    parts = kernel_breakdown(torch, fns[names[0]], rounds)
+    rec = {"dtype": dtype.name.lower(), "seq": seq, "causal": causal, "batch": batch, "flops": flops,
+           "ms": ms, "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()},
+           "ratio_cudnn": {n: ms["sdpa_cudnn"] / ms[n] for n in names}, "check_vs_default": checks,
+           "default_kernels_ms": parts}
+    del out, lse, o, grads
+    torch.cuda.empty_cache()
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--seqs", default="1k,4k,16k")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", default="knobs.json")
+    ap.add_argument("--winner-file", default="")
+    args = ap.parse_args(argv)
+    import torch
+
+    from cupyflash.benchmarking import parse_dtypes, parse_ints
+
+    records = []
+    for dtype in parse_dtypes(args.dtypes):
+        for seq in parse_ints(args.seqs):
+            for causal in (False, True):
+                rec = point(torch, dtype, seq, causal, args.rounds)
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    Path(args.json).write_text(json.dumps(records, indent=1))
+    names = list(records[0]["ratio_cudnn"])
+    short = {n: n.split(", ")[-1].partition(": ")[0].rstrip(")") + "st " + n.partition(": ")[2] for n in names}
+    print("\ndtype causal S    cuDNN | " + " | ".join(short[n].replace("dq_tma+dq_mid", "dflt") for n in names)
+          + " | pre/dkdv/conv us (default)")
+    for r in records:
+        cells = " | ".join(f"{r['tflops'][n]:5.0f} {r['ratio_cudnn'][n]:.3f}x" for n in names)
+        parts = "/".join(f"{r['default_kernels_ms'].get(k, 0) * 1e3:.0f}" for k in ("preprocess", "dkdv", "convert"))
+        print(f"{r['dtype']:<5} {int(r['causal'])}      {r['seq']:<5} {r['tflops']['sdpa_cudnn']:5.0f} | {cells} | "
+              f"{parts} of {r['ms'][names[0]] * 1e3:.0f}")
+    bad = [(r["dtype"], r["seq"], r["causal"], n, x)
+           for r in records for n, x in r["check_vs_default"].items() if x > 1e-2]
+    print("checks vs default:", "all <= 1e-2" if not bad else bad)
+    geo = {}
+    for n in names:
+        by_dtype = {}
+        for r in records:
+            by_dtype.setdefault(r["dtype"], []).append(math.log(r["ratio_cudnn"][n]))
+        geo[n] = math.exp(statistics.mean(math.log(r["ratio_cudnn"][n]) for r in records))
+        worst = min(r["ratio_cudnn"][n] for r in records)
+        print(f"geomean x cuDNN {geo[n]:.3f}  worst {worst:.3f}  {n}")
+    winner = max((n for n in names if not any(b[3] == n for b in bad)), key=geo.get)
+    print("WINNER:", winner)
+    if args.winner_file:
+        Path(args.winner_file).write_text(winner)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
