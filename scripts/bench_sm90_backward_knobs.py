@@ -155,22 +155,21 @@ def main(argv=None) -> int:
     print("\ndtype causal S    cuDNN | " + " | ".join(short[n].replace("dq_tma+dq_mid", "dflt") for n in names)
           + " | pre/dkdv/conv us (default)")
     for r in records:
-        cells = " | ".join(f"{r['tflops'][n]:5.0f} {r['ratio_cudnn'][n]:.3f}x" for n in names)
+        own = list(r["ratio_cudnn"])  # this record's dtype's config names, in the same order as `names`
+        cells = " | ".join(f"{r['tflops'][n]:5.0f} {r['ratio_cudnn'][n]:.3f}x" for n in own)
         parts = "/".join(f"{r['default_kernels_ms'].get(k, 0) * 1e3:.0f}" for k in ("preprocess", "dkdv", "convert"))
         print(f"{r['dtype']:<5} {int(r['causal'])}      {r['seq']:<5} {r['tflops']['sdpa_cudnn']:5.0f} | {cells} | "
-              f"{parts} of {r['ms'][names[0]] * 1e3:.0f}")
+              f"{parts} of {r['ms'][own[0]] * 1e3:.0f}")
     bad = [(r["dtype"], r["seq"], r["causal"], n, x)
            for r in records for n, x in r["check_vs_default"].items() if x > 1e-2]
     print("checks vs default:", "all <= 1e-2" if not bad else bad)
-    geo = {}
-    for n in names:
-        by_dtype = {}
-        for r in records:
-            by_dtype.setdefault(r["dtype"], []).append(math.log(r["ratio_cudnn"][n]))
-        geo[n] = math.exp(statistics.mean(math.log(r["ratio_cudnn"][n]) for r in records))
-        worst = min(r["ratio_cudnn"][n] for r in records)
-        print(f"geomean x cuDNN {geo[n]:.3f}  worst {worst:.3f}  {n}")
-    winner = max((n for n in names if not any(b[3] == n for b in bad)), key=geo.get)
+    # configs by position: each dtype's records name their own dtype's configs in the same order
+    ratios = [[list(r["ratio_cudnn"].values())[i] for r in records] for i in range(len(names))]
+    geo = {n: math.exp(statistics.mean(math.log(x) for x in ratios[i])) for i, n in enumerate(names)}
+    for i, n in enumerate(names):
+        print(f"geomean x cuDNN {geo[n]:.3f}  worst {min(ratios[i]):.3f}  {short[n]}")
+    flagged = {short[b[3]] if b[3] in short else b[3].replace("FP16", "BF16") for b in bad}
+    winner = max((n for n in names if n != "sdpa_cudnn" and short[n] not in flagged and n not in flagged), key=geo.get)
     print("WINNER:", winner)
     if args.winner_file:
         Path(args.winner_file).write_text(winner)

@@ -38,7 +38,7 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid"
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
@@ -116,7 +116,8 @@ def test_config_sets():
     assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
-    assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid"]
+    assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
+                                                                 "dq_tma+dq_mid+pdl+dq_early"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
     with pytest.raises(ValueError, match="KERNELS"):
@@ -241,7 +242,7 @@ def _plan(cfg, deterministic=False, causal=False, **kw):
 def test_resolve_config_accepts_the_hopper_family():
     cfg = config_sets.default_config(DType.BF16, 128)
     assert resolve_backward_config(cfg) is cfg
-    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid") == cfg
+    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early") == cfg
     with pytest.raises(ValueError, match="^cfg: cannot parse"):
         resolve_backward_config("backward_sm90(BF16, 128)")
 
@@ -260,7 +261,7 @@ def test_launch_sequence(deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_launch_sequence_pdl(deterministic):
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=False, dq_early=False)
     p, _ = _plan(cfg, deterministic, b=2, sq=100, sk=200, h=4, hk=2)
     assert not any(s.pdl for s in launch.launch_sequence(p))
     p, _ = _plan(cfg.replace(pdl=True), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
@@ -269,7 +270,7 @@ def test_launch_sequence_pdl(deterministic):
 
 
 def test_dq_workspace_shape():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=False, dq_early=False)
     p, _ = _plan(cfg, b=2, sq=100, sk=200, h=4, hk=2)
     assert launch.dq_workspace_shape(p) == p.dq_accum_shape == (2, 4, 128, 128)
     p, _ = _plan(cfg.replace(pdl=True, dq_early=True), b=2, sq=100, sk=200, h=4, hk=2)
@@ -292,7 +293,8 @@ def test_pack_dkdv(monkeypatch):
         return bytes([len(calls)]) * 128
 
     monkeypatch.setattr(launch.tma, "descriptor", fake_descriptor)
-    cfg = config_sets.default_config(DType.FP16, 128).replace(dq_tma=False, dq_mid=False)  # no dQ map
+    cfg = config_sets.default_config(DType.FP16, 128).replace(dq_tma=False, dq_mid=False, pdl=False,
+                                                               dq_early=False)  # no dQ map
     p, a = _plan(cfg, b=1, sq=77, sk=130, h=8, hk=2, dtype=DType.FP16)
     raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
     assert [c[2] for c in calls] == [64, 128, 128, 64] and calls[0][0] == a["q"].ptr and calls[3][0] == a["dout"].ptr
@@ -417,7 +419,7 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
 
 def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     faked_backward["cc"] = 80
-    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid .*compute "
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid\+pdl\+dq_early .*compute "
                                          r"capability 9.0 only"):
         _call(config_sets.default_config(DType.BF16, 128))
     assert not faked_backward["launches"]
