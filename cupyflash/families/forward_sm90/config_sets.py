@@ -25,6 +25,10 @@ _DEFAULT_B_C = {64: 128, 128: 128, 256: 64}
 # warpgroups (B_r 192) beat two by 0-10% (causal: -10% at 1k, +0-12% from 2k). Persistent CTAs
 # are level without masking; causal, the snake schedule is level at S <= 2k but loses 25% at 16k
 # (128 query blocks per head against 132 CTAs: the snake's pairing drifts), so none are default.
+# d64 and d256 rescale lazily (`lazy`, NOTES.md item 71): +4-9% at every d256 row and +0-11% on
+# d64 192x128 tiles in two probe runs; d128 keeps exact rescaling (-1..-4% with it). forward_varlen's
+# GPU tests passed on the lazy table picks at d64/d256.
+_LAZY_D_HEADS = (64, 256)
 _DEFAULTS = {
     (64, False): (192, 128, 2, False), (64, True): (192, 128, 2, False),
     (128, False): (128, 176, 2, False), (128, True): (128, 128, 2, False),
@@ -36,7 +40,8 @@ _DEFAULTS = {
 def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
     """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
     b_r, b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
-    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent)
+    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent,
+                                     lazy_rescale=d_head in _LAZY_D_HEADS)
 
 
 # forward_varlen's exceptions to _DEFAULTS. Measured on the H100 (2026-11-23, ragged bf16 batch of
