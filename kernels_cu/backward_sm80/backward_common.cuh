@@ -165,16 +165,6 @@ CF_DEVICE float ld_global_f32(const float* p) {
     return v;
 }
 
-// 16 bytes of fp32 through L2 only (.cg): data other CTAs may still be adding to (in L2) is not
-// served from a stale L1 line.
-CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(src));
-    return v;
-}
-
 // Two fp32 atomic adds to adjacent addresses (8-byte aligned). Hopper has a vector reduction,
 // one instruction for both; older archs issue two.
 CF_DEVICE void atomic_add_f32x2(float* addr, float a, float b) {

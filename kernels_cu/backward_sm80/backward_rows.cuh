@@ -7,10 +7,9 @@
 // Both: 64 rows per CTA, 4 threads per row; grid (seq_len_q_pad / 64, n_heads, batch).
 #pragma once
 
-// The bodies, shared with the Hopper family's own row kernels (kernels_cu/backward_sm90/rows.cuh),
-// which wrap them in programmatic-dependent-launch waits and dQ block counters.
-template <class Cfg, bool DETERMINISTIC>
-CF_DEVICE void preprocess_block(const BackwardParams& p) {
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
+    backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     constexpr int CHUNKS = Cfg::D / 8;
     const int tid = threadIdx.x, part = tid & 3;
     const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
@@ -56,10 +55,9 @@ CF_DEVICE void preprocess_block(const BackwardParams& p) {
     }
 }
 
-// dq_accum is read through L2 only (.cg): on Hopper with dq_early this block may be converted while
-// other CTAs' reductions into other blocks still land there.
-template <class Cfg>
-CF_DEVICE void convert_block(const BackwardParams& p) {
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
+    backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
     constexpr int CHUNKS = Cfg::D / 8;
     constexpr int TOTAL = Cfg::ROW_KERNEL_ROWS * CHUNKS;
     const int head = blockIdx.y, batch = blockIdx.z;
@@ -71,8 +69,8 @@ CF_DEVICE void convert_block(const BackwardParams& p) {
     for (int idx = threadIdx.x; idx < TOTAL; idx += Cfg::ROW_KERNEL_THREADS) {
         const int row = idx / CHUNKS, chunk = idx % CHUNKS;
         if (row0 + row >= p.seq_len_q) continue;
-        const float4 a = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8);
-        const float4 b = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8 + 4);
+        const float4 a = *reinterpret_cast<const float4*>(src + row * Cfg::D + chunk * 8);
+        const float4 b = *reinterpret_cast<const float4*>(src + row * Cfg::D + chunk * 8 + 4);
         const float s = p.softmax_scale;
         uint4 out;
         out.x = pack_pair<Cfg::dtype>(a.x * s, a.y * s);
@@ -81,16 +79,4 @@ CF_DEVICE void convert_block(const BackwardParams& p) {
         out.w = pack_pair<Cfg::dtype>(b.z * s, b.w * s);
         st_global_16(dst + row * p.dq_seq_stride + chunk * 8, out);
     }
-}
-
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
-    backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
-    preprocess_block<Cfg, DETERMINISTIC>(p);
-}
-
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
-    backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
-    convert_block<Cfg>(p);
 }

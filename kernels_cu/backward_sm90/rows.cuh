@@ -1,6 +1,5 @@
-// The Hopper family's own row kernels around the dK/dV kernel, for pdl configs (the others use
-// backward_sm80's kernels): backward_sm80's row bodies (preprocess_block, convert_block in
-// kernels_cu/backward_sm80/backward_rows.cuh) wrapped in launch waits and dQ block counters.
+// The Hopper family's own row kernels around the dK/dV kernel, for pdl configs (the others reuse
+// backward_sm80's, kernels_cu/backward_sm80/backward_rows.cuh, which these follow row for row).
 // Both take BackwardParams; 64 rows (one query block) per CTA, 4 threads per row; grid
 // (seq_len_q_pad / 64, n_heads, batch).
 //
@@ -16,23 +15,76 @@
 //   before it exits, so the call ends after that grid.
 #pragma once
 
+CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {  // L2 only: other CTAs' reductions land there
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(src));
+    return v;
+}
+
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     if constexpr (Cfg::PDL) bwd_pdl_launch_dependents();
-    preprocess_block<Cfg, DETERMINISTIC>(p);
-    if constexpr (Cfg::DQ_EARLY && !DETERMINISTIC) {
-        if (threadIdx.x == 0)
-            *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, blockIdx.z, blockIdx.y,
-                                               blockIdx.x) = 0u;
+    constexpr int CHUNKS = Cfg::D / 8;
+    const int tid = threadIdx.x, part = tid & 3;
+    const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
+    const int head = blockIdx.y, batch = blockIdx.z;
+    float acc = 0.f;
+    if (row < p.seq_len_q) {
+        const u16* o = static_cast<const u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+                       (long long)row * p.o_seq_stride;
+        const u16* d = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                       (long long)row * p.do_seq_stride;
+#pragma unroll
+        for (int c = part; c < CHUNKS; c += 4) {
+            const uint4 a = ld_global_16(o + 8 * c);
+            const uint4 b = ld_global_16(d + 8 * c);
+            const u32 av[4] = {a.x, a.y, a.z, a.w};
+            const u32 bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 x = unpack_pair<Cfg::dtype>(av[j]);
+                const float2 y = unpack_pair<Cfg::dtype>(bv[j]);
+                acc = fmaf(x.x, y.x, acc);
+                acc = fmaf(x.y, y.y, acc);
+            }
+        }
+    }
+    acc = quad_sum(acc);
+    const long long stat = ((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row;
+    if (part == 0) {
+        float lse = CF_NEG_INF;
+        if (row < p.seq_len_q)
+            lse = ld_global_f32(p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
+                                (long long)row * p.lse_seq_stride);
+        p.dvec[stat] = acc;
+        p.lse2[stat] = lse == CF_NEG_INF ? CF_POS_INF : lse * CF_LOG2E;
+    }
+    if constexpr (!DETERMINISTIC) {
+        float4* acc_rows = reinterpret_cast<float4*>(
+            p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad +
+                          (long long)blockIdx.x * Cfg::ROW_KERNEL_ROWS) * Cfg::D);
+        constexpr int VECS = Cfg::ROW_KERNEL_ROWS * Cfg::D / 4;
+#pragma unroll
+        for (int i = tid; i < VECS; i += Cfg::ROW_KERNEL_THREADS) acc_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if constexpr (Cfg::DQ_EARLY) {
+            if (tid == 0)
+                *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, batch, head,
+                                                   blockIdx.x) = 0u;
+        }
     }
 }
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_convert_kernel(const __grid_constant__ BackwardParams p) {
+    constexpr int CHUNKS = Cfg::D / 8;
+    constexpr int TOTAL = Cfg::ROW_KERNEL_ROWS * CHUNKS;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int row0 = blockIdx.x * Cfg::ROW_KERNEL_ROWS;
     if constexpr (Cfg::DQ_EARLY) {
-        const int head = blockIdx.y, batch = blockIdx.z;
         const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, p.seq_len_q, p.seq_len_k);
         if (expected == 0) {
             bwd_pdl_wait();  // no key block adds to these rows: the preprocess's zeros, once written
@@ -58,7 +110,23 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     } else if constexpr (Cfg::PDL) {
         bwd_pdl_wait();
     }
-    convert_block<Cfg>(p);
+    const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
+    u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               (long long)row0 * p.dq_seq_stride;
+#pragma unroll
+    for (int idx = threadIdx.x; idx < TOTAL; idx += Cfg::ROW_KERNEL_THREADS) {
+        const int row = idx / CHUNKS, chunk = idx % CHUNKS;
+        if (row0 + row >= p.seq_len_q) continue;
+        const float4 a = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8);
+        const float4 b = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8 + 4);
+        const float s = p.softmax_scale;
+        uint4 out;
+        out.x = pack_pair<Cfg::dtype>(a.x * s, a.y * s);
+        out.y = pack_pair<Cfg::dtype>(a.z * s, a.w * s);
+        out.z = pack_pair<Cfg::dtype>(b.x * s, b.y * s);
+        out.w = pack_pair<Cfg::dtype>(b.z * s, b.w * s);
+        st_global_16(dst + row * p.dq_seq_stride + chunk * 8, out);
+    }
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.
