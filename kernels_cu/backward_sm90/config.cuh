@@ -219,13 +219,6 @@ CF_DEVICE unsigned ld_acquire_gpu(const unsigned* src) {
     return v;
 }
 
-// Programmatic dependent launch (pdl; cupyflash/families/backward_sm90/pdl_launch.py). wait:
-// this thread waits until the kernel before it on the stream has completed and its writes are
-// visible; launch_dependents: the next kernel may start once every CTA of this one has executed
-// it (or exited). Both are no-ops in a kernel launched without the attribute.
-CF_DEVICE void bwd_pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-CF_DEVICE void bwd_pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-
 // dq_early: the counter of query block m of (batch, head), behind the dq_accum workspace's
 // fp32 (batch, n_heads, seq_len_q_pad, D) elements, one unsigned per B_r rows.
 template <int D, int BR>

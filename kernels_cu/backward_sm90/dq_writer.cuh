@@ -23,7 +23,7 @@ struct BwdDqWriter {
     CF_DEVICE void run() const {
         const int n = sched.iterations();
         if (n == 0) return;
-        if constexpr (Cfg::PDL) bwd_pdl_wait();  // dq_accum is zeroed (and counters reset) by the preprocess
+        if constexpr (Cfg::PDL) pdl_wait_for_predecessor();  // dq_accum is zeroed (and counters reset) by the preprocess
 #pragma unroll
         for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
         // (head, query block) of iteration it, stepped instead of divided (this warp has few registers)

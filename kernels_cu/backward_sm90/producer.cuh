@@ -25,8 +25,8 @@ struct BwdProducer {
             // K and V are inputs; lse2 and dvec (and, for the writer warp, dq_accum) are the
             // preprocess's: wait for it here, then let the convert kernel's grid launch (its
             // CTAs find SMs only as this grid's last wave drains).
-            bwd_pdl_wait();
-            bwd_pdl_launch_dependents();
+            pdl_wait_for_predecessor();
+            pdl_launch_dependents();
         }
         const int n = sched.iterations();
         for (int it = 0; it < n; ++it) {

@@ -26,7 +26,7 @@ CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {  // L2 only: other CTAs'
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_preprocess_kernel(const __grid_constant__ BackwardParams p) {
-    if constexpr (Cfg::PDL) bwd_pdl_launch_dependents();
+    if constexpr (Cfg::PDL) pdl_launch_dependents();
     constexpr int CHUNKS = Cfg::D / 8;
     const int tid = threadIdx.x, part = tid & 3;
     const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     if constexpr (Cfg::DQ_EARLY) {
         const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, p.seq_len_q, p.seq_len_k);
         if (expected == 0) {
-            bwd_pdl_wait();  // no key block adds to these rows: the preprocess's zeros, once written
+            pdl_wait_for_predecessor();  // no key block adds to these rows: the preprocess's zeros, once written
         } else {
             // Spin on the counter for up to ~1 s, then wait for the whole dK/dV grid instead, so
             // the counters only ever make the wait shorter (a block whose CTAs run longer than
@@ -105,10 +105,10 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
                 counted = spin < MAX_SPINS;
             }
             __syncthreads();
-            if (!counted) bwd_pdl_wait();
+            if (!counted) pdl_wait_for_predecessor();
         }
     } else if constexpr (Cfg::PDL) {
-        bwd_pdl_wait();
+        pdl_wait_for_predecessor();
     }
     const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
     u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
@@ -130,6 +130,6 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.
-        if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) bwd_pdl_wait();
+        if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) pdl_wait_for_predecessor();
     }
 }

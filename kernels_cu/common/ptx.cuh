@@ -127,3 +127,21 @@ CF_DEVICE float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+
+// ---- programmatic dependent launch (sm_90+) ----------------------------------------------------
+// The launches: cupyflash/kvcache_pdl.py and cupyflash/families/backward_sm90/pdl_launch.py. A
+// kernel launched as a programmatic dependent waits here until the kernel before it on the stream has completed and
+// its writes are visible; without that launch attribute (and before sm_90) both are no-ops.
+CF_DEVICE void pdl_wait_for_predecessor() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Lets the next kernel's grid launch as soon as every CTA of this one has started, so its
+// launch overlaps this grid's run (it still waits for this grid's results before using them).
+CF_DEVICE void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}

@@ -70,23 +70,6 @@ CF_DEVICE void cp_async_16_hinted(u32 dst, const void* src, bool valid, u64 poli
                  "r"(valid ? 16 : 0), "l"(policy));
 }
 
-// Programmatic dependent launch (sm_90+; see cupyflash/kvcache_pdl.py). A kernel launched as a
-// programmatic dependent waits here until the kernel before it on the stream has completed and
-// its writes are visible; without that launch attribute (and before sm_90) both are no-ops.
-CF_DEVICE void pdl_wait_for_predecessor() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
-// Lets the next kernel's grid launch as soon as every CTA of this one has started, so its
-// launch overlaps this grid's run (it still waits for this grid's results before using them).
-CF_DEVICE void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
 CF_DEVICE float warp_max(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
