@@ -7,9 +7,10 @@
 // Both: 64 rows per CTA, 4 threads per row; grid (seq_len_q_pad / 64, n_heads, batch).
 #pragma once
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
-    backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
+// The preprocess body, shared with the Hopper family's own preprocess kernel
+// (kernels_cu/backward_sm90/rows.cuh), which wraps it in a launch trigger and a dQ counter reset.
+template <class Cfg, bool DETERMINISTIC>
+CF_DEVICE void preprocess_block(const BackwardParams& p) {
     constexpr int CHUNKS = Cfg::D / 8;
     const int tid = threadIdx.x, part = tid & 3;
     const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
@@ -53,6 +54,12 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
 #pragma unroll
         for (int i = tid; i < VECS; i += Cfg::ROW_KERNEL_THREADS) acc_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+}
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
+    backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
+    preprocess_block<Cfg, DETERMINISTIC>(p);
 }
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>

@@ -1,5 +1,6 @@
-// The Hopper family's own row kernels around the dK/dV kernel, for pdl configs (the others reuse
-// backward_sm80's, kernels_cu/backward_sm80/backward_rows.cuh, which these follow row for row).
+// The Hopper family's own row kernels around the dK/dV kernel, for pdl configs (the others use
+// backward_sm80's kernels). The preprocess is backward_sm80's body (preprocess_block in
+// kernels_cu/backward_sm80/backward_rows.cuh) with a launch trigger and a dQ counter reset.
 // Both take BackwardParams; 64 rows (one query block) per CTA, 4 threads per row; grid
 // (seq_len_q_pad / 64, n_heads, batch).
 //
@@ -27,53 +28,11 @@ template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     if constexpr (Cfg::PDL) pdl_launch_dependents();
-    constexpr int CHUNKS = Cfg::D / 8;
-    const int tid = threadIdx.x, part = tid & 3;
-    const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
-    const int head = blockIdx.y, batch = blockIdx.z;
-    float acc = 0.f;
-    if (row < p.seq_len_q) {
-        const u16* o = static_cast<const u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
-                       (long long)row * p.o_seq_stride;
-        const u16* d = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
-                       (long long)row * p.do_seq_stride;
-#pragma unroll
-        for (int c = part; c < CHUNKS; c += 4) {
-            const uint4 a = ld_global_16(o + 8 * c);
-            const uint4 b = ld_global_16(d + 8 * c);
-            const u32 av[4] = {a.x, a.y, a.z, a.w};
-            const u32 bv[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 x = unpack_pair<Cfg::dtype>(av[j]);
-                const float2 y = unpack_pair<Cfg::dtype>(bv[j]);
-                acc = fmaf(x.x, y.x, acc);
-                acc = fmaf(x.y, y.y, acc);
-            }
-        }
-    }
-    acc = quad_sum(acc);
-    const long long stat = ((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row;
-    if (part == 0) {
-        float lse = CF_NEG_INF;
-        if (row < p.seq_len_q)
-            lse = ld_global_f32(p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride +
-                                (long long)row * p.lse_seq_stride);
-        p.dvec[stat] = acc;
-        p.lse2[stat] = lse == CF_NEG_INF ? CF_POS_INF : lse * CF_LOG2E;
-    }
-    if constexpr (!DETERMINISTIC) {
-        float4* acc_rows = reinterpret_cast<float4*>(
-            p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad +
-                          (long long)blockIdx.x * Cfg::ROW_KERNEL_ROWS) * Cfg::D);
-        constexpr int VECS = Cfg::ROW_KERNEL_ROWS * Cfg::D / 4;
-#pragma unroll
-        for (int i = tid; i < VECS; i += Cfg::ROW_KERNEL_THREADS) acc_rows[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if constexpr (Cfg::DQ_EARLY) {
-            if (tid == 0)
-                *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, batch, head,
-                                                   blockIdx.x) = 0u;
-        }
+    preprocess_block<Cfg, DETERMINISTIC>(p);
+    if constexpr (Cfg::DQ_EARLY && !DETERMINISTIC) {
+        if (threadIdx.x == 0)
+            *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, blockIdx.z, blockIdx.y,
+                                               blockIdx.x) = 0u;
     }
 }
 
