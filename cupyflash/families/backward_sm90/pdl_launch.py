@@ -42,6 +42,7 @@ class _Launcher:
 
 _lock = threading.Lock()
 _launchers: dict[tuple, _Launcher] = {}
+_MAX_LAUNCHERS = 4096  # one per (kernel, grid): a process cycling through more shapes rebuilds them
 
 
 def launch_pdl(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, stream_ptr: int,
@@ -54,6 +55,8 @@ def launch_pdl(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, sme
     launcher = _launchers.get(key)
     if launcher is None:
         with _lock:
+            if len(_launchers) >= _MAX_LAUNCHERS:
+                _launchers.clear()
             launcher = _launchers.setdefault(key, _Launcher(kernel, grid, block, smem))
     with launcher.lock:
         ctypes.memmove(launcher.buf, params, launcher.size)
