@@ -31,10 +31,10 @@ def _select(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int, device: i
 
 
 @functools.lru_cache(maxsize=64)
-def _hopper_default(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
+def _hopper_default(dtype: DType, d_head: int, causal: bool) -> HopperBackwardKernelConfig:
     from .families.backward_sm90.config_sets import default_config as sm90_default
 
-    return sm90_default(dtype, d_head)
+    return sm90_default(dtype, d_head, causal)
 
 
 # d_head values where cfg=None prefers backward_sm90. At d_head 64 backward_sm80 measured faster
@@ -153,7 +153,7 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
     if qv.device not in _checked_devices:
         _check_device(qv.device)
     if config is None and hopper_reason(dov, qv, kv, vv) is None:
-        config = _hopper_default(qv.dtype, qv.shape[3])
+        config = _hopper_default(qv.dtype, qv.shape[3], causal is True)
     plan = check_backward_args(config, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, softmax_scale, causal,
                                deterministic, select=_select)
     if isinstance(plan.cfg, HopperBackwardKernelConfig):

@@ -237,9 +237,8 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
     """
     key = None
     if stream is None and workspace is None and check_indices is None and not index_check_env():
-        key = kvcache_plans.signature(cfg, num_splits, softmax_scale, causal, q, k_cache, v_cache, cache_seqlens,
-                                      block_table, k_new, v_new, out, return_lse)
-        result = kvcache_plans.lookup(key, q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, out)
+        key, result = kvcache_plans.run(cfg, num_splits, softmax_scale, causal, return_lse, q, k_cache, v_cache,
+                                        cache_seqlens, block_table, k_new, v_new, out)
         if result is not None:
             return result
     qv = as_view(q, "q")

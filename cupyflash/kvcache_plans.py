@@ -21,7 +21,7 @@ from .families.decode.config import DecodeKernelConfig
 from .launch_plans import _CUPY, _TORCH, _kind, _kinds, driver_calls, store  # shared by every fast path
 from .families.decode.params import DECODE_PARAMS
 
-__all__ = ["KVCacheLaunch", "build_launches", "signature", "lookup", "remember", "clear"]
+__all__ = ["KVCacheLaunch", "build_launches", "run", "remember", "clear"]
 
 # q, k_cache, v_cache, k_new, v_new, o, lse, ws_o, ws_lse, cache_seqlens, block_table: the first
 # eleven DecodeParams fields
@@ -93,44 +93,97 @@ class KVCacheLaunch:
                 launch(stream, self.argv_ptr, 0)
 
 
-def signature(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, q: Any, k_cache: Any, v_cache: Any,
-              cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
-              return_lse: bool = False) -> tuple | None:
-    """The plan key, or None when these arguments cannot take the fast path."""
+def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: Any, q: Any, k_cache: Any,
+        v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any) -> tuple:
+    """(key, result) of one call: `key` the plan key of these arguments (None when they cannot take
+    the fast path); `result` the output (with return_lse: (output, lse)) when a plan for `key`
+    launched it, else None (no plan yet, or a pointer breaks an alignment rule this time: the full
+    path then raises the proper error, and remembers its launches under `key`).
+
+    Key and launch in one function, the key written out per framework: on a cached call the
+    tensor attribute reads, call frames and the key's hash are most of the library's host time."""
     if not (cfg is None or type(cfg) is str or type(cfg) is DecodeKernelConfig):
-        return None
+        return None, None
     if not (num_splits is None or type(num_splits) is int):
-        return None
+        return None, None
     if not (softmax_scale is None or type(softmax_scale) is float):
-        return None
+        return None, None
     if (causal is not True and causal is not False) or (return_lse is not True and return_lse is not False):
-        return None
+        return None, None
     cls = type(q)
-    kind = _kinds.get(cls) or _kind(cls)
     if type(k_cache) is not cls or type(v_cache) is not cls or type(cache_seqlens) is not cls:
-        return None
-    for x in (block_table, k_new, v_new, out):
-        if x is not None and type(x) is not cls:
-            return None
+        return None, None
+    if not ((block_table is None or type(block_table) is cls) and (k_new is None or type(k_new) is cls)
+            and (v_new is None or type(v_new) is cls) and (out is None or type(out) is cls)):
+        return None, None
+    kind = _kinds.get(cls) or _kind(cls)
     if kind == _TORCH:
-        # written out rather than looped: this is most of a cached call's own host time
-        return (cls, cfg, num_splits, softmax_scale, causal, return_lse,
-                q.shape, q.stride(), q.dtype, q.get_device(),
-                k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(),
-                v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
-                cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
-                None if block_table is None else _torch_meta(block_table),
-                None if k_new is None else _torch_meta(k_new),
-                None if v_new is None else _torch_meta(v_new),
-                None if out is None else _torch_meta(out))
-    if kind == _CUPY:
-        return (cls, cfg, num_splits, softmax_scale, causal, return_lse,
-                _cupy_meta(q), _cupy_meta(k_cache), _cupy_meta(v_cache), _cupy_meta(cache_seqlens),
-                None if block_table is None else _cupy_meta(block_table),
-                None if k_new is None else _cupy_meta(k_new),
-                None if v_new is None else _cupy_meta(v_new),
-                None if out is None else _cupy_meta(out))
-    return None
+        key = (cls, cfg, num_splits, softmax_scale, causal, return_lse,
+               q.shape, q.stride(), q.dtype, q.get_device(),
+               k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(),
+               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
+               cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
+               None if block_table is None else _torch_meta(block_table),
+               None if k_new is None else _torch_meta(k_new),
+               None if v_new is None else _torch_meta(v_new),
+               None if out is None else _torch_meta(out))
+        plan = _plans.get(key)
+        if plan is None or _get_device() != plan.device:
+            return key, None
+        q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
+        t_ptr = block_table.data_ptr() if block_table is not None else 0
+        kn_ptr = k_new.data_ptr() if k_new is not None else 0
+        vn_ptr = v_new.data_ptr() if v_new is not None else 0
+        o_ptr = out.data_ptr() if out is not None else 0
+        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
+            return key, None
+        if out is None:
+            out = q.new_empty(plan.out_shape)
+            o_ptr = out.data_ptr()
+        lse = plan.allocate_lse() if plan.lse_shape is not None else None
+        lse_ptr = lse.data_ptr() if lse is not None else 0
+    elif kind == _CUPY:
+        key = (cls, cfg, num_splits, softmax_scale, causal, return_lse,
+               _cupy_meta(q), _cupy_meta(k_cache), _cupy_meta(v_cache), _cupy_meta(cache_seqlens),
+               None if block_table is None else _cupy_meta(block_table),
+               None if k_new is None else _cupy_meta(k_new),
+               None if v_new is None else _cupy_meta(v_new),
+               None if out is None else _cupy_meta(out))
+        plan = _plans.get(key)
+        if plan is None or _get_device() != plan.device:
+            return key, None
+        q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
+        t_ptr = block_table.data.ptr if block_table is not None else 0
+        kn_ptr = k_new.data.ptr if k_new is not None else 0
+        vn_ptr = v_new.data.ptr if v_new is not None else 0
+        o_ptr = out.data.ptr if out is not None else 0
+        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
+            return key, None
+        if out is None:
+            out = plan.allocate()
+            o_ptr = out.data.ptr
+        lse = plan.allocate_lse() if plan.lse_shape is not None else None
+        lse_ptr = lse.data.ptr if lse is not None else 0
+    else:
+        return None, None
+    stream = plan.current_stream()
+    if plan.ws_bytes:
+        ws = plan.ws_alloc(plan.ws_bytes, stream)
+        ws_ptr = ws if type(ws) is int else ws.ptr
+        try:
+            with plan.lock:
+                _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr,
+                                    ws_ptr + plan.ws_lse_offset, s_ptr, t_ptr)
+                for launch in plan.launches:
+                    launch(stream, plan.argv_ptr, 0)
+        finally:
+            plan.ws_free(ws)
+    else:
+        with plan.lock:
+            _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, 0, 0, s_ptr, t_ptr)
+            for launch in plan.launches:
+                launch(stream, plan.argv_ptr, 0)
+    return key, (out if lse is None else (out, lse))
 
 
 def _torch_meta(x: Any) -> tuple:
@@ -139,58 +192,6 @@ def _torch_meta(x: Any) -> tuple:
 
 def _cupy_meta(x: Any) -> tuple:
     return (x.shape, x.strides, x.dtype, x.data.device_id)
-
-
-def lookup(key: tuple | None, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
-           k_new: Any, v_new: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output (with return_lse: (output, lse)),
-    or None (no plan, or a pointer that breaks an alignment rule this time: the full path then
-    raises the proper error)."""
-    plan = _plans.get(key) if key is not None else None
-    if plan is None or _get_device() != plan.device:
-        return None
-    if plan.is_torch:
-        q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
-        t_ptr = block_table.data_ptr() if block_table is not None else 0
-        kn_ptr = k_new.data_ptr() if k_new is not None else 0
-        vn_ptr = v_new.data_ptr() if v_new is not None else 0
-        o_ptr = out.data_ptr() if out is not None else 0
-        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
-            return None
-        if out is None:
-            out = q.new_empty(plan.out_shape)
-            o_ptr = out.data_ptr()
-        lse = plan.allocate_lse() if plan.lse_shape is not None else None
-        lse_ptr = lse.data_ptr() if lse is not None else 0
-    else:
-        q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
-        t_ptr = block_table.data.ptr if block_table is not None else 0
-        kn_ptr = k_new.data.ptr if k_new is not None else 0
-        vn_ptr = v_new.data.ptr if v_new is not None else 0
-        o_ptr = out.data.ptr if out is not None else 0
-        if (q_ptr | k_ptr | v_ptr | kn_ptr | vn_ptr | o_ptr) & 15 or (s_ptr | t_ptr) & 3:
-            return None
-        if out is None:
-            out = plan.allocate()
-            o_ptr = out.data.ptr
-        lse = plan.allocate_lse() if plan.lse_shape is not None else None
-        lse_ptr = lse.data.ptr if lse is not None else 0
-    stream = plan.current_stream()
-    ws = ws_ptr = ws_lse = 0
-    if plan.ws_bytes:
-        ws = plan.ws_alloc(plan.ws_bytes, stream)
-        ws_ptr = ws if type(ws) is int else ws.ptr
-        ws_lse = ws_ptr + plan.ws_lse_offset
-    try:
-        with plan.lock:
-            _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, o_ptr, lse_ptr, ws_ptr, ws_lse,
-                                s_ptr, t_ptr)
-            for launch in plan.launches:
-                launch(stream, plan.argv_ptr, 0)
-    finally:
-        if plan.ws_bytes:
-            plan.ws_free(ws)
-    return out if lse is None else (out, lse)
 
 
 def remember(key: tuple | None, plan: KVCacheLaunch) -> None:

@@ -129,7 +129,7 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
             raise Skip(f"backward_sm90 has d_head {SM90_D_HEADS}")
         if sm90_config is not None:
             return cupyflash_run(sm90_config.replace(dtype=dtype, d_head=d))
-        return cupyflash_run(sm90_default(dtype, d))
+        return cupyflash_run(sm90_default(dtype, d, causal))
 
     def sdpa_run(backend: str) -> Callable[[], tuple]:
         if not hasattr(SDPBackend, backend):

@@ -6,11 +6,12 @@
 
 Grid of bench.py --mode backward (batch*seq = 16384, 16 heads, d_head 128, S_q = S_k). Per point:
 SDPA cuDNN (torch.autograd.grad of its output) and cupyflash.backward with each config of
-KNOB_SETS (the family's default, then the default with the launch knobs lpt / pdl / pdl+dq_early /
-lpt+pdl+dq_early, and with three stages, plain and with all three knobs), timed in interleaved
+KNOB_SETS (the dq_tma+dq_mid tile of d_head 128 with two stages and no launch knob, with lpt / pdl /
+pdl+dq_early / lpt+pdl+dq_early, and with three stages, plain and with all three knobs; or the
+sets given as --knob-sets), timed in interleaved
 rounds (each round times every implementation once, in a rotated order, each sample behind a
 ~1 ms GPU spin so only GPU time is measured); the median of the rounds is reported. Each config's gradients are checked once against the default's (relative
-L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the default config's
+L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the first config's
 three kernels are timed one by one (CUDA events between the launches): the preprocess, dK/dV and
 convert shares of one call.
 
@@ -29,16 +30,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_backward as bb  # noqa: E402
 
-# (n_stages, knobs added to the default dq_tma+dq_mid tile); the default first
+# (n_stages, the launch knobs on) of the d_head 128 dq_tma+dq_mid tile; the first is the reference
+# the others' gradients are checked against and whose kernels are timed one by one
 KNOB_SETS = ((2, ()), (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
              (3, ()), (3, ("lpt", "pdl", "dq_early")))
+LAUNCH_KNOBS = ("lpt", "pdl", "dq_early")
 
 
-def configs(dtype):
+def parse_knob_sets(text: str) -> tuple:
+    """'2:pdl+dq_early,3:' -> ((2, ('pdl', 'dq_early')), (3, ()))."""
+    out = []
+    for item in text.split(","):
+        stages, _, knobs = item.strip().partition(":")
+        names = tuple(k for k in knobs.split("+") if k)
+        bad = [k for k in names if k not in LAUNCH_KNOBS]
+        if bad:
+            raise SystemExit(f"--knob-sets: unknown knob(s) {bad}; expected some of {LAUNCH_KNOBS}")
+        out.append((int(stages), names))
+    return tuple(out)
+
+
+def configs(dtype, knob_sets=None):
     from cupyflash.families.backward_sm90.config_sets import default_config
 
-    base = default_config(dtype, 128)
-    return [base.replace(n_stages=st, **{k: True for k in ks}) for st, ks in KNOB_SETS]
+    tile = default_config(dtype, 128).replace(dq_tma=True, dq_mid=True, **{k: False for k in LAUNCH_KNOBS})
+    return [tile.replace(n_stages=st, **{k: True for k in ks}) for st, ks in (knob_sets or KNOB_SETS)]
 
 
 def timed_rounds(torch, fns: dict, rounds: int) -> dict:
@@ -90,7 +106,7 @@ def rel_l2(torch, a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def point(torch, dtype, seq: int, causal: bool, rounds: int) -> dict:
+def point(torch, dtype, seq: int, causal: bool, rounds: int, knob_sets=None) -> dict:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -100,7 +116,7 @@ def point(torch, dtype, seq: int, causal: bool, rounds: int) -> dict:
     q, k, v, do = (torch.randn(batch, seq, bb.HEADS, 128, device="cuda", dtype=tdt, generator=gen) for _ in range(4))
     out, lse = cupyflash.forward(None, q, k, v, causal=causal, return_lse=True)
     fns, grads = {}, {}
-    for cfg in configs(dtype):
+    for cfg in configs(dtype, knob_sets):
         g = tuple(torch.full_like(x, math.nan) for x in (q, k, v))
         grads[str(cfg)] = g
         fns[str(cfg)] = (lambda cfg=cfg, g=g: cupyflash.backward(do, q, k, v, out, lse, causal=causal, cfg=cfg,
@@ -112,7 +128,7 @@ def point(torch, dtype, seq: int, causal: bool, rounds: int) -> dict:
     dot = do.transpose(1, 2)
     fns["sdpa_cudnn"] = lambda: torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
     torch.cuda.synchronize()
-    names = [str(c) for c in configs(dtype)]
+    names = [str(c) for c in configs(dtype, knob_sets)]
     ref = grads[names[0]]
     checks = {n: max(rel_l2(torch, a, b) for a, b in zip(grads[n], ref)) for n in names[1:]}
     for _ in range(3):  # warm-up
@@ -137,16 +153,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", default="knobs.json")
     ap.add_argument("--winner-file", default="")
+    ap.add_argument("--knob-sets", default="",
+                    help="stages:knob+knob,... (e.g. '2:pdl+dq_early,3:pdl+dq_early'); default: KNOB_SETS")
     args = ap.parse_args(argv)
     import torch
 
     from cupyflash.benchmarking import parse_dtypes, parse_ints
 
+    knob_sets = parse_knob_sets(args.knob_sets) if args.knob_sets else None
     records = []
     for dtype in parse_dtypes(args.dtypes):
         for seq in parse_ints(args.seqs):
             for causal in (False, True):
-                rec = point(torch, dtype, seq, causal, args.rounds)
+                rec = point(torch, dtype, seq, causal, args.rounds, knob_sets)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
     Path(args.json).write_text(json.dumps(records, indent=1))

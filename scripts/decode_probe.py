@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=15)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-paged", action="store_true")
+    ap.add_argument("--peer", action="store_true",
+                    help="also time SDPA cuDNN on each row, before and after its configs (same run, same sets)")
     ap.add_argument("--page-order", default="shuffled", help="shuffled | local | identity (bench_decode.Problem)")
     args = ap.parse_args(argv)
 
@@ -75,6 +77,15 @@ def main(argv=None) -> int:
             p.build_pages(args.page_order)
         ref = p.reference(torch) if p.k[0].numel() * 2 * 4 < (2 << 30) else None
         label = f"d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys}"
+        peer = bd.sdpa_call(p, "CUDNN_ATTENTION") if args.peer and not causal else None
+
+        def time_peer(when: str) -> None:
+            us = round(bd.gpu_time_us(torch, peer, p.n_sets, args.samples), 2)
+            print(f"{label:<18} {'sdpa_cudnn (' + when + ')':<52} contig {us}", flush=True)
+            results.append({"row": label, "config": f"sdpa_cudnn_{when}", "contig": us})
+
+        if peer is not None:
+            time_peer("before")
         for name in names:
             cfg = resolve(name, dtype, d)
             if cfg == "skip":
@@ -96,6 +107,8 @@ def main(argv=None) -> int:
                 ratio = f"{pg / c:.3f}" if isinstance(c, float) and isinstance(pg, float) else "-"
                 print(f"{label:<18} {name[:52]:<52} s={str(ns):<4} contig {c}  paged {pg}  ratio {ratio}", flush=True)
                 results.append(entry)
+        if peer is not None:
+            time_peer("after")
         del p, ref
         torch.cuda.empty_cache()
     if args.json:

@@ -150,10 +150,12 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
 
             configs = [HopperBackwardKernelConfig.parse(t) for t in args.sm90_configs.split("|") if t.strip()]
             return list(sanitize_backward.launches(configs, shapes, rng)), None
-        configs = [sm90_default(DType.BF16, d) for d in (64, 128)]
-        d128 = configs[-1]
-        if not args.no_dq_bulk:  # dQ by bulk reductions from shared memory
-            configs.append(d128.replace(dq_bulk=True, dq_tma=False, dq_mid=False, nomask=False))
+        # the defaults (d_head 128: causal and non-causal differ in stages), each run on every shape
+        configs = list(dict.fromkeys(sm90_default(DType.BF16, d, causal) for d in (64, 128) for causal in (True, False)))
+        d128 = sm90_default(DType.BF16, 128)
+        if not args.no_dq_bulk:  # dQ by bulk reductions from shared memory (no launch knob: they need dq_tma)
+            configs.append(d128.replace(dq_bulk=True, dq_tma=False, dq_mid=False, nomask=False, lpt=False, pdl=False,
+                                        dq_early=False))
         if not d128.dq_tma:  # dQ by a writer warp's TMA tensor reductions
             configs.append(d128.replace(dq_tma=True))
         return list(sanitize_backward.launches(configs, shapes, rng)), None

@@ -46,6 +46,12 @@ def test_default_config_text():
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 56 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
+    # non-causal d_head 128 streams Q/dO through three stages; d_head 64 has one default
+    assert (config_sets.default_config(DType.BF16, 128, causal=False).short_form()
+            == "backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early")
+    assert config_sets.default_config(DType.FP16, 64, causal=False) == config_sets.default_config(DType.FP16, 64)
+    defaults = config_sets.get_kernel_configs("defaults")
+    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -102,8 +108,8 @@ def test_dq_tma_short_form_and_smem():
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
     assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2), (128, 128, 3)}
     # 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch knob sets on dq_mid: all at
-    # 2 stages, the full set at 3)
-    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 1)
+    # 2 stages; pdl+dq_early and the full set at 3)
+    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2)
     knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
     assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
     assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
@@ -387,11 +393,11 @@ def faked_backward(monkeypatch):
     return state
 
 
-def _call(cfg, deterministic=False, **kw):
+def _call(cfg, deterministic=False, causal=True, **kw):
     import cupyflash
 
     a = _args(**kw)
-    return a, cupyflash.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=True,
+    return a, cupyflash.backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal=causal,
                                  deterministic=deterministic, cfg=cfg)
 
 
@@ -444,12 +450,14 @@ def sm80_launches(faked_backward, monkeypatch):
     return faked_backward
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [128])
 @pytest.mark.parametrize("dtype", list(DType))
-def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d):
-    _call(None, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
+def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, causal):
+    _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     [(plan, _, _, _)] = faked_backward["launches"]
-    assert plan.cfg == config_sets.default_config(dtype, d)
+    assert plan.cfg == config_sets.default_config(dtype, d, causal)
+    assert plan.cfg.n_stages == (2 if causal else 3)
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),

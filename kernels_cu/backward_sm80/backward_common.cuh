@@ -181,6 +181,14 @@ CF_DEVICE void mbar_init(u32 bar, u32 arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
 }
 
+CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {  // L2 only: other CTAs' reductions land there
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(src));
+    return v;
+}
+
 // One arrival on `bar`, made when every cp.async this thread issued before it has completed
 // (.noinc: the barrier's expected count already includes it).
 CF_DEVICE void mbar_arrive_on_copies(u32 bar) {

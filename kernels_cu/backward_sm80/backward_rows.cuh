@@ -62,9 +62,11 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     preprocess_block<Cfg, DETERMINISTIC>(p);
 }
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
-__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
-    backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
+// The convert body, shared with the Hopper family's own convert kernel (rows.cuh there), which
+// waits for its dQ block first. FROM_L2: read dq_accum with ld.global.cg (L2 only), for a kernel
+// that may run while other CTAs' reductions into it land in L2.
+template <class Cfg, bool FROM_L2>
+CF_DEVICE void convert_block(const BackwardParams& p) {
     constexpr int CHUNKS = Cfg::D / 8;
     constexpr int TOTAL = Cfg::ROW_KERNEL_ROWS * CHUNKS;
     const int head = blockIdx.y, batch = blockIdx.z;
@@ -76,8 +78,15 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     for (int idx = threadIdx.x; idx < TOTAL; idx += Cfg::ROW_KERNEL_THREADS) {
         const int row = idx / CHUNKS, chunk = idx % CHUNKS;
         if (row0 + row >= p.seq_len_q) continue;
-        const float4 a = *reinterpret_cast<const float4*>(src + row * Cfg::D + chunk * 8);
-        const float4 b = *reinterpret_cast<const float4*>(src + row * Cfg::D + chunk * 8 + 4);
+        const float* from = src + row * Cfg::D + chunk * 8;
+        float4 a, b;
+        if constexpr (FROM_L2) {
+            a = ld_global_cg_f32x4(from);
+            b = ld_global_cg_f32x4(from + 4);
+        } else {
+            a = *reinterpret_cast<const float4*>(from);
+            b = *reinterpret_cast<const float4*>(from + 4);
+        }
         const float s = p.softmax_scale;
         uint4 out;
         out.x = pack_pair<Cfg::dtype>(a.x * s, a.y * s);
@@ -86,4 +95,10 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
         out.w = pack_pair<Cfg::dtype>(b.z * s, b.w * s);
         st_global_16(dst + row * p.dq_seq_stride + chunk * 8, out);
     }
+}
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+__global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
+    backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
+    convert_block<Cfg, false>(p);
 }

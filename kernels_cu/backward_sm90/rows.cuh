@@ -1,6 +1,7 @@
 // The Hopper family's own row kernels around the dK/dV kernel, for pdl configs (the others use
-// backward_sm80's kernels). The preprocess is backward_sm80's body (preprocess_block in
-// kernels_cu/backward_sm80/backward_rows.cuh) with a launch trigger and a dQ counter reset.
+// backward_sm80's kernels). Both are backward_sm80's bodies (preprocess_block, convert_block in
+// kernels_cu/backward_sm80/backward_rows.cuh): the preprocess with a launch trigger and a dQ
+// counter reset, the convert behind a wait for its dQ block, reading dq_accum from L2.
 // Both take BackwardParams; 64 rows (one query block) per CTA, 4 threads per row; grid
 // (seq_len_q_pad / 64, n_heads, batch).
 //
@@ -15,14 +16,6 @@
 //   spinning it waits for the whole grid instead); CTA (0, 0, 0) waits for the whole dK/dV grid
 //   before it exits, so the call ends after that grid.
 #pragma once
-
-CF_DEVICE float4 ld_global_cg_f32x4(const float* src) {  // L2 only: other CTAs' reductions land there
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(src));
-    return v;
-}
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
@@ -39,10 +32,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_convert_kernel(const __grid_constant__ BackwardParams p) {
-    constexpr int CHUNKS = Cfg::D / 8;
-    constexpr int TOTAL = Cfg::ROW_KERNEL_ROWS * CHUNKS;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int row0 = blockIdx.x * Cfg::ROW_KERNEL_ROWS;
     if constexpr (Cfg::DQ_EARLY) {
         const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, p.seq_len_q, p.seq_len_k);
         if (expected == 0) {
@@ -69,23 +59,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     } else if constexpr (Cfg::PDL) {
         pdl_wait_for_predecessor();
     }
-    const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
-    u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
-               (long long)row0 * p.dq_seq_stride;
-#pragma unroll
-    for (int idx = threadIdx.x; idx < TOTAL; idx += Cfg::ROW_KERNEL_THREADS) {
-        const int row = idx / CHUNKS, chunk = idx % CHUNKS;
-        if (row0 + row >= p.seq_len_q) continue;
-        const float4 a = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8);
-        const float4 b = ld_global_cg_f32x4(src + row * Cfg::D + chunk * 8 + 4);
-        const float s = p.softmax_scale;
-        uint4 out;
-        out.x = pack_pair<Cfg::dtype>(a.x * s, a.y * s);
-        out.y = pack_pair<Cfg::dtype>(a.z * s, a.w * s);
-        out.z = pack_pair<Cfg::dtype>(b.x * s, b.y * s);
-        out.w = pack_pair<Cfg::dtype>(b.z * s, b.w * s);
-        st_global_16(dst + row * p.dq_seq_stride + chunk * 8, out);
-    }
+    convert_block<Cfg, true>(p);
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.

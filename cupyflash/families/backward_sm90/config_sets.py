@@ -24,7 +24,12 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # blocks during the dK/dV tail (pdl+dq_early): bf16, 5 interleaved rounds beside cuDNN, 0.904-0.990x
 # against 0.882-0.930x without them, better on every row (1k-16k, causal and not); lpt and three
 # stages won some rows and lost others.
+# Since 2026-11-23 (fourth session, NOTES.md item 77) non-causal d_head 128 takes three stages
+# (lse2/dvec in their own ring): bf16 and fp16, 7 interleaved rounds beside cuDNN, 0.943-0.965x
+# against 0.906-0.949x with two (+2-4% at 4k and 16k, level at 1k); causal keeps two (0.957-0.996x
+# against 0.946-0.992x with three, which lost 2% at 1k).
 _DEFAULTS = {64: (128, 2, {}), 128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True})}
+_NON_CAUSAL_STAGES = {128: 3}
 
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
@@ -46,15 +51,18 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
             out += [cfg.replace(dq_mid=True), cfg.replace(nomask=True)]
             if st == 2:  # the launch knobs on the dq_tma+dq_mid tile
                 out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS]
-            elif st == 3:  # three stages (lse2/dvec in their own ring) with all of them
-                out.append(cfg.replace(dq_mid=True, **LAUNCH_KNOB_SETS[-1]))
+            elif st == 3:  # three stages (lse2/dvec in their own ring): pdl+dq_early, and all three
+                out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS[-2:]]
     return sorted(out)
 
 
-def default_config(dtype: DType, d_head: int) -> HopperBackwardKernelConfig:
+def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
+    """The config cfg=None runs for (dtype, d_head) with or without the causal mask."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     bc, stages, knobs = _DEFAULTS[d_head]
+    if not causal:
+        stages = _NON_CAUSAL_STAGES.get(d_head, stages)
     return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 
@@ -81,7 +89,7 @@ def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:
     if k == "all":
         return all_configs()
     if k == "defaults":
-        return sorted({default_config(dt, d) for dt in DType for d in D_HEADS})
+        return sorted({default_config(dt, d, causal) for dt in DType for d in D_HEADS for causal in (False, True)})
     if k == "tune":
         return tune_configs()
     if k == "prog":
