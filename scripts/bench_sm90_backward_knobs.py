@@ -12,8 +12,8 @@ sets given as --knob-sets), timed in interleaved
 rounds (each round times every implementation once, in a rotated order, each sample behind a
 ~1 ms GPU spin so only GPU time is measured); the median of the rounds is reported. Each config's gradients are checked once against the default's (relative
 L2 <= 1e-2; tests/test_gpu_backward_sm90.py holds the float64 checks). Then the first config's
-three kernels are timed one by one (CUDA events between the launches): the preprocess, dK/dV and
-convert shares of one call.
+three kernels are timed one by one (CUDA events between the launches), and the last config's:
+the preprocess, dK/dV and convert shares of one call.
 
 Prints a table of TFLOP/s (backward FLOPs = 2.5 x forward, half when causal) and ratios to
 cuDNN, and writes the config with the best geometric-mean ratio to --winner-file.
@@ -34,7 +34,7 @@ import bench_backward as bb  # noqa: E402
 # the others' gradients are checked against and whose kernels are timed one by one
 KNOB_SETS = ((2, ()), (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
              (3, ()), (3, ("lpt", "pdl", "dq_early")))
-LAUNCH_KNOBS = ("lpt", "pdl", "dq_early")
+LAUNCH_KNOBS = ("lpt", "pdl", "dq_early", "rotate")
 
 
 def parse_knob_sets(text: str) -> tuple:
@@ -137,10 +137,11 @@ def point(torch, dtype, seq: int, causal: bool, rounds: int, knob_sets=None) -> 
     ms = timed_rounds(torch, fns, rounds)
     flops = bb.backward_flops(batch, bb.HEADS, seq, 128, causal)
     parts = kernel_breakdown(torch, fns[names[0]], rounds)
+    last_parts = kernel_breakdown(torch, fns[names[-1]], rounds) if len(names) > 1 else parts
     rec = {"dtype": dtype.name.lower(), "seq": seq, "causal": causal, "batch": batch, "flops": flops,
            "ms": ms, "tflops": {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()},
            "ratio_cudnn": {n: ms["sdpa_cudnn"] / ms[n] for n in names}, "check_vs_default": checks,
-           "default_kernels_ms": parts}
+           "default_kernels_ms": parts, "last_kernels_ms": last_parts}
     del out, lse, o, grads
     torch.cuda.empty_cache()
     return rec
@@ -172,13 +173,14 @@ def main(argv=None) -> int:
     names = list(records[0]["ratio_cudnn"])
     short = {n: n.split(", ")[-1].partition(": ")[0].rstrip(")") + "st " + n.partition(": ")[2] for n in names}
     print("\ndtype causal S    cuDNN | " + " | ".join(short[n].replace("dq_tma+dq_mid", "dflt") for n in names)
-          + " | pre/dkdv/conv us (default)")
+          + " | pre/dkdv/conv us (first; last)")
     for r in records:
         own = list(r["ratio_cudnn"])  # this record's dtype's config names, in the same order as `names`
         cells = " | ".join(f"{r['tflops'][n]:5.0f} {r['ratio_cudnn'][n]:.3f}x" for n in own)
-        parts = "/".join(f"{r['default_kernels_ms'].get(k, 0) * 1e3:.0f}" for k in ("preprocess", "dkdv", "convert"))
+        parts = ["/".join(f"{r[key].get(k, 0) * 1e3:.0f}" for k in ("preprocess", "dkdv", "convert"))
+                 for key in ("default_kernels_ms", "last_kernels_ms") if key in r]
         print(f"{r['dtype']:<5} {int(r['causal'])}      {r['seq']:<5} {r['tflops']['sdpa_cudnn']:5.0f} | {cells} | "
-              f"{parts} of {r['ms'][own[0]] * 1e3:.0f}")
+              f"{parts[0]} of {r['ms'][own[0]] * 1e3:.0f}; {parts[-1]} of {r['ms'][own[-1]] * 1e3:.0f}")
     bad = [(r["dtype"], r["seq"], r["causal"], n, x)
            for r in records for n, x in r["check_vs_default"].items() if x > 1e-2]
     print("checks vs default:", "all <= 1e-2" if not bad else bad)

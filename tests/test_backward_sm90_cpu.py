@@ -46,9 +46,10 @@ def test_default_config_text():
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 56 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
-    # non-causal d_head 128 streams Q/dO through three stages; d_head 64 has one default
+    # non-causal d_head 128 streams Q/dO through three stages, each CTA from its own query block;
+    # d_head 64 has one default
     assert (config_sets.default_config(DType.BF16, 128, causal=False).short_form()
-            == "backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early")
+            == "backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early+rotate")
     assert config_sets.default_config(DType.FP16, 64, causal=False) == config_sets.default_config(DType.FP16, 64)
     defaults = config_sets.get_kernel_configs("defaults")
     assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
@@ -108,8 +109,8 @@ def test_dq_tma_short_form_and_smem():
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
     assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2), (128, 128, 3)}
     # 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch knob sets on dq_mid: all at
-    # 2 stages; pdl+dq_early and the full set at 3)
-    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2)
+    # 2 stages; pdl+dq_early and the full set at 3; the block order knobs at 2 and 3)
+    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS))
     knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
     assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
     assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
@@ -202,7 +203,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)

@@ -49,10 +49,13 @@ def with_knobs(cfg, **knobs):
 
 
 # The launch knobs (lpt, pdl, dq_early) on the dq_tma+dq_mid tile, as config_sets.LAUNCH_KNOB_SETS
-# (two stages), and all of them with three stages (lse2/dvec in their own ring).
+# (two stages), with three stages (lse2/dvec in their own ring), and the block order knob
+# (rotate).
 LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
     (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
-    (3, ("lpt", "pdl", "dq_early")))}
+    (3, ("lpt", "pdl", "dq_early")), (3, ("pdl", "dq_early")),
+    # block order: each non-causal CTA starts at its own query block
+    (2, ("pdl", "dq_early", "rotate")), (3, ("pdl", "dq_early", "rotate")), (2, ("lpt", "pdl", "dq_early", "rotate")))}
 
 
 def launch_knobs(dtype, name):
@@ -69,7 +72,8 @@ def prewarmed_cache():
 
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = max(1, min(16, os.cpu_count() or 1))
-    bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 for bulk in (True, False)]
+    bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 and c.n_stages == 2
+            for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
@@ -137,7 +141,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_default_config_shapes(dtype, d_head, case, rng):
     batch, sq, sk, h, hk, causal = case
-    run_case(default_config(dtype, d_head), batch, sq, sk, h, hk, causal, rng)
+    run_case(default_config(dtype, d_head, causal), batch, sq, sk, h, hk, causal, rng)  # what cfg=None runs
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
@@ -208,7 +212,7 @@ def test_launch_knobs_many_blocks_heads_and_repeats(knobs, rng):
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_is_correct_and_bit_identical(dtype, d_head, causal, rng):
-    cfg = default_config(dtype, d_head)
+    cfg = default_config(dtype, d_head, causal)
     run_case(cfg, 2, 333, 270, 4, 2, causal, rng, deterministic=True, scale=0.2)
     q, k, v, dout, out, lse = _inputs(dtype, d_head, 2, 333, 270, 4, 2, causal, rng)
     runs = [cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, cfg=cfg) for _ in range(3)]
@@ -235,13 +239,14 @@ def test_default_pick_is_backward_sm90(rng):
     from cupyflash.backward_api import _select, hopper_reason
     from cupyflash.interop import as_view
 
-    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, True, rng)
-    assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
-    auto = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    explicit = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True,
-                                  cfg=default_config(DType.BF16, 128))
-    for a, b in zip(auto, explicit):
-        assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    for causal in (True, False):  # the two d_head 128 defaults (two and three stages)
+        q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, causal, rng)
+        assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
+        auto = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+        explicit = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
+                                      cfg=default_config(DType.BF16, 128, causal))
+        for a, b in zip(auto, explicit):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
     q, k, v, dout, out, lse = _inputs(DType.BF16, 96, 1, 200, 200, 2, 2, False, rng)
     assert "d_head 96" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
     auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)

@@ -23,6 +23,7 @@ struct StaticHopperBackwardConfig {
     static constexpr bool LPT = C.lpt;          // causal: longest CTAs first, in chunks of heads sized to L2
     static constexpr bool PDL = C.pdl;          // programmatic dependent launches (griddepcontrol)
     static constexpr bool DQ_EARLY = C.dq_early;  // per-block counters: convert each dQ block once complete
+    static constexpr bool ROTATE = C.rotate;      // non-causal: each CTA starts at its own query block
     // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
     static constexpr int LPT_L2_KIB = 16 << 10;
 
@@ -116,9 +117,10 @@ struct BwdSmem {
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
 // least one of the CTA's keys (causal, bottom-right aligned: query i sees key j <= i + seq_k - seq_q).
+// Per head the blocks are walked from m_begin + rot, wrapping (rot is 0 unless rotate, non-causal).
 struct BwdSchedule {
     int n_block, kv_head, batch;
-    int m_begin, m_blocks, group;
+    int m_begin, m_blocks, group, rot;
 
     template <class Cfg, bool CAUSAL>
     CF_DEVICE static BwdSchedule make(const HopperBackwardParams& p) {
@@ -133,6 +135,10 @@ struct BwdSchedule {
         if constexpr (CAUSAL) first = max(0, s.n_block * Cfg::BC - (p.seq_len_k - p.seq_len_q)) / Cfg::BR;
         s.m_begin = first;
         s.m_blocks = max(0, m_end - first);
+        s.rot = 0;
+        // key block n of N starts at query block n M / N: the CTAs of a head (started together)
+        // add into different dQ rows at any one time
+        if constexpr (Cfg::ROTATE && !CAUSAL) s.rot = (int)((long long)s.n_block * s.m_blocks / gridDim.x);
         return s;
     }
     // lpt: CTAs are started in linear block order, so give the first ones the most query blocks.
@@ -156,7 +162,14 @@ struct BwdSchedule {
     }
     CF_DEVICE int iterations() const { return group * m_blocks; }
     CF_DEVICE int q_head(int it) const { return kv_head * group + it / m_blocks; }
-    CF_DEVICE int m_block(int it) const { return m_begin + it % m_blocks; }
+    // ROTATE: the config's rotate knob (rot is then the CTA's start, 0 for causal CTAs); without
+    // it the walk is the plain one, with no wrap arithmetic.
+    template <bool ROTATE>
+    CF_DEVICE int m_block(int it) const {
+        if constexpr (!ROTATE) return m_begin + it % m_blocks;
+        const int j = rot + it % m_blocks;
+        return m_begin + (j >= m_blocks ? j - m_blocks : j);
+    }
 };
 
 CF_DEVICE int bwd_stage(int it, int stages) { return it % stages; }

@@ -10,7 +10,8 @@
 // before staging the next block). Each has at most one phase outstanding: the writer frees a
 // warpgroup's panels once before its first block and then once after each block but the last.
 // With dq_early the writer also counts each (head, query block) it has finished adding to (one
-// iteration late, so the wait for the reductions' completion rarely blocks).
+// iteration late, so the wait for the reductions' completion rarely blocks). With rotate the
+// walk over query blocks starts at the CTA's own block (BwdSchedule::rot) and wraps.
 #pragma once
 
 template <class Cfg>
@@ -26,11 +27,14 @@ struct BwdDqWriter {
         if constexpr (Cfg::PDL) pdl_wait_for_predecessor();  // dq_accum is zeroed (and counters reset) by the preprocess
 #pragma unroll
         for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
-        // (head, query block) of iteration it, stepped instead of divided (this warp has few registers)
-        int head = sched.q_head(0), m = 0;
+        // (head, query block) of iteration it, stepped instead of divided (this warp has few
+        // registers): block sched.m_begin + j, or with rotate sched.m_begin + mm, mm = (rot + j)
+        // mod m_blocks
+        int head = sched.q_head(0), j = 0, mm = 0;
+        if constexpr (Cfg::ROTATE) mm = sched.rot;
         int prev_head = head, prev_m = 0;  // dq_early: the block issued one iteration before, not yet counted
         for (int it = 0; it < n; ++it) {
-            const int row0 = (sched.m_begin + m) * Cfg::BR;
+            const int row0 = (sched.m_begin + (Cfg::ROTATE ? mm : j)) * Cfg::BR;
 #pragma unroll
             for (int w = 0; w < Cfg::CONSUMERS; ++w) {
                 named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
@@ -42,10 +46,13 @@ struct BwdDqWriter {
                     bulk_commit_group();
                 }
             }
-            const int cur_head = head, cur_m = sched.m_begin + m;
-            if (++m == sched.m_blocks) {
-                m = 0;
+            const int cur_head = head, cur_m = sched.m_begin + (Cfg::ROTATE ? mm : j);
+            if (++j == sched.m_blocks) {
+                j = 0;
                 ++head;
+                if constexpr (Cfg::ROTATE) mm = sched.rot;
+            } else if constexpr (Cfg::ROTATE) {
+                if (++mm == sched.m_blocks) mm = 0;
             }
             if (it + 1 < n) {
                 // Warpgroup 0's group is the older one: free its panels first.

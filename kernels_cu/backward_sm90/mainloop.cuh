@@ -101,7 +101,7 @@ struct BwdConsumer {
         for (int it = 0; it < n; ++it) {
             const int s = bwd_stage(it, Cfg::STAGES);
             const int head = sched.q_head(it);
-            const int q0 = sched.m_block(it) * Cfg::BR;
+            const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
             mbarrier_wait(smem.q_full(s), bwd_phase(it, Cfg::STAGES));
 
             float st[NT][4], dpt[NT][4];

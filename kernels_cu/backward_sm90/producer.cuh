@@ -33,7 +33,7 @@ struct BwdProducer {
             const int s = bwd_stage(it, Cfg::STAGES);
             mbarrier_wait(smem.q_empty(s), bwd_phase(it, Cfg::STAGES) ^ 1u);
             const int head = sched.q_head(it);
-            const int row0 = sched.m_block(it) * Cfg::BR;
+            const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
             mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::STAGE_LOAD_BYTES);
 #pragma unroll
             for (int c = 0; c < Cfg::D_BLOCKS; ++c) {

@@ -8,6 +8,7 @@ name expression and the short form, which names the family:
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma+nomask
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early
+    backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early+rotate
     backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: KNOB+KNOB...]  (KNOBS, in that order)
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
@@ -34,6 +35,9 @@ block's dQ as soon as every key block that adds to it is done: the writer warp c
 blocks in per-(batch, head, query block) counters behind the dq_accum workspace, and the convert
 kernel's CTAs, started while the dK/dV kernel's last wave still runs, wait on their counter
 instead of on the whole dK/dV grid.
+`rotate` starts each non-causal CTA's walk over the query blocks at its own block (key block n of
+N starts at query block n * M / N and wraps), so the CTAs of one head do not add into the same
+dQ rows at the same time (causal CTAs already start at their diagonal).
 """
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
            "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
-KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early")  # the boolean fields after n_stages, short-form order
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -81,6 +85,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     lpt: bool = False
     pdl: bool = False
     dq_early: bool = False
+    rotate: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:

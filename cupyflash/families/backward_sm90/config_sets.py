@@ -25,16 +25,18 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # against 0.882-0.930x without them, better on every row (1k-16k, causal and not); lpt and three
 # stages won some rows and lost others.
 # Since 2026-11-23 (fourth session, NOTES.md item 77) non-causal d_head 128 takes three stages
-# (lse2/dvec in their own ring): bf16 and fp16, 7 interleaved rounds beside cuDNN, 0.943-0.965x
-# against 0.906-0.949x with two (+2-4% at 4k and 16k, level at 1k); causal keeps two (0.957-0.996x
-# against 0.946-0.992x with three, which lost 2% at 1k).
+# (lse2/dvec in their own ring) and rotate (each CTA starts at its own query block): bf16 and
+# fp16, 7 interleaved rounds beside cuDNN, 0.933-0.977x against 0.907-0.947x with two stages
+# (three stages +1-3% at 4k and 16k, rotate +0.6-1.6% on top); causal keeps two stages (three
+# lost 2% at 1k; rotate does not apply).
 _DEFAULTS = {64: (128, 2, {}), 128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True})}
-_NON_CAUSAL_STAGES = {128: 3}
-
+_NON_CAUSAL = {128: (3, {"rotate": True})}  # d_head: (n_stages, knobs added) without the causal mask
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
                     {"lpt": True, "pdl": True, "dq_early": True})
+# On the defaults' launch knobs (pdl+dq_early), two and three stages: the block order knob.
+ORDER_KNOB_SETS = ({"rotate": True},)
 
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
@@ -53,6 +55,8 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
                 out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS]
             elif st == 3:  # three stages (lse2/dvec in their own ring): pdl+dq_early, and all three
                 out += [cfg.replace(dq_mid=True, **knobs) for knobs in LAUNCH_KNOB_SETS[-2:]]
+            if st >= 2:  # the block order knobs on pdl+dq_early
+                out += [cfg.replace(dq_mid=True, pdl=True, dq_early=True, **knobs) for knobs in ORDER_KNOB_SETS]
     return sorted(out)
 
 
@@ -61,8 +65,9 @@ def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBack
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     bc, stages, knobs = _DEFAULTS[d_head]
-    if not causal:
-        stages = _NON_CAUSAL_STAGES.get(d_head, stages)
+    if not causal and d_head in _NON_CAUSAL:
+        stages, extra = _NON_CAUSAL[d_head]
+        knobs = {**knobs, **extra}
     return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 
