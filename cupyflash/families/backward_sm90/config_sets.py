@@ -1,6 +1,7 @@
 """Named config sets of the Hopper backward family and its default per (dtype, d_head)."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 from ...config import DType
@@ -102,8 +103,10 @@ def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:
     raise ValueError(f"KERNELS: unknown backward_sm90 set {key!r}; expected one of {KERNEL_SET_KEYS}")
 
 
+@functools.lru_cache(maxsize=256)
 def companion_config(cfg: HopperBackwardKernelConfig) -> BackwardKernelConfig:
     """The backward_sm80 config whose row kernels (preprocess, convert) and deterministic dQ
     kernel this family's module instantiates: backward_sm80's default for (dtype, d_head) with
-    this config's query block, so both families pad the fp32 workspaces alike."""
+    this config's query block, so both families pad the fp32 workspaces alike. Cached: every
+    call's launch sequence asks for it, and building a validated config costs ~25 us."""
     return sm80_default(cfg.dtype, cfg.d_head).replace(B_r=cfg.B_r)
