@@ -67,8 +67,8 @@ def _kind(cls: type) -> int:
     """_TORCH, _CUPY or 0 for an array type (cached per type; kvcache_plans shares it)."""
     kind = _kinds.get(cls)
     if kind is None:
-        module = cls.__module__
-        kind = _TORCH if module.startswith("torch") else _CUPY if module.startswith("cupy") else 0
+        package = cls.__module__.partition(".")[0]  # 'cupy', not 'cupyflash' (whose views take the full path)
+        kind = _TORCH if package == "torch" else _CUPY if package == "cupy" else 0
         _kinds[cls] = kind
     return kind
 

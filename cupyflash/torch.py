@@ -23,8 +23,8 @@ dtype, and a contiguous float32 lse of shape (batch, heads, seq_q).
 
 Gradients: a third operator, `cupyflash::attention_backward(dout, q, k, v, out, lse, causal,
 softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (backward_sm90 on
-Hopper at d_head 128 where it applies, else backward_sm80; replayed launch plans for
-backward_sm80 only), and `attention_forward_lse` carries an autograd formula over it
+Hopper at d_head 128 where it applies, else backward_sm80; after a signature's first call its
+launch plan is replayed, cupyflash.backward_plans), and `attention_forward_lse` carries an autograd formula over it
 (`torch.library.register_autograd`, so it composes with torch.compile). `attention()` routes
 calls that need a gradient through the lse variant, which saves what the backward needs; the lse
 output itself is not differentiable (as in FlashAttention). `attention_forward` called directly
@@ -38,7 +38,6 @@ cache_seqlens, block_table?, k_new?, v_new?, causal, softmax_scale, num_splits?)
 """
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import torch
@@ -89,15 +88,14 @@ def _forward(*args: Any, **kwargs: Any) -> Any:
 
 
 # ------------------------------------------------------------------------- CUDA kernels
-# The CUDA kernels keep their own launch plans, keyed by what the kernels' choices depend on
+# The forward kernels keep their own launch plans, keyed by what the kernels' choices depend on
 # (shapes, strides, dtypes, devices, causal, scale): the first call of a signature goes through
-# cupyflash.forward / cupyflash.backward (full validation, their errors, the launch), later
-# calls read the pointers, allocate the outputs with torch and launch a pre-packed parameter
-# block on torch's current stream. No CuPy array, view or stream object is made per call.
-_BWD_POINTERS = struct.Struct("<12Q")     # backward: params.POINTER_FIELDS, in order
+# cupyflash.forward (full validation, its errors, the launch), later calls read the pointers,
+# allocate the outputs with torch and launch a pre-packed parameter block on torch's current
+# stream. No CuPy array, view or stream object is made per call. The backward operator calls
+# cupyflash.backward, whose cfg=None calls replay their own plans (cupyflash.backward_plans).
 _MAX_PLANS = 4096                         # a process cycling through more signatures rebuilds them
 _forward_plans: dict[tuple, "_ForwardPlan"] = {}
-_backward_plans: dict[tuple, "_BackwardPlan"] = {}
 _launch_kernel: Any = None                # cuLaunchKernel, bound with the first plan
 _get_device: Any = None                   # the calling thread's current CUDA device (CuPy's runtime)
 _raw_stream: Any = None                   # torch's current stream handle of a device
@@ -239,99 +237,20 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
     return backward(*args, **kwargs)
 
 
-class _BackwardPlan:
-    """A validated backward signature: the launcher, the packed non-pointer parameters, the
-    layout of the fp32 workspace (one allocation holding lse2, dvec and, unless deterministic,
-    the dQ accumulator) and the grid sizes."""
-
-    __slots__ = ("launcher", "device", "tail", "workspace", "offsets", "sizes")
-
-    def __init__(self, launcher: Any, device: int, tail: bytes, workspace: int, offsets: tuple[int, int, int],
-                 sizes: tuple[int, ...]) -> None:
-        self.launcher, self.device, self.tail = launcher, device, tail
-        self.workspace, self.offsets, self.sizes = workspace, offsets, sizes
-
-
-def _backward_key(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, softmax_scale: Any, deterministic: bool) -> tuple:
-    return (dout.shape, dout.stride(), dout.dtype, dout.get_device(), q.shape, q.stride(), q.dtype, q.get_device(),
-            k.shape, k.stride(), k.dtype, k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(),
-            out.shape, out.stride(), out.dtype, out.get_device(), lse.shape, lse.stride(), lse.dtype,
-            lse.get_device(), causal, softmax_scale, deterministic)
-
-
-def _remember_backward(key: tuple, tensors: tuple[torch.Tensor, ...], causal: bool, softmax_scale: Any,
-                       deterministic: bool) -> None:
-    """Plan the signature of a call that `backward` has just run (so its arguments are valid)."""
-    if key in _backward_plans:  # planned already (this call was misaligned, or on another device)
-        return
-    from .backward_api import _select
-    from .backward_validation import check_backward_args
-    from .families.backward_sm80.kernels import get_launcher
-    from .families.backward_sm80.params import POINTER_FIELDS
-
-    if _launch_kernel is None:
-        _bind_launch()
-    views = [as_view(x, name) for x, name in zip(tensors, ("dout", "q", "k", "v", "out", "lse"))]
-    from .backward_api import hopper_reason
-
-    if hopper_reason(*views[:4]) is None:
-        return  # backward ran the Hopper family (TMA descriptors per call): no replay plan for it
-    plan = check_backward_args(None, *views, None, None, None, softmax_scale, causal, deterministic, select=_select)
-    if not plan.launch or _BWD_POINTERS.size != 8 * len(POINTER_FIELDS):
-        return  # nothing to replay (or a changed parameter ABI: the full path serves every call)
-    stats = -(-plan.batch * plan.n_heads * plan.seq_len_q_pad // 64) * 64  # floats, 256-byte aligned slices
-    accum = 0 if plan.deterministic else stats * plan.d_head
-    tail = plan.pack((0,) * len(POINTER_FIELDS))[_BWD_POINTERS.size:]
-    if len(_backward_plans) >= _MAX_PLANS:
-        _backward_plans.clear()
-    _backward_plans[key] = _BackwardPlan(
-        get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic), plan.device, tail,
-        2 * stats + accum, (0, stats, 2 * stats), (plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
-                                                  plan.seq_len_k))
-
-
-def _run_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, softmax_scale: Any, deterministic: bool) -> Any:
-    """(dq, dk, dv) through a replayed plan, else None."""
-    plan = _backward_plans.get(_backward_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic))
-    if plan is None or _get_device() != plan.device:
-        return None
-    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr())
-    lse_ptr = lse.data_ptr()
-    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or lse_ptr & 3:
-        return None  # backward raises the proper error
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    # One fp32 scratch allocation from torch's caching allocator: stream-ordered on the current
-    # stream, so releasing it at return is safe (its reuse queues behind these kernels).
-    work = q.new_empty((plan.workspace,), dtype=torch.float32)
-    base = work.data_ptr()
-    lse2, dvec, accum = (base + 4 * off for off in plan.offsets)
-    if plan.workspace == plan.offsets[2]:
-        accum = 0  # deterministic: dQ is computed by its own pass, no accumulator
-    params = _BWD_POINTERS.pack(*ptrs, lse_ptr, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), accum, lse2,
-                                dvec) + plan.tail
-    plan.launcher.launch(params, *plan.sizes, _raw_stream(plan.device))
-    return dq, dk, dv
-
-
 def _attention_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None,
                              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _run_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
-    if grads is None:
-        grads = _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                          deterministic=deterministic)
-        _remember_backward(_backward_key(dout, q, k, v, out, lse, causal, softmax_scale, deterministic),
-                           (dout, q, k, v, out, lse), causal, softmax_scale, deterministic)
-    return grads
+    # cfg=None: after a signature's first call, backward replays its plan (backward_plans)
+    return _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
 
 
 def clear_plans() -> None:
     """Forget every replayable launch (tests; or after a tuning table changed)."""
     _forward_plans.clear()
-    _backward_plans.clear()
+    from . import backward_plans
+
+    backward_plans.clear()
 
 
 def _attention_backward_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

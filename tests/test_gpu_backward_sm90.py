@@ -303,3 +303,32 @@ def test_bad_layout_names_the_argument(rng):
     k_b = cp.broadcast_to(k[:1], k.shape)  # zero batch stride: no TMA descriptor
     with pytest.raises(ValueError, match="^k"):
         cupyflash.backward(dout, q, k_b, v, out, lse, cfg=default_config(dtype, d))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cfg_none_replays_its_plan(causal, rng):
+    """A second cfg=None call with the same signature replays the first call's plan
+    (cupyflash.backward_plans): new outputs and workspace, the same gradients as the full path
+    (deterministic: the same bits), GQA and ragged lengths, CuPy and torch."""
+    from cupyflash import backward_plans
+
+    backward_plans.clear()
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 2, 300, 333, 4, 2, causal, rng)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    assert len(backward_plans._plans) == 1
+    again = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    for a, b in zip(first, again):
+        assert a is not b and bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    cupyflash.backward(dout, q, k, v, out, lse, causal=causal)  # a second signature (atomic dQ)
+    got = cupyflash.backward(dout, q, k, v, out, lse, causal=causal)
+    assert len(backward_plans._plans) == 2
+    check_gradients(cp, DType.BF16, q, k, v, dout, got, None, causal=causal, context=f"replay causal={causal}")
+
+    torch = pytest.importorskip("torch")
+    tq, tk, tv, tdo = (torch.from_dlpack(x) for x in (q, k, v, dout))
+    tout, tlse = cupyflash.forward(None, tq, tk, tv, causal=causal, return_lse=True)
+    full = cupyflash.backward(tdo, tq, tk, tv, tout, tlse, causal=causal, deterministic=True)
+    replayed = cupyflash.backward(tdo, tq, tk, tv, tout, tlse, causal=causal, deterministic=True)
+    assert len(backward_plans._plans) == 3
+    for a, b in zip(full, replayed):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)

@@ -266,55 +266,6 @@ def test_replayed_outputs_are_row_major_whatever_q_is(mocked_launch, monkeypatch
     assert out.shape == (1, 40, 4, 64) and out.stride() == (40 * 4 * 64, 4 * 64, 64, 1)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_plan_packs_what_the_full_path_packs(mocked_launch, monkeypatch, deterministic):
-    from cupyflash import backward_api
-    from cupyflash.backward_validation import check_backward_args
-    from cupyflash.families.backward_sm80 import kernels
-    from cupyflash.families.backward_sm80.config_sets import default_config
-
-    class Launcher:
-        def launch(self, params, *sizes_and_stream):
-            mocked_launch.calls.append((params, sizes_and_stream))
-
-    monkeypatch.setattr(kernels, "get_launcher", lambda *args: Launcher())
-    monkeypatch.setattr(backward_api, "_select", lambda dtype, d_head, *_: default_config(dtype, d_head))
-    monkeypatch.setattr(cft, "_backward", lambda *args, **kwargs: "full path")
-
-    def problem():
-        q, k, v = _inputs("cpu", shape=(2, 40, 4, 64), kv=(2, 56, 2, 64))
-        dout = torch.randn(2, 4, 40, 64, dtype=torch.bfloat16).transpose(1, 2)  # strided: its own strides
-        return dout, q, k, v, torch.randn_like(q), torch.randn(2, 4, 40)
-
-    args = problem()
-    assert cft._attention_backward_cuda(*args, True, None, deterministic) == "full path"
-    for _ in range(2):
-        args = problem()
-        dq, dk, dv = cft._attention_backward_cuda(*args, True, None, deterministic)
-        assert (dq.shape, dk.shape, dv.shape) == (args[1].shape, args[2].shape, args[3].shape)
-        params, (batch, heads, kv_heads, seq_q, seq_k, stream) = mocked_launch.calls[-1]
-        assert (batch, heads, kv_heads, seq_q, seq_k, stream) == (2, 4, 2, 40, 56, 77)
-        views = [_host_view(x, n) for x, n in zip(args, ("dout", "q", "k", "v", "out", "lse"))]
-        plan = check_backward_args(None, *views, None, None, None, None, True, deterministic,
-                                   select=backward_api._select)
-        ptrs = struct_unpack_pointers(params)
-        dout, q, k, v, out, lse = args
-        assert ptrs[:9] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-                            dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
-        accum, lse2, dvec = ptrs[9:]
-        stats = 2 * 4 * plan.seq_len_q_pad
-        assert dvec - lse2 >= 4 * stats and (accum == 0) == deterministic
-        assert deterministic or accum - dvec >= 4 * stats
-        assert (dvec - lse2) % 256 == 0 and (deterministic or (accum - lse2) % 256 == 0)
-        assert params == plan.pack(ptrs)  # every non-pointer field as the full path packs it
-
-
-def struct_unpack_pointers(params):
-    import struct
-
-    return struct.unpack_from("<12Q", params)
-
-
 # ----------------------------------------------------------------------------- GPU
 PROBLEMS = [(DType.BF16, 128, 256, 256, False), (DType.BF16, 128, 256, 256, True),
             (DType.FP16, 128, 256, 256, False)]

@@ -1,0 +1,199 @@
+"""Per-signature replays: the per-call fast path of `backward` with cfg=None.
+
+The first call with a given signature (array type; shapes, strides, dtypes and devices of dout,
+q, k, v, out and lse; causal, softmax_scale, deterministic) goes through full validation, the
+family choice (`hopper_reason`) and the config choice; its `BackwardPlan` is kept. Later calls
+with the same signature read the six pointers, check their alignment, allocate dq/dk/dv and one
+fp32 workspace, pack the parameter structs and launch: no views, no validation, no config
+lookup. On a tiny problem that is most of a call's host time (NOTES.md item 83).
+
+Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
+without dq/dk/dv, stream= or cfg; everything else takes the full path.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+from .backward_validation import BackwardPlan
+from .families.backward_sm90.config import HopperBackwardKernelConfig
+from .launch_plans import _CUPY, _TORCH, _kind, _kinds, driver_calls, store
+
+__all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
+
+_plans: dict[tuple, "BackwardReplay"] = {}
+_get_device: Callable[[], int] | None = None
+_ALIGN = 256  # bytes between the workspace's three arrays (lse2, dvec, dq_accum)
+
+
+class _Operand(NamedTuple):
+    """What pack_dkdv reads of an input view: its pointer, shape and element strides."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+class BackwardReplay:
+    """One signature's validated plan and what a call needs besides its six pointers."""
+
+    __slots__ = ("plan", "device", "is_torch", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
+                 "lse2_off", "dvec_off", "acc_off", "launch", "current_stream", "allocate", "allocate_ws")
+
+    def __init__(self, plan: BackwardPlan, q: Any, k: Any, v: Any, dout: Any) -> None:
+        self.plan = plan
+        self.device = plan.device
+        self.is_torch = False
+        self.q_shape = tuple(q.shape)
+        self.kv_shape = tuple(k.shape)
+        # q, k, v, dout as pack_dkdv reads them (the Hopper family's TMA descriptors)
+        self.shapes = tuple(tuple(x.shape) for x in (q, k, v, dout))
+        self.strides = tuple(tuple(x.strides) for x in (q, k, v, dout))
+        stats = _round_up(plan.batch * plan.n_heads * plan.seq_len_q_pad * 4) // 4
+        self.lse2_off, self.dvec_off, self.acc_off = 0, stats * 4, 2 * stats * 4
+        acc = 0
+        if not plan.deterministic:
+            hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
+            if hopper:
+                from .families.backward_sm90.launch import dq_workspace_shape
+
+                shape = dq_workspace_shape(plan)
+            else:
+                shape = plan.dq_accum_shape
+            acc = _round_up(4 * functools.reduce(lambda a, b: a * b, shape, 1)) // 4
+        self.ws_floats = 2 * stats + acc
+        self.launch = _launcher(plan)
+        self.current_stream: Callable[[], int] | None = None
+        self.allocate: Callable[[tuple[int, ...]], Any] | None = None
+        self.allocate_ws: Callable[[int], Any] | None = None
+
+    def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
+        """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and the workspace's."""
+        plan = self.plan
+        lse2, dvec = ws_ptr + self.lse2_off, ws_ptr + self.dvec_off
+        acc = 0 if plan.deterministic else ws_ptr + self.acc_off
+        params = plan.pack(ptrs + (acc, lse2, dvec))
+        self.launch(self, stream, params, ptrs, acc, lse2, dvec)
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _launcher(plan: BackwardPlan) -> Callable[..., None]:
+    """(replay, stream, BackwardParams bytes, pointers, acc, lse2, dvec) -> the call's launches."""
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
+
+        def hopper(replay: BackwardReplay, stream: int, params: bytes, ptrs: tuple[int, ...], acc: int, lse2: int,
+                   dvec: int) -> None:
+            shapes, strides = replay.shapes, replay.strides
+            q, k, v, dout = (_Operand(p, s, t) for p, s, t in zip((ptrs[0], ptrs[1], ptrs[2], ptrs[4]), shapes, strides))
+            hopper_params = pack_dkdv(plan, q, k, v, dout, ptrs[7], ptrs[8], acc, lse2, dvec)
+            launch_backward_sm90(plan, params, hopper_params, stream)
+
+        return hopper
+    from .families.backward_sm80.kernels import get_launcher
+
+    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    dims = (plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k)
+
+    def mma_sync(replay: BackwardReplay, stream: int, params: bytes, ptrs: tuple[int, ...], acc: int, lse2: int,
+                 dvec: int) -> None:
+        launcher.launch(params, *dims, stream)
+
+    return mma_sync
+
+
+def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any, softmax_scale: Any,
+              deterministic: Any) -> tuple | None:
+    """The replay key, or None when these arguments cannot take the fast path."""
+    if (causal is not True and causal is not False) or (deterministic is not True and deterministic is not False):
+        return None
+    if not (softmax_scale is None or type(softmax_scale) is float):
+        return None
+    cls = type(q)
+    if not (type(dout) is cls and type(k) is cls and type(v) is cls and type(out) is cls and type(lse) is cls):
+        return None
+    kind = _kinds.get(cls) or _kind(cls)
+    if kind == _TORCH:
+        return (cls, causal, softmax_scale, deterministic, _torch_meta(dout), _torch_meta(q), _torch_meta(k),
+                _torch_meta(v), _torch_meta(out), _torch_meta(lse))
+    if kind == _CUPY:
+        return (cls, causal, softmax_scale, deterministic, _cupy_meta(dout), _cupy_meta(q), _cupy_meta(k),
+                _cupy_meta(v), _cupy_meta(out), _cupy_meta(lse))
+    return None
+
+
+def _torch_meta(x: Any) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.get_device())
+
+
+def _cupy_meta(x: Any) -> tuple:
+    return (x.shape, x.strides, x.dtype, x.data.device_id)
+
+
+def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
+    """(dq, dk, dv) through the replay for `key`, or None (no replay, another current device, or
+    a pointer that breaks an alignment rule this time: the full path then raises the error)."""
+    replay = _plans.get(key) if key is not None else None
+    if replay is None or _get_device() != replay.device:
+        return None
+    if replay.is_torch:
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr())
+    else:
+        ptrs = (q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, lse.data.ptr)
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or ptrs[5] & 3:
+        return None
+    if replay.is_torch:
+        dq, dk, dv = q.new_empty(replay.q_shape), k.new_empty(replay.kv_shape), v.new_empty(replay.kv_shape)
+        ws = q.new_empty((replay.ws_floats,), dtype=_torch_float32())
+        out_ptrs = (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+        ws_ptr = ws.data_ptr()
+    else:
+        dq, dk, dv = replay.allocate(replay.q_shape), replay.allocate(replay.kv_shape), replay.allocate(replay.kv_shape)
+        ws = replay.allocate_ws(replay.ws_floats)
+        out_ptrs = (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+        ws_ptr = ws.data.ptr
+    replay.run(replay.current_stream(), ptrs + out_ptrs, ws_ptr)
+    # the workspace is released here: both allocators order its reuse on the launch stream
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_float32() -> Any:
+    import torch
+
+    return torch.float32
+
+
+def remember(key: tuple | None, plan: BackwardPlan, views: tuple[Any, Any, Any, Any]) -> None:
+    """Keep `plan` (validated, launched once by the full path) under `key`, with the allocators
+    and the current-stream reader of the key's array type; `views`: the TensorViews of q, k, v
+    and dout."""
+    global _get_device
+    if key is None or not plan.launch:
+        return
+    if _get_device is None:
+        _, _get_device = driver_calls()
+    replay = BackwardReplay(plan, *views)
+    device = plan.device
+    if _kind(key[0]) == _TORCH:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        replay.current_stream = (functools.partial(raw, device) if raw is not None
+                                 else (lambda: torch.cuda.current_stream(device).cuda_stream))
+    else:
+        import cupy
+        import numpy as np
+
+        replay.allocate = functools.partial(cupy.empty, dtype=views[0].raw_dtype)
+        replay.allocate_ws = functools.partial(cupy.empty, dtype=np.float32)
+        replay.current_stream = lambda: cupy.cuda.get_current_stream(device).ptr  # noqa: E731
+    store(_plans, key, replay)
+
+
+def clear() -> None:
+    """Forget every replay (tests)."""
+    _plans.clear()
