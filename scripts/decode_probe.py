@@ -79,8 +79,8 @@ def main(argv=None) -> int:
         label = f"d{d} b{batch} q{seq_q}{'c' if causal else ''} k{keys}"
         peer = bd.sdpa_call(p, "CUDNN_ATTENTION") if args.peer and not causal else None
 
-        def time_peer(when: str) -> None:
-            us = round(bd.gpu_time_us(torch, peer, p.n_sets, args.samples), 2)
+        def time_peer(when: str, n_sets: int = p.n_sets) -> None:
+            us = round(bd.gpu_time_us(torch, peer, n_sets, args.samples), 2)
             print(f"{label:<18} {'sdpa_cudnn (' + when + ')':<52} contig {us}", flush=True)
             results.append({"row": label, "config": f"sdpa_cudnn_{when}", "contig": us})
 
