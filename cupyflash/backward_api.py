@@ -175,53 +175,28 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
     if dvv is None:
         dvv = allocate_output(qv, tuple(vv.shape))
     if plan.launch:
-        _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), stream_ptr)
+        replay = _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), stream_ptr)
         if key is not None:  # later calls with this signature replay the plan (backward_plans)
-            backward_plans.remember(key, plan, (qv, kv, vv, dov))
+            backward_plans.remember(key, replay)
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
             dv if dv is not None else wrap_output(dvv))
 
 
-def _launch_sm90(plan: BackwardPlan, views: tuple[TensorView, ...], params: bytes, workspaces: tuple[int, int, int],
-                 stream_ptr: int) -> None:
-    """The Hopper family's kernels (an explicit backward_sm90 cfg, checked for sm_90 above)."""
-    from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
-
-    qv, kv, vv, _, dov, _, _, dkv, dvv = views
-    acc_ptr, lse2_ptr, dvec_ptr = workspaces
-    hopper = pack_dkdv(plan, qv, kv, vv, dov, dkv.ptr, dvv.ptr, acc_ptr, lse2_ptr, dvec_ptr)
-    with _cupy.cuda.Device(plan.device):
-        launch_backward_sm90(plan, params, hopper, stream_ptr)
-
-
-def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> None:
-    from .families.backward_sm80.kernels import get_launcher
-
-    q = views[0]
-    hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
-    launcher = None if hopper else get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic)
+def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> backward_plans.BackwardReplay:
+    """Launch the planned call on `views` (q, k, v, out, dout, lse, dq, dk, dv) with its own
+    workspaces, through the packing and launches a later call of this signature replays; returns
+    that replay."""
+    q, k, v, _, dout = views[:5]
+    replay = backward_plans.BackwardReplay(plan, q, k, v, dout)
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
     dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    if plan.deterministic:
-        acc, acc_ptr = None, 0
-    elif hopper:  # dq_early configs keep per-block counters behind the fp32 elements
-        from .families.backward_sm90.launch import dq_workspace_shape
-
-        acc, acc_ptr = _workspace(q, dq_workspace_shape(plan), stream_ptr)
-    else:
-        acc, acc_ptr = _workspace(q, plan.dq_accum_shape, stream_ptr)
-    ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
-    params = plan.pack(ptrs)
-    if hopper:
-        _launch_sm90(plan, views, params, (acc_ptr, lse2_ptr, dvec_ptr), stream_ptr)
-        del lse2, dvec, acc
-        return
-    if _cupy.cuda.runtime.getDevice() == plan.device:
-        launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
-                        stream_ptr)
-    else:
+    acc, acc_ptr = _workspace(q, replay.acc_shape, stream_ptr) if replay.acc_shape else (None, 0)
+    ptrs = tuple(view.ptr for view in views)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig) or _cupy.cuda.runtime.getDevice() != plan.device:
         with _cupy.cuda.Device(plan.device):
-            launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
-                            stream_ptr)
+            replay.launch_on(stream_ptr, ptrs, acc_ptr, lse2_ptr, dvec_ptr)
+    else:
+        replay.launch_on(stream_ptr, ptrs, acc_ptr, lse2_ptr, dvec_ptr)
     # The workspaces are released here; both allocators order their reuse on the launch stream.
     del lse2, dvec, acc
+    return replay

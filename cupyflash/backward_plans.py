@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .launch_plans import _CUPY, _TORCH, _kind, _kinds, driver_calls, store
+from .launch_plans import _CUPY, _TORCH, _kind, _kinds, cupy_meta, driver_calls, store, torch_meta
 
 __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 
@@ -37,13 +37,14 @@ class _Operand(NamedTuple):
 class BackwardReplay:
     """One signature's validated plan and what a call needs besides its six pointers."""
 
-    __slots__ = ("plan", "device", "is_torch", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
-                 "lse2_off", "dvec_off", "acc_off", "launch", "current_stream", "allocate", "allocate_ws")
+    __slots__ = ("plan", "device", "is_torch", "raw_dtype", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
+                 "lse2_off", "dvec_off", "acc_off", "acc_shape", "launch", "current_stream", "allocate", "allocate_ws", "ws_dtype")
 
     def __init__(self, plan: BackwardPlan, q: Any, k: Any, v: Any, dout: Any) -> None:
         self.plan = plan
         self.device = plan.device
         self.is_torch = False
+        self.raw_dtype = q.raw_dtype  # the framework's dtype object of q (and of dq, dk, dv)
         self.q_shape = tuple(q.shape)
         self.kv_shape = tuple(k.shape)
         # q, k, v, dout as pack_dkdv reads them (the Hopper family's TMA descriptors)
@@ -51,28 +52,36 @@ class BackwardReplay:
         self.strides = tuple(tuple(x.strides) for x in (q, k, v, dout))
         stats = _round_up(plan.batch * plan.n_heads * plan.seq_len_q_pad * 4) // 4
         self.lse2_off, self.dvec_off, self.acc_off = 0, stats * 4, 2 * stats * 4
+        # the dQ accumulator (with dq_early's counters behind it), None when deterministic
+        self.acc_shape: tuple[int, ...] | None = None
         acc = 0
         if not plan.deterministic:
-            hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
-            if hopper:
+            if isinstance(plan.cfg, HopperBackwardKernelConfig):
                 from .families.backward_sm90.launch import dq_workspace_shape
 
-                shape = dq_workspace_shape(plan)
+                self.acc_shape = dq_workspace_shape(plan)
             else:
-                shape = plan.dq_accum_shape
-            acc = _round_up(4 * functools.reduce(lambda a, b: a * b, shape, 1)) // 4
+                self.acc_shape = plan.dq_accum_shape
+            acc = _round_up(4 * functools.reduce(lambda a, b: a * b, self.acc_shape, 1)) // 4
         self.ws_floats = 2 * stats + acc
         self.launch = _launcher(plan)
+        # set by remember() for replays: the caller's current stream, and the allocators (CuPy:
+        # allocate/allocate_ws; torch: q.new_empty with ws_dtype for the workspace)
         self.current_stream: Callable[[], int] | None = None
         self.allocate: Callable[[tuple[int, ...]], Any] | None = None
         self.allocate_ws: Callable[[int], Any] | None = None
+        self.ws_dtype: Any = None
 
     def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
-        """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and the workspace's."""
-        plan = self.plan
-        lse2, dvec = ws_ptr + self.lse2_off, ws_ptr + self.dvec_off
-        acc = 0 if plan.deterministic else ws_ptr + self.acc_off
-        params = plan.pack(ptrs + (acc, lse2, dvec))
+        """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and one workspace of
+        ws_floats laid out as lse2, dvec, dq_accum."""
+        acc = 0 if self.plan.deterministic else ws_ptr + self.acc_off
+        self.launch_on(stream, ptrs, acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off)
+
+    def launch_on(self, stream: int, ptrs: tuple[int, ...], acc: int, lse2: int, dvec: int) -> None:
+        """Pack both parameter structs and launch (the current device is plan.device): every
+        backward launch, the full path's included, goes through here."""
+        params = self.plan.pack(ptrs + (acc, lse2, dvec))
         self.launch(self, stream, params, ptrs, acc, lse2, dvec)
 
 
@@ -117,20 +126,14 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
         return None
     kind = _kinds.get(cls) or _kind(cls)
     if kind == _TORCH:
-        return (cls, causal, softmax_scale, deterministic, _torch_meta(dout), _torch_meta(q), _torch_meta(k),
-                _torch_meta(v), _torch_meta(out), _torch_meta(lse))
+        return (cls, causal, softmax_scale, deterministic, torch_meta(dout), torch_meta(q), torch_meta(k),
+                torch_meta(v), torch_meta(out), torch_meta(lse))
     if kind == _CUPY:
-        return (cls, causal, softmax_scale, deterministic, _cupy_meta(dout), _cupy_meta(q), _cupy_meta(k),
-                _cupy_meta(v), _cupy_meta(out), _cupy_meta(lse))
+        return (cls, causal, softmax_scale, deterministic, cupy_meta(dout), cupy_meta(q), cupy_meta(k),
+                cupy_meta(v), cupy_meta(out), cupy_meta(lse))
     return None
 
 
-def _torch_meta(x: Any) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.get_device())
-
-
-def _cupy_meta(x: Any) -> tuple:
-    return (x.shape, x.strides, x.dtype, x.data.device_id)
 
 
 def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
@@ -147,7 +150,7 @@ def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
         return None
     if replay.is_torch:
         dq, dk, dv = q.new_empty(replay.q_shape), k.new_empty(replay.kv_shape), v.new_empty(replay.kv_shape)
-        ws = q.new_empty((replay.ws_floats,), dtype=_torch_float32())
+        ws = q.new_empty((replay.ws_floats,), dtype=replay.ws_dtype)
         out_ptrs = (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
         ws_ptr = ws.data_ptr()
     else:
@@ -160,35 +163,27 @@ def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
     return dq, dk, dv
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_float32() -> Any:
-    import torch
-
-    return torch.float32
-
-
-def remember(key: tuple | None, plan: BackwardPlan, views: tuple[Any, Any, Any, Any]) -> None:
-    """Keep `plan` (validated, launched once by the full path) under `key`, with the allocators
-    and the current-stream reader of the key's array type; `views`: the TensorViews of q, k, v
-    and dout."""
+def remember(key: tuple | None, replay: BackwardReplay) -> None:
+    """Keep `replay` (built and launched once by the full path) under `key`, with the allocators
+    and the current-stream reader of the key's array type."""
     global _get_device
-    if key is None or not plan.launch:
+    if key is None or not replay.plan.launch:
         return
     if _get_device is None:
         _, _get_device = driver_calls()
-    replay = BackwardReplay(plan, *views)
-    device = plan.device
+    device = replay.device
     if _kind(key[0]) == _TORCH:
         import torch
 
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         replay.current_stream = (functools.partial(raw, device) if raw is not None
                                  else (lambda: torch.cuda.current_stream(device).cuda_stream))
+        replay.ws_dtype = torch.float32
     else:
         import cupy
         import numpy as np
 
-        replay.allocate = functools.partial(cupy.empty, dtype=views[0].raw_dtype)
+        replay.allocate = functools.partial(cupy.empty, dtype=replay.raw_dtype)
         replay.allocate_ws = functools.partial(cupy.empty, dtype=np.float32)
         replay.current_stream = lambda: cupy.cuda.get_current_stream(device).ptr  # noqa: E731
     store(_plans, key, replay)

@@ -18,7 +18,8 @@ import threading
 from typing import Any, Callable
 
 from .families.decode.config import DecodeKernelConfig
-from .launch_plans import _CUPY, _TORCH, _kind, _kinds, driver_calls, store  # shared by every fast path
+from .launch_plans import (_CUPY, _TORCH, _kind, _kinds, cupy_meta, driver_calls, store,  # shared by every fast path
+                           torch_meta)
 from .families.decode.params import DECODE_PARAMS
 
 __all__ = ["KVCacheLaunch", "build_launches", "run", "remember", "clear"]
@@ -123,10 +124,10 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
                k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.get_device(),
                v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.get_device(),
                cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.get_device(),
-               None if block_table is None else _torch_meta(block_table),
-               None if k_new is None else _torch_meta(k_new),
-               None if v_new is None else _torch_meta(v_new),
-               None if out is None else _torch_meta(out))
+               None if block_table is None else torch_meta(block_table),
+               None if k_new is None else torch_meta(k_new),
+               None if v_new is None else torch_meta(v_new),
+               None if out is None else torch_meta(out))
         plan = _plans.get(key)
         if plan is None or _get_device() != plan.device:
             return key, None
@@ -144,11 +145,11 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
         lse_ptr = lse.data_ptr() if lse is not None else 0
     elif kind == _CUPY:
         key = (cls, cfg, num_splits, softmax_scale, causal, return_lse,
-               _cupy_meta(q), _cupy_meta(k_cache), _cupy_meta(v_cache), _cupy_meta(cache_seqlens),
-               None if block_table is None else _cupy_meta(block_table),
-               None if k_new is None else _cupy_meta(k_new),
-               None if v_new is None else _cupy_meta(v_new),
-               None if out is None else _cupy_meta(out))
+               cupy_meta(q), cupy_meta(k_cache), cupy_meta(v_cache), cupy_meta(cache_seqlens),
+               None if block_table is None else cupy_meta(block_table),
+               None if k_new is None else cupy_meta(k_new),
+               None if v_new is None else cupy_meta(v_new),
+               None if out is None else cupy_meta(out))
         plan = _plans.get(key)
         if plan is None or _get_device() != plan.device:
             return key, None
@@ -186,12 +187,6 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
     return key, (out if lse is None else (out, lse))
 
 
-def _torch_meta(x: Any) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.get_device())
-
-
-def _cupy_meta(x: Any) -> tuple:
-    return (x.shape, x.strides, x.dtype, x.data.device_id)
 
 
 def remember(key: tuple | None, plan: KVCacheLaunch) -> None:

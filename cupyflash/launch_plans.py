@@ -73,6 +73,16 @@ def _kind(cls: type) -> int:
     return kind
 
 
+def torch_meta(x: Any) -> tuple:
+    """What a plan key holds of a torch tensor: shape, strides, dtype, device."""
+    return (x.shape, x.stride(), x.dtype, x.get_device())
+
+
+def cupy_meta(x: Any) -> tuple:
+    """What a plan key holds of a CuPy array: shape, strides, dtype, device."""
+    return (x.shape, x.strides, x.dtype, x.data.device_id)
+
+
 def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
               causal: Any = False) -> tuple | None:
     """The plan key for these arguments, or None when they cannot take the fast path.

@@ -81,7 +81,7 @@ def test_replay_packs_what_the_full_path_packs(monkeypatch, deterministic):
                                select=backward_api._select)
     key = backward_plans.signature(*args, True, None, deterministic)
     backward_plans.clear()
-    backward_plans.remember(key, plan, (views[1], views[2], views[3], views[0]))
+    backward_plans.remember(key, backward_plans.BackwardReplay(plan, views[1], views[2], views[3], views[0]))
     monkeypatch.setattr(backward_plans._plans[key], "current_stream", lambda: 77)
     for _ in range(2):
         args = problem()

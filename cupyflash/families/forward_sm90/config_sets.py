@@ -6,7 +6,7 @@ import functools
 import itertools
 
 from ...config import DType
-from .config import B_C_VALUES, D_HEADS, HopperForwardKernelConfig
+from .config import D_HEADS, HopperForwardKernelConfig
 
 __all__ = ["default_config", "varlen_default_config", "should_autotune", "autotune_configs", "progression_configs", "get_kernel_configs",
            "KERNEL_SET_KEYS"]
