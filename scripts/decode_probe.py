@@ -38,9 +38,20 @@ def resolve(name: str, dtype, d_head: int):
     return cfg.replace(dtype=dtype)
 
 
+def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
+    """'d:batch:seq_q:keys[:causal]' -> a TABLE_ROWS-like row (causal: 1/0, default 0)."""
+    parts = [int(x) for x in text.split(":")]
+    if len(parts) not in (4, 5):
+        raise SystemExit(f"--shapes: {text!r} is not 'd:batch:seq_q:keys[:causal]'")
+    return parts[0], parts[1], parts[2], parts[3], bool(parts[4]) if len(parts) == 5 else False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="0,1", help="indices into bench_decode.TABLE_ROWS")
+    ap.add_argument("--shapes", default="",
+                    help="extra rows 'd:batch:seq_q:keys[:causal]' separated by commas (e.g. 128:33:1:8192), "
+                         "after --rows ('--rows \'\'' for these alone)")
     ap.add_argument("--configs", default="auto,default,paged_default", help="'|'-separated config names")
     ap.add_argument("--splits", default="auto", help="comma-separated num_splits ('auto' = the library's rule)")
     ap.add_argument("--dtype", default="bf16")
@@ -60,7 +71,8 @@ def main(argv=None) -> int:
 
     dtype = DType.parse(args.dtype)
     tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    rows = [bd.TABLE_ROWS[int(i)] for i in args.rows.split(",")]
+    rows = [bd.TABLE_ROWS[int(i)] for i in args.rows.split(",") if i.strip()]
+    rows += [parse_shape(s) for s in args.shapes.split(",") if s.strip()]
     names = [n.strip() for n in args.configs.split("|") if n.strip()]
     splits = [None if s == "auto" else int(s) for s in args.splits.split(",")]
     wanted = {c for d, *_ in rows for n in names for c in [resolve(n, dtype, d)] if c not in (None, "skip")}
