@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="probe_sm90_d64_256.json")
     p.add_argument("--list-configs", action="store_true")
+    p.add_argument("--configs", default="",
+                   help="'|'-separated extra short forms, each tried on the rows of its d_head (dtype taken from "
+                        "the row) after the table's pick and its derived candidates")
     args = p.parse_args(argv)
     if args.list_configs:
         print("|".join(str(c) for c in dict.fromkeys(x for a in table_picks() for x in candidates(a))))
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.current_device()
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     timing = argparse.Namespace(warmup=args.warmup, iters=args.iters)
+    explicit = [H.parse(t) for t in args.configs.split("|") if t.strip()]
     results, failures = [], []
     for item in args.rows.split(","):
         row, _, own = item.partition("@")
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in parse_dtypes(args.dtypes):
             for seq in parse_ints(own.replace("/", ",") if own else args.seqs, "--rows"):
                 auto, source = bench._auto_choice(dtype, d_head, seq, device, causal)
-                impls = [CupyflashImpl(c, f"cf{i}") for i, c in enumerate(candidates(auto))]
+                extra = [c.replace(dtype=dtype) for c in explicit if c.d_head == d_head]
+                impls = [CupyflashImpl(c, f"cf{i}") for i, c in enumerate(dict.fromkeys(candidates(auto) + extra))]
                 impls.append(SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn"))
                 problem = make_problem(torch, dtype, grid_shape(seq, d_head), causal, l2, seed=seq)
                 samples: dict[str, list[float]] = {}

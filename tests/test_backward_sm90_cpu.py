@@ -38,7 +38,7 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early"
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
@@ -46,13 +46,13 @@ def test_default_config_text():
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 56 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
-    # non-causal d_head 128 streams Q/dO through three stages, each CTA from its own query block;
-    # d_head 64 has one default
-    assert (config_sets.default_config(DType.BF16, 128, causal=False).short_form()
-            == "backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early+rotate")
-    assert config_sets.default_config(DType.FP16, 64, causal=False) == config_sets.default_config(DType.FP16, 64)
+    # one default per (dtype, d_head) for both masks (rotate moves only non-causal CTAs)
+    for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
+        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    prog = config_sets.progression_configs()
+    assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -124,7 +124,7 @@ def test_config_sets():
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
-                                                                 "dq_tma+dq_mid+pdl+dq_early"]
+                                                                 "dq_tma+dq_mid+pdl+dq_early+rotate"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
     with pytest.raises(ValueError, match="KERNELS"):
@@ -249,7 +249,7 @@ def _plan(cfg, deterministic=False, causal=False, **kw):
 def test_resolve_config_accepts_the_hopper_family():
     cfg = config_sets.default_config(DType.BF16, 128)
     assert resolve_backward_config(cfg) is cfg
-    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early") == cfg
+    assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate") == cfg
     with pytest.raises(ValueError, match="^cfg: cannot parse"):
         resolve_backward_config("backward_sm90(BF16, 128)")
 
@@ -426,7 +426,7 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
 
 def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     faked_backward["cc"] = 80
-    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid\+pdl\+dq_early .*compute "
+    with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid\+pdl\+dq_early\+rotate .*compute "
                                          r"capability 9.0 only"):
         _call(config_sets.default_config(DType.BF16, 128))
     assert not faked_backward["launches"]
@@ -458,7 +458,7 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     [(plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
-    assert plan.cfg.n_stages == (2 if causal else 3)
+    assert plan.cfg.n_stages == 2 and plan.cfg.rotate  # one default for both masks
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),

@@ -19,7 +19,7 @@ struct StaticHopperBackwardConfig {
     static constexpr bool DQ_BULK = C.dq_bulk;  // dQ staged in shared memory, bulk-reduced by a consumer warp
     static constexpr bool DQ_TMA = C.dq_tma;    // dQ staged in swizzled panels, TMA-reduced by a writer warp
     static constexpr bool DQ_MID = C.dq_mid;    // GEMM order dV | barrier | dQ, dK (else dV, dK | barrier | dQ)
-    static constexpr bool NOMASK = C.nomask;    // fully visible score tiles skip the mask arithmetic
+    static constexpr bool NOMASK = C.nomask;    // causal score tiles below the diagonal skip its compare
     static constexpr bool LPT = C.lpt;          // causal: longest CTAs first, in chunks of heads sized to L2
     static constexpr bool PDL = C.pdl;          // programmatic dependent launches (griddepcontrol)
     static constexpr bool DQ_EARLY = C.dq_early;  // per-block counters: convert each dQ block once complete

@@ -105,19 +105,23 @@ struct BwdConsumer {
             mbarrier_wait(smem.q_full(s), bwd_phase(it, Cfg::STAGES));
 
             float st[NT][4], dpt[NT][4];
+            // K and V descriptors derived here from an opaque copy of the shared base, not kept
+            // across the loop (at the consumers' 232 registers ptxas spilled one of them)
+            BwdSmem<Cfg> kv = smem;
+            asm volatile("" : "+r"(kv.base));
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < DK; ++k)
-                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(smem.k(), k), kmajor_b(smem.q(s), k), k > 0);
+                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(kv.k(), k), kmajor_b(smem.q(s), k), k > 0);
             wgmma_commit();
 #pragma unroll
             for (int k = 0; k < DK; ++k)
-                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(smem.v(), k), kmajor_b(smem.dout(s), k), k > 0);
+                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b(smem.dout(s), k), k > 0);
             wgmma_commit();
 
             wgmma_wait<1>();  // S^T is ready; dP^T may still run
             fence_registers(st);
-            if (Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
+            if (CAUSAL && Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
                 probabilities<false>(st, s, key_base, q0, causal_offset);
             else
                 probabilities<true>(st, s, key_base, q0, causal_offset);
@@ -153,14 +157,21 @@ struct BwdConsumer {
                 // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
                 // it - 2, which every reader completed before the barrier of iteration it - 1.
                 const int buf = it & 1;
-                const int r = 16 * warp + (lane >> 2);
+                // The 128-byte row's swizzled chunk (2k + h) ^ (r & 7) is the row's chunk r & 7
+                // XOR (2k + h): one address per thread and row, XOR an immediate per store. The
+                // shared base and the thread index go through an empty asm so that ptxas derives
+                // the address here instead of keeping it live across the loop (it spilled it).
+                u32 base = smem.base, t = tid;
+                asm volatile("" : "+r"(base), "+r"(t)::"memory");
+                const u32 tr = 16 * (t >> 5 & 3) + (t >> 2 & 7);  // r, from the opaque thread index
+                const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + tr * Cfg::ROW_BYTES +
+                                   (((tr & 7) << 4) ^ (4 * (t & 3)));
 #pragma unroll
                 for (int k = 0; k < QK; ++k) {
-                    const int c = 16 * k + 2 * (lane & 3);
-                    st_shared_4(ds_address(buf, r, c), dsa[k][0]);
-                    st_shared_4(ds_address(buf, r + 8, c), dsa[k][1]);
-                    st_shared_4(ds_address(buf, r, c + 8), dsa[k][2]);
-                    st_shared_4(ds_address(buf, r + 8, c + 8), dsa[k][3]);
+                    st_shared_4(ds_row ^ (u32)((2 * k) << 4), dsa[k][0]);
+                    st_shared_4((ds_row ^ (u32)((2 * k) << 4)) + 8 * Cfg::ROW_BYTES, dsa[k][1]);
+                    st_shared_4(ds_row ^ (u32)((2 * k + 1) << 4), dsa[k][2]);
+                    st_shared_4((ds_row ^ (u32)((2 * k + 1) << 4)) + 8 * Cfg::ROW_BYTES, dsa[k][3]);
                 }
                 fence_proxy_async_shared();
                 // Every dS^T row this dQ GEMM reads is written (and, by program order, every
@@ -235,17 +246,20 @@ struct BwdConsumer {
         }
     }
 
-    // Every (key, query) of this warpgroup's score tile is visible: no key or query tail and,
-    // causal, the warpgroup's last key at or below the block's first query's diagonal.
+    // Every (key, query) of this warpgroup's causal score tile is visible: its last key at or
+    // below the block's first query's diagonal (the tails need no mask: see probabilities).
     CF_DEVICE bool tile_visible(int key_base, int q0, int causal_offset) const {
-        const int last_key = key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1;
-        bool visible = last_key < p.seq_len_k && q0 + Cfg::BR <= p.seq_len_q;
-        if constexpr (CAUSAL) visible = visible && last_key <= q0 + causal_offset;
-        return visible;
+        return key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1 <= q0 + causal_offset;
     }
 
-    // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK zero where the key is
-    // past seq_len_k, the query past seq_len_q or (causal) the key after the query's diagonal.
+    // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK (causal only) zero
+    // where the key is after the query's diagonal.
+    // The tails need no mask: rows past seq_len_q (and rows whose forward saw no key) carry lse2
+    // = +inf (the preprocess), so their P^T, and dS^T = P^T (dP^T - dvec) with dvec 0 there, are
+    // exactly 0; keys past seq_len_k are TMA's zero fill in K and V, so their P^T and dS^T are
+    // finite and reach only their own dK/dV rows, which the epilogue never stores, and dQ = dS K
+    // through K's zero rows. That keeps about a third of the elementwise instructions per block
+    // (two compares and a select per element) off the consumers' critical path.
     template <bool MASK>
     CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
@@ -255,10 +269,9 @@ struct BwdConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 bool keep = true;
-                if constexpr (MASK) {
+                if constexpr (MASK && CAUSAL) {
                     const int key = key_base + key_row(e), query = q0 + query_col(j, e, lane);
-                    keep = key < p.seq_len_k && query < p.seq_len_q;
-                    if constexpr (CAUSAL) keep = keep && key <= query + causal_offset;
+                    keep = key <= query + causal_offset;
                 }
                 st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
             }

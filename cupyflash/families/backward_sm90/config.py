@@ -23,8 +23,10 @@ writer warp of the producer warpgroup add each panel to the workspace with one T
 reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path.
 Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after it (dQ is
 finished, and its result handed on, while dK still runs; the default queues dV and dK before
-the barrier and dQ last); `nomask` lets a warpgroup skip the mask arithmetic of its score tile
-when every (key, query) pair of it is visible (no tail, below the causal diagonal).
+the barrier and dQ last); `nomask` lets a warpgroup of a causal call skip the diagonal compare
+of its score tile when every (key, query) pair of it is visible (below the diagonal). No call
+masks the sequence tails: the preprocess's lse2 = +inf on padding rows and TMA's zero fill past
+seq_len_k make those terms vanish or land only in rows that are never stored.
 Launch knobs: `lpt` orders causal CTAs longest first (key block 0 of every (kv head, batch) of
 a chunk of heads whose Q/dO fit in L2, then key block 1, ...), so the last CTAs to start are the
 short ones; non-causal calls keep the plain order. `pdl` launches the dK/dV kernel and the

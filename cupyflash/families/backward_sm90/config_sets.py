@@ -25,13 +25,13 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # blocks during the dK/dV tail (pdl+dq_early): bf16, 5 interleaved rounds beside cuDNN, 0.904-0.990x
 # against 0.882-0.930x without them, better on every row (1k-16k, causal and not); lpt and three
 # stages won some rows and lost others.
-# Since 2026-11-23 (fourth session, NOTES.md item 77) non-causal d_head 128 takes three stages
-# (lse2/dvec in their own ring) and rotate (each CTA starts at its own query block): bf16 and
-# fp16, 7 interleaved rounds beside cuDNN, 0.933-0.977x against 0.907-0.947x with two stages
-# (three stages +1-3% at 4k and 16k, rotate +0.6-1.6% on top); causal keeps two stages (three
-# lost 2% at 1k; rotate does not apply).
-_DEFAULTS = {64: (128, 2, {}), 128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True})}
-_NON_CAUSAL = {128: (3, {"rotate": True})}  # d_head: (n_stages, knobs added) without the causal mask
+# Since 2026-11-23 (fifth session, NOTES.md item 87) the kernel masks only the causal diagonal
+# (the sequence tails need no mask), and d_head 128 takes two stages and rotate (each non-causal
+# CTA starts at its own query block) for both masks: bf16 and fp16, 1k-16k, 5 interleaved rounds
+# beside cuDNN, 0.992-1.023x (geomean 1.012x) against 1.004x for two stages without rotate and
+# 0.990x for three stages with it (the fourth session's non-causal default).
+_DEFAULTS = {64: (128, 2, {}),
+             128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "rotate": True})}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
@@ -62,13 +62,11 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
 
 
 def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
-    """The config cfg=None runs for (dtype, d_head) with or without the causal mask."""
+    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (the same
+    config for both masks since the fifth session; `rotate` moves only non-causal CTAs)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     bc, stages, knobs = _DEFAULTS[d_head]
-    if not causal and d_head in _NON_CAUSAL:
-        stages, extra = _NON_CAUSAL[d_head]
-        knobs = {**knobs, **extra}
     return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 
@@ -79,14 +77,15 @@ def tune_configs() -> list[HopperBackwardKernelConfig]:
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperBackwardKernelConfig]:
     """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
-    (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early (the default); elsewhere the
-    default only."""
+    (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+rotate (the default); elsewhere
+    the default only."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
     if not last.dq_tma:
         return [last]
-    first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False)
+    first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
+                         rotate=False)
     return list(dict.fromkeys([first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last]))
 
 
