@@ -101,8 +101,9 @@ class HopperBackwardKernelConfig(KernelConfig):
                not self.dq_tma or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
-        yield ("dq_mid and nomask exclude each other (ptxas serialises the wgmma chain at the consumers' 232 "
-               "registers, C7512)", not (self.dq_mid and self.nomask))
+        yield ("dq_mid and nomask exclude each other (ptxas serialised the wgmma chain at the consumers' 232 "
+               "registers, C7512; without the tail masks it compiles clean but ran causal calls 0.79-0.90x "
+               "as fast, NOTES.md item 88)", not (self.dq_mid and self.nomask))
         yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
                not self.pdl or self.dq_tma)
         yield "dq_early needs pdl and dq_tma (the writer warp counts finished blocks)", \
