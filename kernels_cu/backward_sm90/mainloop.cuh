@@ -54,28 +54,31 @@ struct BwdConsumer {
     CF_DEVICE static int query_col(int j, int e, int lane) { return 8 * j + 2 * (lane & 3) + (e & 1); }
 
     // ---- descriptors ----
+    // One descriptor per tile (and warpgroup), advanced per k-step (descriptor_advance).
     CF_DEVICE u64 kmajor_a(u32 tile, int k) const {  // K or V rows of this warpgroup, d-steps
-        return smem_descriptor_sw128(tile + (k / 4) * Cfg::BC * Cfg::ROW_BYTES + wg * Cfg::WG_KEYS * Cfg::ROW_BYTES +
-                                         32 * (k % 4), 16, 1024);
+        return descriptor_advance(smem_descriptor_sw128(tile + wg * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16, 1024),
+                                  (k / 4) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % 4));
     }
     CF_DEVICE static u64 kmajor_b(u32 tile, int k) {  // Q or dO as the N = B_r operand, d-steps
-        return smem_descriptor_sw128(tile + (k / 4) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % 4), 16, 1024);
+        return descriptor_advance(smem_descriptor_sw128(tile, 16, 1024), (k / 4) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % 4));
     }
     CF_DEVICE static u64 mnmajor_b_q(u32 tile, int k) {  // Q or dO as the N = d operand, query-steps
-        return smem_descriptor_sw128(tile + 16 * k * Cfg::ROW_BYTES, Cfg::BR * Cfg::ROW_BYTES, 1024);
+        return descriptor_advance(smem_descriptor_sw128(tile, Cfg::BR * Cfg::ROW_BYTES, 1024), 16 * k * Cfg::ROW_BYTES);
     }
     // First key (inside the CTA's block) and first d column of this warpgroup's dQ GEMM.
     CF_DEVICE int dq_key0() const { return DQ_SPLIT ? 0 : wg * Cfg::WG_KEYS; }
     CF_DEVICE int dq_col0() const { return DQ_SPLIT ? wg * DQ_N : 0; }
-    CF_DEVICE u64 mnmajor_b_k(int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
-        return smem_descriptor_sw128(smem.k() + (dq_col0() / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
-                                         (dq_key0() + 16 * k) * Cfg::ROW_BYTES,
-                                     Cfg::BC * Cfg::ROW_BYTES, 1024);
+    CF_DEVICE u64 mnmajor_b_k(u32 k_tile, int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
+        return descriptor_advance(
+            smem_descriptor_sw128(k_tile + (dq_col0() / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                      dq_key0() * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
+            16 * k * Cfg::ROW_BYTES);
     }
     // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
     // are contiguous in the key, so key k of the CTA is row k of buffer `buf`.
-    CF_DEVICE u64 ds_a(int buf, int k) const {
-        return smem_descriptor_sw128(smem.ds(buf, 0) + (dq_key0() + 16 * k) * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024);
+    CF_DEVICE u64 ds_a(u32 ds_tile, int k) const {
+        return descriptor_advance(smem_descriptor_sw128(ds_tile + dq_key0() * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024),
+                                  16 * k * Cfg::ROW_BYTES);
     }
     // Shared address of dS^T element (key r of this warpgroup, query c) in buffer `buf` (128B swizzle).
     CF_DEVICE u32 ds_address(int buf, int r, int c) const {
@@ -186,7 +189,7 @@ struct BwdConsumer {
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < DQ_STEPS; ++k)
-                    wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(buf, k), mnmajor_b_k(k), k > 0);
+                    wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
                 wgmma_commit();
                 if constexpr (DK_AFTER_DQ) {
 #pragma unroll

@@ -14,6 +14,14 @@ CF_DEVICE u64 smem_descriptor_sw128(u32 smem_addr, u32 leading_bytes, u32 stride
            ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// `desc` with its start address moved on by `bytes` (a multiple of 16). The start-address field is
+// address >> 4 in the low 14 bits, and shared addresses stay below 228 KiB (< 2^18), so the add
+// never carries into the leading-byte field: one add per k-step instead of re-encoding the
+// descriptor from its address (an AND, a shift and the field ORs, each time).
+CF_DEVICE u64 descriptor_advance(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (bytes >> 4));
+}
+
 // Orders this thread's register and shared-memory accesses before the wgmma ops that follow
 // (needed before the first wgmma and whenever accumulators or A registers were touched).
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -48,33 +48,34 @@ struct Consumer {
 
     // ---- GEMM issue ----
     CF_DEVICE u32 q_tile() const { return smem.q(q_buffer<Cfg>(tile_iter)); }  // this tile's Q (and O staging)
-    CF_DEVICE u64 q_descriptor(int k) const {
-        const int c = k / 4, kk = k % 4;  // 4 k-steps of 16 elements per 128-byte row
-        return smem_descriptor_sw128(q_tile() + c * Cfg::BR * Cfg::ROW_BYTES + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * kk,
-                                     16, 1024);
-    }
-    CF_DEVICE u64 k_descriptor(int stage, int k) const {
-        const int c = k / 4, kk = k % 4;
-        return smem_descriptor_sw128(smem.k(stage) + c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk, 16, 1024);
-    }
-    // k-step k covers keys 16k..16k+15: 16 rows of every 64-column block; the N blocks of the
-    // head dimension are BC rows apart (LBO).
-    CF_DEVICE u64 v_descriptor(int stage, int k) const {
-        return smem_descriptor_sw128(smem.v(stage) + 16 * k * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024);
-    }
-
+    // The base descriptors are derived at each issue from an opaque copy of the shared base
+    // (empty asm), not kept live across the loop: the consumers of 3-warpgroup tiles run at 160
+    // registers, where one more live value spills.
     CF_DEVICE void issue_qk(Scores& s, int stage) const {
+        SmemLayout<Cfg> sm = smem;
+        asm volatile("" : "+r"(sm.base));
+        const u64 q0 = smem_descriptor_sw128(sm.q(q_buffer<Cfg>(tile_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, 1024);
+        const u64 k0 = smem_descriptor_sw128(sm.k(stage), 16, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < QK_STEPS; ++k)
-            wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], q_descriptor(k), k_descriptor(stage, k), k > 0);
+        for (int k = 0; k < QK_STEPS; ++k) {
+            const int c = k / 4, kk = k % 4;  // 4 k-steps of 16 elements per 128-byte row
+            wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], descriptor_advance(q0, c * Cfg::BR * Cfg::ROW_BYTES + 32 * kk),
+                                             descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
+        }
         wgmma_commit();
     }
 
     CF_DEVICE void issue_pv(int stage) {
+        SmemLayout<Cfg> sm = smem;
+        asm volatile("" : "+r"(sm.base));
+        // k-step k covers keys 16k..16k+15: 16 rows of every 64-column block; the N blocks of the
+        // head dimension are BC rows apart (LBO).
+        const u64 v0 = smem_descriptor_sw128(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES, 1024);
         wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], v_descriptor(stage, k), 1);
+        for (int k = 0; k < PV_STEPS; ++k)
+            wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
         wgmma_commit();
     }
 
