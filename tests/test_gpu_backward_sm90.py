@@ -239,7 +239,7 @@ def test_default_pick_is_backward_sm90(rng):
     from cupyflash.backward_api import _select, hopper_reason
     from cupyflash.interop import as_view
 
-    for causal in (True, False):  # the two d_head 128 defaults (two and three stages)
+    for causal in (True, False):  # the d_head 128 default, each mask
         q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, causal, rng)
         assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
         auto = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
