@@ -96,7 +96,21 @@ struct BwdConsumer {
         }
     }
 
+    // Non-causal CTAs whose key block reaches past seq_len_k clamp the exponent (probabilities);
+    // the others (all but the last key block of each head) run the loop without the clamp.
     CF_DEVICE void run() {
+        if constexpr (CAUSAL) {
+            walk<false>();
+        } else {
+            if ((sched.n_block + 1) * Cfg::BC > p.seq_len_k)
+                walk<true>();
+            else
+                walk<false>();
+        }
+    }
+
+    template <bool KEY_TAIL>
+    CF_DEVICE void walk() {
         mbarrier_wait(smem.kv_full(), 0);
         const int n = sched.iterations();
         const int key_base = sched.n_block * Cfg::BC;
@@ -125,9 +139,9 @@ struct BwdConsumer {
             wgmma_wait<1>();  // S^T is ready; dP^T may still run
             fence_registers(st);
             if (CAUSAL && Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
-                probabilities<false>(st, s, key_base, q0, causal_offset);
+                probabilities<false, KEY_TAIL>(st, s, key_base, q0, causal_offset);
             else
-                probabilities<true>(st, s, key_base, q0, causal_offset);
+                probabilities<true, KEY_TAIL>(st, s, key_base, q0, causal_offset);
             wgmma_wait<0>();
             fence_registers(dpt);
 #pragma unroll
@@ -259,11 +273,15 @@ struct BwdConsumer {
     // where the key is after the query's diagonal.
     // The tails need no mask: rows past seq_len_q (and rows whose forward saw no key) carry lse2
     // = +inf (the preprocess), so their P^T, and dS^T = P^T (dP^T - dvec) with dvec 0 there, are
-    // exactly 0; keys past seq_len_k are TMA's zero fill in K and V, so their P^T and dS^T are
-    // finite and reach only their own dK/dV rows, which the epilogue never stores, and dQ = dS K
-    // through K's zero rows. That keeps about a third of the elementwise instructions per block
-    // (two compares and a select per element) off the consumers' critical path.
-    template <bool MASK>
+    // exactly 0; keys past seq_len_k are TMA's zero fill in K and V, so their P^T and dS^T reach
+    // only their own dK/dV rows, which the epilogue never stores, and dQ = dS K through K's zero
+    // rows. That keeps two compares and a select per element off the consumers' critical path.
+    // Those keys' score is 0, which may lie far above a row's lse (a row whose every logit is
+    // below -88): without the causal mask (which hides every key past seq_len_k) the CTA of a
+    // head's last key block (KEY_TAIL) clamps the exponent at 0, which no visible score exceeds
+    // (lse2 bounds them), so their P^T stays <= 1 and dS^T finite, and 0 * K's zero rows adds
+    // exactly 0 to dQ. The other CTAs have no such keys and run the loop without the clamp.
+    template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll
@@ -276,7 +294,10 @@ struct BwdConsumer {
                     const int key = key_base + key_row(e), query = q0 + query_col(j, e, lane);
                     keep = key <= query + causal_offset;
                 }
-                st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
+                if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
+                    st[j][e] = fast_exp2(fminf(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x)), 0.f));
+                else
+                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
             }
         }
     }
