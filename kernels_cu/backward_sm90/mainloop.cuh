@@ -80,10 +80,6 @@ struct BwdConsumer {
         return descriptor_advance(smem_descriptor_sw128(ds_tile + dq_key0() * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024),
                                   16 * k * Cfg::ROW_BYTES);
     }
-    // Shared address of dS^T element (key r of this warpgroup, query c) in buffer `buf` (128B swizzle).
-    CF_DEVICE u32 ds_address(int buf, int r, int c) const {
-        return smem.ds(buf, wg) + r * Cfg::ROW_BYTES + (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
-    }
 
     // Accumulator pairs of 16 columns -> the A fragment of one k-step (mma.m16n8k16 layout).
     CF_DEVICE static void to_fragments(const float (&x)[NT][4], u32 (&a)[QK][4]) {
@@ -124,8 +120,7 @@ struct BwdConsumer {
             float st[NT][4], dpt[NT][4];
             // K and V descriptors derived here from an opaque copy of the shared base, not kept
             // across the loop (at the consumers' 232 registers ptxas spilled one of them)
-            BwdSmem<Cfg> kv = smem;
-            asm volatile("" : "+r"(kv.base));
+            const BwdSmem<Cfg> kv{opaque(smem.base)};
             wgmma_fence();
 #pragma unroll
             for (int k = 0; k < DK; ++k)
@@ -176,10 +171,9 @@ struct BwdConsumer {
                 const int buf = it & 1;
                 // The 128-byte row's swizzled chunk (2k + h) ^ (r & 7) is the row's chunk r & 7
                 // XOR (2k + h): one address per thread and row, XOR an immediate per store. The
-                // shared base and the thread index go through an empty asm so that ptxas derives
-                // the address here instead of keeping it live across the loop (it spilled it).
-                u32 base = smem.base, t = tid;
-                asm volatile("" : "+r"(base), "+r"(t)::"memory");
+                // shared base and the thread index are opaque so that ptxas derives the address
+                // here instead of keeping it live across the loop (it spilled it).
+                const u32 base = opaque(smem.base), t = opaque(tid);
                 const u32 tr = 16 * (t >> 5 & 3) + (t >> 2 & 7);  // r, from the opaque thread index
                 const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + tr * Cfg::ROW_BYTES +
                                    (((tr & 7) << 4) ^ (4 * (t & 3)));

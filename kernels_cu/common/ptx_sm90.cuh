@@ -22,6 +22,14 @@ CF_DEVICE u64 descriptor_advance(u64 desc, u32 bytes) {
     return (desc & 0xFFFFFFFF00000000ull) | (u32)((u32)desc + (bytes >> 4));
 }
 
+// `x` through an empty asm: ptxas no longer knows its value, so what a loop derives from it (a
+// shared address, a wgmma descriptor) is computed where it is used instead of being hoisted and
+// kept live across the loop, which at the consumers' register limits got spilled.
+CF_DEVICE u32 opaque(u32 x) {
+    asm volatile("" : "+r"(x));
+    return x;
+}
+
 // Orders this thread's register and shared-memory accesses before the wgmma ops that follow
 // (needed before the first wgmma and whenever accumulators or A registers were touched).
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -48,12 +48,11 @@ struct Consumer {
 
     // ---- GEMM issue ----
     CF_DEVICE u32 q_tile() const { return smem.q(q_buffer<Cfg>(tile_iter)); }  // this tile's Q (and O staging)
-    // The base descriptors are derived at each issue from an opaque copy of the shared base
-    // (empty asm), not kept live across the loop: the consumers of 3-warpgroup tiles run at 160
-    // registers, where one more live value spills.
+    // The base descriptors are derived at each issue from an opaque copy of the shared base, not
+    // kept live across the loop: the consumers of 3-warpgroup tiles run at 160 registers, where
+    // one more live value spills.
     CF_DEVICE void issue_qk(Scores& s, int stage) const {
-        SmemLayout<Cfg> sm = smem;
-        asm volatile("" : "+r"(sm.base));
+        const SmemLayout<Cfg> sm{opaque(smem.base)};
         const u64 q0 = smem_descriptor_sw128(sm.q(q_buffer<Cfg>(tile_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, 1024);
         const u64 k0 = smem_descriptor_sw128(sm.k(stage), 16, 1024);
         wgmma_fence();
@@ -67,8 +66,7 @@ struct Consumer {
     }
 
     CF_DEVICE void issue_pv(int stage) {
-        SmemLayout<Cfg> sm = smem;
-        asm volatile("" : "+r"(sm.base));
+        const SmemLayout<Cfg> sm{opaque(smem.base)};
         // k-step k covers keys 16k..16k+15: 16 rows of every 64-column block; the N blocks of the
         // head dimension are BC rows apart (LBO).
         const u64 v0 = smem_descriptor_sw128(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES, 1024);
