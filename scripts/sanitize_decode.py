@@ -30,6 +30,9 @@ from sanitize_common import Launch, check, reference, run_launches  # noqa: E402
 HEADS4 = "decode (FP16, 128, 16, 16, 8): stages_2+heads_4"
 INTERLEAVED = "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave"
 INTERLEAVED_32 = "decode (FP16, 64, 16, 32, 8): stages_1+interleave"
+WIDE = "decode (BF16, 128, 16, 16, 4): stages_3"
+WIDE_IL = "decode (FP16, 64, 16, 32, 8): stages_2+interleave+heads_2"
+WAVES = [0, 1, 17, 300] * 10  # 40 sequences: several waves of CTAs on an H100
 CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, splits, cfg (None: the library's)
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], None, 0, 3, None),
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], 16, 1, 2, None),
@@ -39,13 +42,16 @@ CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, sp
     (DType.FP16, 128, 2, 1, 24, 6, [33, 250], 16, 1, 3, HEADS4),   # 4 KV heads per CTA, a partial block
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], 16, 1, 5, INTERLEAVED),  # splits take steps round-robin
     (DType.FP16, 64, 2, 4, 16, 4, [15, 70], 16, 0, 3, INTERLEAVED_32),   # 32-key steps: two pages each
+    (DType.BF16, 128, 40, 1, 32, 8, WAVES, None, 0, 1, WIDE),          # several waves of CTAs
+    (DType.FP16, 64, 80, 4, 32, 8, WAVES * 2, None, 1, 3, WIDE_IL),    # ... of round-robin splits, causal
 ]
 
 
 def launches(rng: np.random.Generator) -> Iterator[Launch]:
     for case in CASES:
         dt, d, b, sq, h, hk, lens, ps, new, splits, cfg = case
-        label = (f"{dt.name} d{d} B={b} seq_q={sq} H={h}/{hk} lens={lens} page={ps or '-'} new={new} "
+        shown = lens if len(lens) <= 8 else f"{lens[:4]}*{len(lens) // 4}"
+        label = (f"{dt.name} d{d} B={b} seq_q={sq} H={h}/{hk} lens={shown} page={ps or '-'} new={new} "
                  f"splits={splits}" + (f" cfg={cfg}" if cfg else ""))
         yield Launch("decode", label, functools.partial(_once, case, rng))
 

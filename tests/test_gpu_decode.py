@@ -45,7 +45,7 @@ def prewarmed_cache():
                                         for dt, d in ((DType.BF16, 128), (DType.FP16, 64))}
     by_layout[True] |= set(_tune_and_progression_picks())
     for paged in (False, True):
-        by_layout[paged] |= {c.replace(dtype=dt) for c in INTERLEAVED for dt in DType}
+        by_layout[paged] |= {c.replace(dtype=dt) for c in INTERLEAVED + WAVES for dt in DType}
     results = []
     for paged, configs in by_layout.items():
         variants = [(causal, paged) for causal in (False, True)]
@@ -351,6 +351,56 @@ def test_interleaved_splits(cfg_index, page_size, rng):
                 p.lengths = p.lengths + 1
                 p.cache_seqlens = cp.asarray(p.lengths)
                 p.seq_new = new = 0
+
+
+# Grids of several waves of CTAs: the wide default's shape and an interleaved 8-warp one with two
+# KV heads per CTA.
+WAVES = [DecodeKernelConfig.parse(t) for t in (
+    "decode (BF16, 128, 16, 16, 4): stages_3",
+    "decode (BF16, 64, 16, 32, 8): stages_2+interleave+heads_2")]
+
+
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("cfg_index", range(len(WAVES)))
+def test_unused_cache_rows_hold_nan(cfg_index, page_size, rng):
+    """Every cache row past its sequence's end holds NaN (as in a cache allocated with
+    torch.empty); lengths 0, 1, one step, a step and a key, several waves of CTAs; causal seq_q 4
+    with an append and several split counts: the reference's results and no NaN (rows past the
+    end are zero-filled in shared memory, never read, since P's zeros would not cancel a NaN)."""
+    lengths = np.resize(np.array([0, 1, 15, 16, 17, 33, 100, 129, 300, 1999], dtype=np.int32), 160)
+    for dt, sq, causal, new in ((DType.BF16, 1, False, 0), (DType.FP16, 4, True, 1)):
+        cfg = WAVES[cfg_index].replace(dtype=dt)
+        p = Problem(rng, dt, cfg.d_head, 160, sq, 32, 8, lengths, page_size, seq_new=new, capacity=2048)
+        _poison_unused_rows(p)
+        for ns in (1, 3, None):
+            out, lse = p.run(cfg=cfg, num_splits=ns, causal=causal, return_lse=True)
+            assert not bool(cp.isnan(to_float32(cp, out)).any()), f"{cfg} num_splits={ns}: NaN in out"
+            p.check(out, lse, causal=causal, context=f"{cfg} num_splits={ns}")
+            if new:  # appended once (checked above); later calls attend to the cache as it is now
+                p.k_logical, p.v_logical = p.logical_from_pages() if page_size else (p.k_cache, p.v_cache)
+                p.k_new = p.v_new = None
+                p.lengths = p.lengths + 1
+                p.cache_seqlens = cp.asarray(p.lengths)
+                p.seq_new = new = 0
+                _poison_unused_rows(p)
+
+
+def _poison_unused_rows(p) -> None:
+    """NaN into every cache row at and past its sequence's length (and its appended rows)."""
+    nan = int(np.float16(np.nan).view(np.uint16)) if p.dtype is DType.FP16 else 0x7FC0
+    starts = [int(n) + p.seq_new for n in p.lengths]
+    if p.block_table is None:
+        for b, start in enumerate(starts):
+            bits(p.k_cache)[b, start:] = nan
+            bits(p.v_cache)[b, start:] = nan
+        return
+    table = cp.asnumpy(p.block_table)
+    rows = np.concatenate([np.arange(start, p.capacity) for start in starts])
+    seqs = np.concatenate([np.full(p.capacity - start, b) for b, start in enumerate(starts)])
+    pages = cp.asarray(table[seqs, rows // p.page_size])
+    offsets = cp.asarray(rows % p.page_size)
+    bits(p.k_cache)[pages, offsets] = nan
+    bits(p.v_cache)[pages, offsets] = nan
 
 
 @pytest.mark.parametrize("paged", [False, True])
