@@ -37,6 +37,9 @@ from sanitize_common import Launch, run_launches  # noqa: E402
 SHAPES = ((1, 77, 200, 4, 1),   # MQA, S_q < S_k
           (1, 130, 63, 4, 2),   # GQA, S_q > S_k: causal rows 0..66 see no key
           (1, 129, 129, 2, 2))  # one row past a block
+# --many-tiles: 9 key blocks x 16 kv heads = 144 tiles of 128 keys, more than an H100's 132 SMs,
+# so persistent backward_sm90 CTAs walk two tiles
+MANY_TILES = (1, 130, 1100, 32, 16)
 REL_L2_BOUND = 3e-2
 
 
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="", help="extra short forms, '|'-separated")
     ap.add_argument("--d-heads", default="64,128", help="default configs (bf16) of these head dims")
     ap.add_argument("--max-shapes", type=int, default=len(SHAPES), help="use only the first N shapes")
+    ap.add_argument("--many-tiles", action="store_true", help=f"add the shape {MANY_TILES} (B, S_q, S_k, H, H_kv)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from cupyflash.device import has_gpu
@@ -131,7 +135,8 @@ def main(argv=None) -> int:
     import cupy as cp
 
     cp.cuda.set_allocator(None)
-    done = run_launches(launches(pick_configs(args.d_heads, args.configs), SHAPES[:args.max_shapes],
+    shapes = SHAPES[:args.max_shapes] + ((MANY_TILES,) if args.many_tiles else ())
+    done = run_launches(launches(pick_configs(args.d_heads, args.configs), shapes,
                                  np.random.default_rng(args.seed)), lambda line: print(line, flush=True))
     print(f"sanitize_backward: {done.runs} backward calls, {done.ok} ok, {len(done.failures)} failed "
           f"in {done.seconds:.1f} s")

@@ -42,15 +42,16 @@ def test_default_config_text():
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 40 + 1024
+    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
-    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 56 + 1024
+    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
-    # one default per (dtype, d_head) for both masks (rotate moves only non-causal CTAs)
-    for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
-        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
+    # d_head 128: non-causal calls take persistent CTAs (without rotate); d_head 64 one config
+    assert config_sets.default_config(DType.BF16, 128, causal=False).short_form() == \
+        "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent"
+    assert config_sets.default_config(DType.FP16, 64, causal=False) == config_sets.default_config(DType.FP16, 64)
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
 
@@ -156,12 +157,12 @@ def test_params_layout():
 
 def test_params_pack_round_trip():
     descs = [bytes([i]) * 128 for i in range(1, 6)]
-    values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2, 4, 0.125, 0.18)
+    values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2, 4, 3, 0.125, 0.18)
     raw = pack_params(*values)
     assert len(raw) == PARAMS_SIZE
     back = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
-    assert back[:5] == tuple(descs) and back[5:22] == values[5:22]
-    assert back[22] == pytest.approx(0.125) and back[23] == pytest.approx(0.18, rel=1e-6)
+    assert back[:5] == tuple(descs) and back[5:23] == values[5:23]
+    assert back[23] == pytest.approx(0.125) and back[24] == pytest.approx(0.18, rel=1e-6)
 
 
 def test_rendered_source_has_both_param_structs_and_configs():
@@ -203,7 +204,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
@@ -310,8 +311,8 @@ def test_pack_dkdv(monkeypatch):
     assert vals[4] == bytes(128)  # no dq_tma: the workspace map is left zero
     assert vals[5:10] == (0x10, 0x20, 0x30, 0x40, 0x50)
     assert vals[10:16] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
-    assert vals[16:22] == (77, 130, 128, 8, 2, 4)
-    assert vals[22] == pytest.approx(128 ** -0.5)
+    assert vals[16:23] == (77, 130, 128, 8, 2, 4, 1)  # ..., kv_group_size, batch
+    assert vals[23] == pytest.approx(128 ** -0.5)
 
 
 def test_pack_dkdv_dq_tma_map(monkeypatch):
@@ -458,7 +459,8 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     [(plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
-    assert plan.cfg.n_stages == 2 and plan.cfg.rotate  # one default for both masks
+    # causal: one CTA per tile (rotate, a no-op there); non-causal: persistent CTAs
+    assert plan.cfg.n_stages == 2 and plan.cfg.persistent == (not causal) and plan.cfg.rotate == causal
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
@@ -496,3 +498,19 @@ def test_hopper_reason_without_a_device(monkeypatch):
     monkeypatch.setattr(api, "_compute_capability", no_gpu)
     a = _args()
     assert "no CUDA device" in hopper_reason(a["dout"], a["q"], a["k"], a["v"])
+
+
+def test_persistent_knob_short_form_rule_and_grid():
+    cfg = config_sets.default_config(DType.BF16, 128).replace(persistent=True)
+    text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate+persistent"
+    assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
+    with pytest.raises(ValueError, match="persistent needs dq_tma"):
+        HopperBackwardKernelConfig(DType.BF16, 128, 64, 128, 2, persistent=True)
+    # one CTA per SM, at most one per tile (3 key blocks x 2 kv heads x 2 batch = 12 tiles)
+    assert BACKWARD_SM90.grid(cfg, "dkdv", 2, 4, 2, 100, 300, sm_count=132) == (12, 1, 1)
+    assert BACKWARD_SM90.grid(cfg, "dkdv", 2, 4, 2, 100, 300, sm_count=5) == (5, 1, 1)
+    assert BACKWARD_SM90.grid(cfg, "dkdv", 2, 4, 2, 100, 0, sm_count=5)[0] == 0  # no keys: nothing to launch
+    with pytest.raises(ValueError, match="sm_count"):
+        BACKWARD_SM90.grid(cfg, "dkdv", 2, 4, 2, 100, 300)
+    assert BACKWARD_SM90.grid(cfg.replace(persistent=False), "dkdv", 2, 4, 2, 100, 300) == (3, 2, 2)
+    assert cfg.smem_bytes() == cfg.replace(persistent=False).smem_bytes()  # kv_empty is always allocated

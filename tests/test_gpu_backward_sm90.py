@@ -55,7 +55,11 @@ LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
     (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
     (3, ("lpt", "pdl", "dq_early")), (3, ("pdl", "dq_early")),
     # block order: each non-causal CTA starts at its own query block
-    (2, ("pdl", "dq_early", "rotate")), (3, ("pdl", "dq_early", "rotate")), (2, ("lpt", "pdl", "dq_early", "rotate")))}
+    (2, ("pdl", "dq_early", "rotate")), (3, ("pdl", "dq_early", "rotate")), (2, ("lpt", "pdl", "dq_early", "rotate")),
+    # persistent CTAs (one per SM walking tiles), with and without pdl
+    (2, ("pdl", "dq_early", "rotate", "persistent")), (2, ("lpt", "pdl", "dq_early", "persistent")),
+    (2, ("persistent",)))}
+PERSISTENT_KNOBS = [k for k in LAUNCH_KNOBS if "persistent" in k]
 
 
 def launch_knobs(dtype, name):
@@ -206,6 +210,26 @@ def test_launch_knobs_many_blocks_heads_and_repeats(knobs, rng):
         a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
         assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
     run_case(cfg, 2, 333, 270, 4, 2, True, rng, deterministic=True)
+
+
+@pytest.mark.parametrize("knobs", PERSISTENT_KNOBS)
+def test_persistent_ctas_walk_several_tiles(knobs, rng):
+    """More tiles than SMs (288 and 2x that: each CTA walks two to five tiles, the Q/dO ring and
+    the barriers' phases running on across them), key and query tails, GQA 2, causal and not,
+    seq_q != seq_k, the deterministic variant, and repeated calls on one stream."""
+    for dtype in DType:
+        cfg = launch_knobs(dtype, knobs)
+        run_case(cfg, 2, 1100, 1100, 32, 16, False, rng)
+        run_case(cfg, 4, 1000, 1100, 32, 16, True, rng)
+    cfg = launch_knobs(DType.BF16, knobs)
+    run_case(cfg, 2, 1100, 1000, 32, 16, True, rng, deterministic=True)
+    q, k, v, dout, out, lse = _inputs(cfg.dtype, 128, 2, 1100, 1100, 32, 16, False, rng)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=False, cfg=cfg)
+    for _ in range(3):
+        again = cupyflash.backward(dout, q, k, v, out, lse, causal=False, cfg=cfg)
+    for a, b in zip(first, again):
+        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
+        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
 
 
 @pytest.mark.parametrize("d_head", D_HEADS)

@@ -24,12 +24,15 @@ struct StaticHopperBackwardConfig {
     static constexpr bool PDL = C.pdl;          // programmatic dependent launches (griddepcontrol)
     static constexpr bool DQ_EARLY = C.dq_early;  // per-block counters: convert each dQ block once complete
     static constexpr bool ROTATE = C.rotate;      // non-causal: each CTA starts at its own query block
+    static constexpr bool PERSISTENT = C.persistent;  // one CTA per SM walks tiles t, t + grid, ...
     // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
     static constexpr int LPT_L2_KIB = 16 << 10;
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
     static constexpr int CONSUMERS = BC / WG_KEYS;
     static constexpr int N_THREADS = 128 * (CONSUMERS + 1);  // + the producer warpgroup
+    // The CTA keeps the registers it was launched with (168 x 384 = 64512; setmaxnreg moves them
+    // between warpgroups, an increase waits until they are free): 40 x 128 + 232 x 256 = 64512.
     static constexpr int PRODUCER_REGS = DQ_TMA ? 40 : 24;
     static constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : DQ_TMA ? 232 : 240;
 
@@ -74,7 +77,7 @@ struct StaticHopperBackwardConfig {
     static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
-    static constexpr int BAR_BYTES = 8 * (1 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s]
+    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s], kv_empty
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
     static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
@@ -86,6 +89,7 @@ struct StaticHopperBackwardConfig {
     static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
+    static_assert(!PERSISTENT || DQ_TMA, "persistent: the writer warp's panel hand-over runs on across tiles");
     static_assert(BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
@@ -113,22 +117,53 @@ struct BwdSmem {
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
+    // persistent: every consumer thread's GEMMs of a tile (the last ones read K and V) are done
+    CF_DEVICE u32 kv_empty() const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES); }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
 // least one of the CTA's keys (causal, bottom-right aligned: query i sees key j <= i + seq_k - seq_q).
 // Per head the blocks are walked from m_begin + rot, wrapping (rot is 0 unless rotate, non-causal).
+// gridDim.x, read where it is used (asm volatile: not hoisted into a register across a loop).
+CF_DEVICE int grid_ctas() {
+    int n;
+    asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+    return n;
+}
+
+// A dK/dV tile (key block x, kv head y, batch z) of a grid of nx x ny x nz tiles: the CTA's own
+// block (one CTA per tile), or with persistent CTAs tile `linear` of the launch order.
+struct BwdTile {
+    int x, y, z, nx, ny, nz;
+
+    CF_DEVICE static BwdTile of_block() {
+        return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.x, (int)gridDim.y, (int)gridDim.z};
+    }
+    template <int BC>
+    CF_DEVICE static BwdTile of_linear(const HopperBackwardParams& p, int linear) {
+        const int nx = (p.seq_len_k + BC - 1) / BC;
+        return {linear % nx, linear / nx % p.n_kv_heads, linear / (nx * p.n_kv_heads), nx, p.n_kv_heads, p.batch};
+    }
+    CF_DEVICE int count() const { return nx * ny * nz; }
+    // Tiles of the call, from the parameters where it is needed (kept in a register across the
+    // roles' loops, ptxas spilled it at the producer warpgroup's 40 registers).
+    template <int BC>
+    CF_DEVICE static int count_of(const HopperBackwardParams& p) {
+        return (p.seq_len_k + BC - 1) / BC * p.n_kv_heads * p.batch;
+    }
+};
+
 struct BwdSchedule {
     int n_block, kv_head, batch;
     int m_begin, m_blocks, group, rot;
 
     template <class Cfg, bool CAUSAL>
-    CF_DEVICE static BwdSchedule make(const HopperBackwardParams& p) {
+    CF_DEVICE static BwdSchedule make(const HopperBackwardParams& p, const BwdTile& t) {
         BwdSchedule s;
-        s.n_block = blockIdx.x;
-        s.kv_head = blockIdx.y;
-        s.batch = blockIdx.z;
-        if constexpr (CAUSAL && Cfg::LPT) s.longest_first<Cfg>(p);
+        s.n_block = t.x;
+        s.kv_head = t.y;
+        s.batch = t.z;
+        if constexpr (CAUSAL && Cfg::LPT) s.longest_first<Cfg>(p, t);
         s.group = p.kv_group_size;
         const int m_end = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
         int first = 0;
@@ -138,7 +173,7 @@ struct BwdSchedule {
         s.rot = 0;
         // key block n of N starts at query block n M / N: the CTAs of a head (started together)
         // add into different dQ rows at any one time
-        if constexpr (Cfg::ROTATE && !CAUSAL) s.rot = (int)((long long)s.n_block * s.m_blocks / gridDim.x);
+        if constexpr (Cfg::ROTATE && !CAUSAL) s.rot = (int)((long long)s.n_block * s.m_blocks / t.nx);
         return s;
     }
     // lpt: CTAs are started in linear block order, so give the first ones the most query blocks.
@@ -147,18 +182,18 @@ struct BwdSchedule {
     // comes first, then key block 1, ... (a causal key block has fewer query blocks the later it
     // is). The chunk keeps the concurrent CTAs' Q/dO reads inside L2.
     template <class Cfg>
-    CF_DEVICE void longest_first(const HopperBackwardParams& p) {
-        const int nb = gridDim.x, pairs = gridDim.y * gridDim.z;
+    CF_DEVICE void longest_first(const HopperBackwardParams& p, const BwdTile& t) {
+        const int nb = t.nx, pairs = t.ny * t.nz;
         // KiB of Q + dO (16-bit) per (kv head, batch): 32-bit up to seq_len_q * group < 2^31 / (D / 256)
         const int pair_kib = max(1, p.kv_group_size * p.seq_len_q / (1024 / (Cfg::D * 4)));
         const int per = max(1, min(pairs, Cfg::LPT_L2_KIB / pair_kib));
-        const int linear = blockIdx.x + nb * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int linear = t.x + nb * (t.y + t.ny * t.z);
         const int chunk = linear / (per * nb), r = linear % (per * nb);
         const int in_chunk = min(per, pairs - chunk * per);  // the last chunk may be smaller
         const int pair = chunk * per + r % in_chunk;
         n_block = r / in_chunk;
-        kv_head = pair % gridDim.y;
-        batch = pair / gridDim.y;
+        kv_head = pair % t.ny;
+        batch = pair / t.ny;
     }
     CF_DEVICE int iterations() const { return group * m_blocks; }
     CF_DEVICE int q_head(int it) const { return kv_head * group + it / m_blocks; }

@@ -11,22 +11,23 @@
 // warpgroup's panels once before its first block and then once after each block but the last.
 // With dq_early the writer also counts each (head, query block) it has finished adding to (one
 // iteration late, so the wait for the reductions' completion rarely blocks). With rotate the
-// walk over query blocks starts at the CTA's own block (BwdSchedule::rot) and wraps.
+// walk over query blocks starts at the CTA's own block (BwdSchedule::rot) and wraps. Persistent
+// CTAs walk one tile after another and free the panels after every block; the consumers then
+// take the last hand-over after their last tile.
 #pragma once
 
 template <class Cfg>
 struct BwdDqWriter {
     const HopperBackwardParams& p;
     BwdSmem<Cfg> smem;
-    BwdSchedule sched;
+    BwdSchedule sched;  // the CTA's tile (persistent: the one being walked)
     int lane;
 
+    // One CTA per tile.
     CF_DEVICE void run() const {
         const int n = sched.iterations();
         if (n == 0) return;
-        if constexpr (Cfg::PDL) pdl_wait_for_predecessor();  // dq_accum is zeroed (and counters reset) by the preprocess
-#pragma unroll
-        for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
+        start();
         // (head, query block) of iteration it, stepped instead of divided (this warp has few
         // registers): block sched.m_begin + j, or with rotate sched.m_begin + mm, mm = (rot + j)
         // mod m_blocks
@@ -34,61 +35,120 @@ struct BwdDqWriter {
         if constexpr (Cfg::ROTATE) mm = sched.rot;
         int prev_head = head, prev_m = 0;  // dq_early: the block issued one iteration before, not yet counted
         for (int it = 0; it < n; ++it) {
-            const int row0 = (sched.m_begin + (Cfg::ROTATE ? mm : j)) * Cfg::BR;
-#pragma unroll
-            for (int w = 0; w < Cfg::CONSUMERS; ++w) {
-                named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
-                if (lane == 0) {
-#pragma unroll
-                    for (int c = 0; c < Cfg::DQ_PANELS; ++c)
-                        tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c), (w * Cfg::DQ_PANELS + c) * Cfg::DQ_PANEL_COLS,
-                                          row0, head, sched.batch);
-                    bulk_commit_group();
-                }
-            }
-            const int cur_head = head, cur_m = sched.m_begin + (Cfg::ROTATE ? mm : j);
-            if (++j == sched.m_blocks) {
-                j = 0;
-                ++head;
-                if constexpr (Cfg::ROTATE) mm = sched.rot;
-            } else if constexpr (Cfg::ROTATE) {
-                if (++mm == sched.m_blocks) mm = 0;
-            }
-            if (it + 1 < n) {
-                // Warpgroup 0's group is the older one: free its panels first.
-                if (lane == 0) bulk_wait_group_read<1>();
-                __syncwarp();
-                named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER, Cfg::DQ_TMA_THREADS);
-                if (lane == 0) bulk_wait_group_read<0>();
-                __syncwarp();
-                named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + 1, Cfg::DQ_TMA_THREADS);
-            }
+            const int cur_m = sched.m_begin + (Cfg::ROTATE ? mm : j);
+            reduce_block(cur_m * Cfg::BR, head);
+            const int cur_head = head;
+            step(head, j, mm);
+            if (it + 1 < n) free_panels();
             if constexpr (Cfg::DQ_EARLY) {
                 // The previous block's reductions (all but this iteration's CONSUMERS groups)
                 // have completed by now or soon: count it done for the convert kernel.
                 if (it > 0 && lane == 0) {
                     bulk_wait_group_done<Cfg::CONSUMERS>();
-                    count_block(prev_head, prev_m);
+                    count_block(sched.batch, prev_head, prev_m);
                 }
                 __syncwarp();
                 prev_head = cur_head;
                 prev_m = cur_m;
             }
         }
-        // The reductions are complete before the CTA exits (its shared memory is still read).
+        finish(sched.batch, prev_head, prev_m);
+    }
+
+    // persistent: tiles t, t + grid, ... of the launch order (as the other roles walk them); the
+    // panels are freed after every block, and the consumers take the hand-over after the last.
+    template <bool CAUSAL>
+    CF_DEVICE void run_tiles() {
+        start();
+        int prev_batch = -1, prev_head = 0, prev_m = 0;  // dq_early: the block added one iteration before
+        for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(p); t += grid_ctas()) {
+            sched = BwdSchedule::make<Cfg, CAUSAL>(p, BwdTile::of_linear<Cfg::BC>(p, t));
+            const int n = sched.iterations();
+            int head = sched.q_head(0), j = 0, mm = 0;
+            if constexpr (Cfg::ROTATE) mm = sched.rot;
+            for (int it = 0; it < n; ++it) {
+                const int cur_m = sched.m_begin + (Cfg::ROTATE ? mm : j);
+                reduce_block(cur_m * Cfg::BR, head);
+                const int cur_head = head;
+                step(head, j, mm);
+                free_panels();
+                if constexpr (Cfg::DQ_EARLY) {
+                    if (prev_batch >= 0 && lane == 0) {
+                        bulk_wait_group_done<Cfg::CONSUMERS>();
+                        count_block(prev_batch, prev_head, prev_m);
+                    }
+                    __syncwarp();
+                    prev_batch = sched.batch;
+                    prev_head = cur_head;
+                    prev_m = cur_m;
+                }
+            }
+        }
+        if (prev_batch >= 0 || !Cfg::DQ_EARLY) finish(prev_batch, prev_head, prev_m);
+        else finish_plain();
+    }
+
+    // Before the CTA's first block: dq_accum is zeroed, and each warpgroup's panels are free.
+    CF_DEVICE void start() const {
+        if constexpr (Cfg::PDL) pdl_wait_for_predecessor();  // dq_accum is zeroed (and counters reset) by the preprocess
+#pragma unroll
+        for (int w = 0; w < Cfg::CONSUMERS; ++w) named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + w, Cfg::DQ_TMA_THREADS);
+    }
+    // The query block at row0 of `head`: each warpgroup's staged panels added to the workspace.
+    CF_DEVICE void reduce_block(int row0, int head) const {
+#pragma unroll
+        for (int w = 0; w < Cfg::CONSUMERS; ++w) {
+            named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
+            if (lane == 0) {
+#pragma unroll
+                for (int c = 0; c < Cfg::DQ_PANELS; ++c)
+                    tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c), (w * Cfg::DQ_PANELS + c) * Cfg::DQ_PANEL_COLS, row0,
+                                      head, sched.batch);
+                bulk_commit_group();
+            }
+        }
+    }
+    // The next (head, block) of the walk.
+    CF_DEVICE void step(int& head, int& j, int& mm) const {
+        if (++j == sched.m_blocks) {
+            j = 0;
+            ++head;
+            if constexpr (Cfg::ROTATE) mm = sched.rot;
+        } else if constexpr (Cfg::ROTATE) {
+            if (++mm == sched.m_blocks) mm = 0;
+        }
+    }
+    // Each warpgroup's panels, once the reductions have read them (warpgroup 0's group is the
+    // older one: freed first).
+    CF_DEVICE void free_panels() const {
+        if (lane == 0) bulk_wait_group_read<1>();
+        __syncwarp();
+        named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER, Cfg::DQ_TMA_THREADS);
+        if (lane == 0) bulk_wait_group_read<0>();
+        __syncwarp();
+        named_barrier_arrive(Cfg::DQ_TMA_EMPTY_BARRIER + 1, Cfg::DQ_TMA_THREADS);
+    }
+    // The reductions are complete before the CTA exits (its shared memory is still read); with
+    // dq_early the last block is counted.
+    CF_DEVICE void finish(int batch, int head, int m) const {
         if (lane == 0) {
             bulk_wait_group_0<false>();
-            if constexpr (Cfg::DQ_EARLY) count_block(prev_head, prev_m);
+            if constexpr (Cfg::DQ_EARLY) count_block(batch, head, m);
         }
+        __syncwarp();
+    }
+    CF_DEVICE void finish_plain() const {
+        if (lane == 0) bulk_wait_group_0<false>();
         __syncwarp();
     }
 
     // dq_early: this CTA's additions to query block m of `head` are complete and visible (the
     // async proxy's writes ordered before the release by the proxy fence).
-    CF_DEVICE void count_block(int head, int m) const {
+    CF_DEVICE void count_block(int batch, int head, int m) const {
         fence_proxy_async_global();
-        red_release_gpu_add(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad,
-                                                              sched.batch, head, m),
+        const int batches = Cfg::PERSISTENT ? p.batch : (int)gridDim.z;
+        red_release_gpu_add(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, batches, p.n_heads, p.seq_len_q_pad, batch,
+                                                              head, m),
                             1u);
     }
 };

@@ -3,7 +3,7 @@
 // warpgroups 1.. are consumers of 64 keys each (mainloop.cuh); with dq_tma, warp 1 of the
 // producer warpgroup adds dQ to the workspace (dq_writer.cuh). The preprocess (dvec, lse2,
 // dq_accum zeroed), the dQ conversion and the deterministic dQ pass are backward_sm80's kernels,
-// instantiated in the same module.
+// instantiated in the same module. With persistent, one CTA per SM walks tiles (kernel below).
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
@@ -11,16 +11,17 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     backward_sm90_dkdv_kernel(const __grid_constant__ HopperBackwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const BwdSmem<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
-    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params);
     const int warpgroup = threadIdx.x / 128;
+    constexpr bool WRITER = Cfg::DQ_TMA && !DETERMINISTIC;
 
     if (threadIdx.x == 0) {
         tma_prefetch_descriptor(&params.tma_q);
         tma_prefetch_descriptor(&params.tma_k);
         tma_prefetch_descriptor(&params.tma_v);
         tma_prefetch_descriptor(&params.tma_do);
-        if constexpr (Cfg::DQ_TMA && !DETERMINISTIC) tma_prefetch_descriptor(&params.tma_dq);
+        if constexpr (WRITER) tma_prefetch_descriptor(&params.tma_dq);
         mbarrier_init(smem.kv_full(), 1);
+        if constexpr (Cfg::PERSISTENT) mbarrier_init(smem.kv_empty(), 128 * Cfg::CONSUMERS);
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.q_full(s), 1);
             mbarrier_init(smem.q_empty(s), 128 * Cfg::CONSUMERS);  // one arrival per consumer thread
@@ -29,10 +30,47 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     }
     __syncthreads();
 
+    if constexpr (Cfg::PERSISTENT) {
+        // Tiles t = blockIdx.x, + gridDim.x, ... of the launch order; every role walks the same
+        // ones, the Q/dO ring (position `ring`) and the barriers' phases running on across them.
+        if (warpgroup == 0) {
+            setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+            if (threadIdx.x == 0) {
+                // (the grid size and the tile count are read where used, not kept in registers:
+                // at the producer's 40 registers ptxas spilled them)
+                int ring = 0;
+                for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += grid_ctas()) {
+                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+                    BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run_tile((t - (int)blockIdx.x) / grid_ctas(), ring);
+                    ring += sched.iterations();
+                }
+            }
+            if constexpr (WRITER) {
+                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
+            }
+            return;
+        }
+        setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+        int ring = 0, index = 0;
+        for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += gridDim.x, ++index) {
+            const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+            BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128, ring,
+                                                            index);
+            consumer.run();
+            consumer.release_kv();
+            BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+            ring += sched.iterations();
+        }
+        // The writer's hand-over after the CTA's last query block.
+        if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
+        return;
+    }
+
+    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_block());
     if (warpgroup == 0) {
         setmaxnreg_dec<Cfg::PRODUCER_REGS>();
         if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run();
-        if constexpr (Cfg::DQ_TMA && !DETERMINISTIC) {
+        if constexpr (WRITER) {
             if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, sched, (int)(threadIdx.x % 32)}.run();
         }
         return;

@@ -36,13 +36,16 @@ struct BwdConsumer {
     BwdSmem<Cfg> smem;
     BwdSchedule sched;
     const int wg, tid, lane, warp;
+    const int it_base;   // ring position of the tile's first query block (persistent CTAs run on)
+    const u32 kv_phase;  // parity of the tile's kv_full phase (tiles this CTA took before, mod 2)
 
     float dk[Cfg::D / 8][4];
     float dv[Cfg::D / 8][4];
 
     CF_DEVICE BwdConsumer(const HopperBackwardParams& params, BwdSmem<Cfg> layout, BwdSchedule s, int warpgroup,
-                          int thread)
-        : p(params), smem(layout), sched(s), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5) {
+                          int thread, int ring = 0, int tile_index = 0)
+        : p(params), smem(layout), sched(s), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5),
+          it_base(ring), kv_phase((u32)tile_index & 1u) {
 #pragma unroll
         for (int n = 0; n < Cfg::D / 8; ++n)
 #pragma unroll
@@ -107,15 +110,15 @@ struct BwdConsumer {
 
     template <bool KEY_TAIL>
     CF_DEVICE void walk() {
-        mbarrier_wait(smem.kv_full(), 0);
+        mbarrier_wait(smem.kv_full(), kv_phase);
         const int n = sched.iterations();
         const int key_base = sched.n_block * Cfg::BC;
         const int causal_offset = p.seq_len_k - p.seq_len_q;
         for (int it = 0; it < n; ++it) {
-            const int s = bwd_stage(it, Cfg::STAGES);
+            const int s = bwd_stage(it_base + it, Cfg::STAGES);
             const int head = sched.q_head(it);
             const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
-            mbarrier_wait(smem.q_full(s), bwd_phase(it, Cfg::STAGES));
+            mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
 
             float st[NT][4], dpt[NT][4];
             // K and V descriptors derived here from an opaque copy of the shared base, not kept
@@ -168,7 +171,7 @@ struct BwdConsumer {
             } else {
                 // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
                 // it - 2, which every reader completed before the barrier of iteration it - 1.
-                const int buf = it & 1;
+                const int buf = (it_base + it) & 1;
                 // The 128-byte row's swizzled chunk (2k + h) ^ (r & 7) is the row's chunk r & 7
                 // XOR (2k + h): one address per thread and row, XOR an immediate per store. The
                 // shared base and the thread index are opaque so that ptxas derives the address
@@ -322,6 +325,10 @@ struct BwdConsumer {
 
     // dq_bulk: the warp that issues the bulk reductions of dQ (warp 0 of the first consumer).
     CF_DEVICE bool issues_dq() const { return wg == 0 && warp == 0; }
+
+    // persistent: this thread's GEMMs of the tile (the last ones read K and V) have completed
+    // (walk waited for them), so the producer may load the next tile's K and V.
+    CF_DEVICE void release_kv() const { mbarrier_arrive(smem.kv_empty()); }
 
     // The bulk reductions of the last block have completed (before the CTA may exit).
     CF_DEVICE void drain() const {

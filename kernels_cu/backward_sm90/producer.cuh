@@ -2,7 +2,8 @@
 // then per query block Q, dO (4-D tensor copies) and its lse2/dvec rows (1-D bulk copies) into a
 // ring stage, all four completing the stage's q_full barrier. A stage is refilled once every
 // consumer thread has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed).
-// With pdl the K/V loads are issued before waiting for the preprocess kernel.
+// With pdl the K/V loads are issued before waiting for the preprocess kernel. Persistent CTAs
+// run it once per tile, the Q/dO ring continuing across tiles.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -12,6 +13,43 @@ struct BwdProducer {
     BwdSchedule sched;
 
     CF_DEVICE void run() const {
+        load_kv();
+        wait_for_preprocess();
+        const int n = sched.iterations();
+        for (int it = 0; it < n; ++it) load_stage(it, 0);
+    }
+
+    // persistent: tile `index` of the CTA, whose query blocks take ring positions it_base, ...
+    // The first runs as run() does; a later one loads its first Q/dO stage (freed while the
+    // consumers still work on the previous tile), then K and V once the consumers' last GEMMs
+    // have read the previous ones (kv_empty), then the rest. The loops are not unrolled: at the
+    // producer's 40 registers an unrolled copy spilled.
+    CF_DEVICE void run_tile(int index, int it_base) const {
+        const int n = sched.iterations();
+        int it = 0;
+        if (index == 0) {
+            load_kv();
+            wait_for_preprocess();
+        } else {
+            if (n > 0) load_stage(it++, it_base);
+            mbarrier_wait(smem.kv_empty(), (u32)(index - 1) & 1u);
+            load_kv();
+        }
+#pragma unroll 1
+        for (; it < n; ++it) load_stage(it, it_base);
+    }
+
+    // pdl: K and V are inputs; lse2 and dvec (and, for the writer warp, dq_accum) are the
+    // preprocess's: wait for it here, then let the convert kernel's grid launch (its CTAs find
+    // SMs only as this grid's last wave drains).
+    CF_DEVICE static void wait_for_preprocess() {
+        if constexpr (Cfg::PDL) {
+            pdl_wait_for_predecessor();
+            pdl_launch_dependents();
+        }
+    }
+
+    CF_DEVICE void load_kv() const {
         mbarrier_arrive_expect_tx(smem.kv_full(), 2 * Cfg::KV_BYTES);
         const int key0 = sched.n_block * Cfg::BC;
 #pragma unroll
@@ -21,30 +59,25 @@ struct BwdProducer {
             tma_load_4d(smem.v() + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_v, smem.kv_full(), c * Cfg::COL_BLOCK, key0,
                         sched.kv_head, sched.batch);
         }
-        if constexpr (Cfg::PDL) {
-            // K and V are inputs; lse2 and dvec (and, for the writer warp, dq_accum) are the
-            // preprocess's: wait for it here, then let the convert kernel's grid launch (its
-            // CTAs find SMs only as this grid's last wave drains).
-            pdl_wait_for_predecessor();
-            pdl_launch_dependents();
-        }
-        const int n = sched.iterations();
-        for (int it = 0; it < n; ++it) {
-            const int s = bwd_stage(it, Cfg::STAGES);
-            mbarrier_wait(smem.q_empty(s), bwd_phase(it, Cfg::STAGES) ^ 1u);
-            const int head = sched.q_head(it);
-            const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
-            mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::STAGE_LOAD_BYTES);
+    }
+
+    // Query block `it` of the tile into ring position it_base + it, once its stage is free.
+    CF_DEVICE void load_stage(int it, int it_base) const {
+        const int g = it_base + it;
+        const int s = bwd_stage(g, Cfg::STAGES);
+        mbarrier_wait(smem.q_empty(s), bwd_phase(g, Cfg::STAGES) ^ 1u);
+        const int head = sched.q_head(it);
+        const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::STAGE_LOAD_BYTES);
 #pragma unroll
-            for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
-                tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(s), c * Cfg::COL_BLOCK, row0,
-                            head, sched.batch);
-                tma_load_4d(smem.dout(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_do, smem.q_full(s), c * Cfg::COL_BLOCK,
-                            row0, head, sched.batch);
-            }
-            const long long stat = ((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + row0;
-            bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
-            bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.q_full(s));
+        for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
+            tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(s), c * Cfg::COL_BLOCK, row0,
+                        head, sched.batch);
+            tma_load_4d(smem.dout(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_do, smem.q_full(s), c * Cfg::COL_BLOCK,
+                        row0, head, sched.batch);
         }
+        const long long stat = ((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + row0;
+        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
+        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.q_full(s));
     }
 };

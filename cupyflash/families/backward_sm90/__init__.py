@@ -102,11 +102,17 @@ class BackwardSm90Family(KernelFamily):
         return 0
 
     def grid(self, cfg: HopperBackwardKernelConfig, role: str, batch: int, n_heads: int, n_kv_heads: int,
-             seq_len_q: int, seq_len_k: int) -> tuple[int, int, int]:
+             seq_len_q: int, seq_len_k: int, sm_count: int = 0) -> tuple[int, int, int]:
         """Launch grid of `role` (x may be 0: nothing to launch). dkdv: one CTA per (key block,
-        kv head, batch); the others as backward_sm80 launches them for the companion config."""
+        kv head, batch), or with `persistent` one per SM (`sm_count`), at most one per tile; the
+        others as backward_sm80 launches them for the companion config."""
         if role == "dkdv":
-            return (-(-seq_len_k // cfg.B_c), n_kv_heads, batch)
+            tiles = (-(-seq_len_k // cfg.B_c), n_kv_heads, batch)
+            if cfg.persistent:
+                if sm_count <= 0:
+                    raise ValueError("sm_count: a persistent dK/dV grid needs the GPU's SM count")
+                return (min(tiles[0] * tiles[1] * tiles[2], sm_count), 1, 1)
+            return tiles
         return BACKWARD_SM80.grid(config_sets.companion_config(cfg), role, batch, n_heads, n_kv_heads,
                                   seq_len_q, seq_len_k)
 

@@ -40,6 +40,11 @@ instead of on the whole dK/dV grid.
 `rotate` starts each non-causal CTA's walk over the query blocks at its own block (key block n of
 N starts at query block n * M / N and wraps), so the CTAs of one head do not add into the same
 dQ rows at the same time (causal CTAs already start at their diagonal).
+`persistent` (needs dq_tma) launches one CTA per SM that walks tiles (key block, kv head, batch)
+t, t + grid, ... in the launch order (with lpt the causal longest-first order): the producer
+loads the next tile's K and V as soon as the consumers' last GEMMs of a tile have read them, and
+its first Q/dO stages while they still compute, so the epilogue (dK and dV from registers) and
+the next tile's loads overlap instead of every CTA paying its launch, K/V load and dQ drain.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
            "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
-KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate")  # the boolean fields after n_stages, short-form order
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -88,6 +93,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     pdl: bool = False
     dq_early: bool = False
     rotate: bool = False
+    persistent: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -108,6 +114,8 @@ class HopperBackwardKernelConfig(KernelConfig):
                not self.pdl or self.dq_tma)
         yield "dq_early needs pdl and dq_tma (the writer warp counts finished blocks)", \
             not self.dq_early or (self.pdl and self.dq_tma)
+        yield "persistent needs dq_tma (the writer warp's panel hand-over runs on across tiles)", \
+            not self.persistent or self.dq_tma
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
@@ -134,7 +142,7 @@ class HopperBackwardKernelConfig(KernelConfig):
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
             dq = self.B_r * self.d_head * 4
-        barriers = 8 * (1 + 2 * self.n_stages)
+        barriers = 8 * (2 + 2 * self.n_stages)  # kv_full, kv_empty, q_full and q_empty per stage
         return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
 
     @property

@@ -32,12 +32,20 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # 0.990x for three stages with it (the fourth session's non-causal default).
 _DEFAULTS = {64: (128, 2, {}),
              128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "rotate": True})}
+# Since the sixth session (NOTES.md item 94) non-causal calls at d_head 128 take persistent CTAs
+# (one per SM walking tiles, the next tile's loads under the last one's epilogue) without rotate:
+# bf16 1.009/1.030/1.063x cuDNN at 1k/4k/16k against 0.985/1.028/1.043x, fp16 1.014/1.029/1.024x
+# against 1.001/1.026/1.021x (5 interleaved rounds, one run). Causal calls keep one CTA per tile:
+# the persistent CTAs' static tile striding is unbalanced for causal tiles of unequal length
+# (0.62-0.83x cuDNN with or without lpt's order).
+_NONCAUSAL = {128: {"persistent": True, "rotate": False}}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
-                    {"lpt": True, "pdl": True, "dq_early": True})
+                    {"lpt": True, "pdl": True, "dq_early": True},
+                    {"lpt": True, "pdl": True, "dq_early": True, "persistent": True})
 # On the defaults' launch knobs (pdl+dq_early), two and three stages: the block order knob.
-ORDER_KNOB_SETS = ({"rotate": True},)
+ORDER_KNOB_SETS = ({"rotate": True}, {"rotate": True, "persistent": True}, {"persistent": True})
 
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
@@ -62,11 +70,13 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
 
 
 def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
-    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (the same
-    config for both masks since the fifth session; `rotate` moves only non-causal CTAs)."""
+    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (at d_head
+    128 non-causal calls take persistent CTAs, causal ones one CTA per tile)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     bc, stages, knobs = _DEFAULTS[d_head]
+    if not causal:
+        knobs = {**knobs, **_NONCAUSAL.get(d_head, {})}
     return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 

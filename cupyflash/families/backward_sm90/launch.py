@@ -8,6 +8,7 @@ explicit `cfg` of this family reaches it (`cupyflash.backward(..., cfg=...)`).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import NamedTuple
 
@@ -55,7 +56,7 @@ def pack_dkdv(plan: BackwardPlan, q, k, v, dout, dk_ptr: int, dv_ptr: int, dq_ac
     dk_strides, dv_strides = plan.strides[6], plan.strides[7]
     return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *dk_strides, *dv_strides,
                        plan.seq_len_q, plan.seq_len_k, plan.seq_len_q_pad, plan.n_heads, plan.n_kv_heads,
-                       plan.n_heads // plan.n_kv_heads, plan.softmax_scale, plan.softmax_scale * LOG2_E)
+                       plan.n_heads // plan.n_kv_heads, plan.batch, plan.softmax_scale, plan.softmax_scale * LOG2_E)
 
 
 _FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32
@@ -99,7 +100,7 @@ def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
     out = []
     for role in roles_for(plan.deterministic):
         grid = BACKWARD_SM90.grid(cfg, role, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
-                                  plan.seq_len_k)
+                                  plan.seq_len_k, sm_count(plan.device) if cfg.persistent else 0)
         if grid[0]:
             out.append(LaunchStep(role, grid, BACKWARD_SM90.block_threads(cfg, role),
                                   BACKWARD_SM90.smem_bytes(cfg, role), role == "dkdv",
@@ -115,6 +116,14 @@ def dq_workspace_shape(plan: BackwardPlan) -> tuple[int, ...]:
         return plan.dq_accum_shape
     elements = plan.batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
     return (elements + plan.batch * plan.n_heads * (plan.seq_len_q_pad // plan.cfg.B_r),)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: int) -> int:
+    """Streaming multiprocessors of `device` (persistent: one dK/dV CTA each)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
 _lock = threading.Lock()

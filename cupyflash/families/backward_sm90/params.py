@@ -40,6 +40,7 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("n_heads", "int", "i"),
     ("n_kv_heads", "int", "i"),
     ("kv_group_size", "int", "i"),
+    ("batch", "int", "i"),  # persistent: the tile grid is (key blocks, n_kv_heads, batch)
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),
 )
