@@ -34,7 +34,7 @@ import bench_backward as bb  # noqa: E402
 # the others' gradients are checked against and whose kernels are timed one by one
 KNOB_SETS = ((2, ()), (2, ("lpt",)), (2, ("pdl",)), (2, ("pdl", "dq_early")), (2, ("lpt", "pdl", "dq_early")),
              (3, ()), (3, ("lpt", "pdl", "dq_early")))
-LAUNCH_KNOBS = ("lpt", "pdl", "dq_early", "rotate", "persistent", "nomask")  # (nomask: a schedule knob, sweepable here too)
+LAUNCH_KNOBS = ("lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic", "nomask")  # (nomask: a schedule knob, sweepable here too)
 
 
 def parse_knob_sets(text: str) -> tuple:

@@ -26,6 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------ config
+
+def _plain(dtype, d_head):
+    """The d_head default with one CTA per tile (the fifth session's, rotate): the grid and
+    launch tests below check that geometry; the persistent knobs have their own tests."""
+    return config_sets.default_config(dtype, d_head).replace(persistent=False, dynamic=False, rotate=True)
+
 def test_short_form_round_trip_every_config():
     configs = config_sets.get_kernel_configs("all")
     assert len(configs) == len(set(configs)) >= 8
@@ -38,20 +44,19 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate"
+    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic"
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 1024
+    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
-    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 1024
+    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
     assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
-    # d_head 128: non-causal calls take persistent CTAs (without rotate); d_head 64 one config
-    assert config_sets.default_config(DType.BF16, 128, causal=False).short_form() == \
-        "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent"
-    assert config_sets.default_config(DType.FP16, 64, causal=False) == config_sets.default_config(DType.FP16, 64)
+    # one default per (dtype, d_head) for both masks (dynamic hands out only causal tiles)
+    for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
+        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
 
@@ -125,7 +130,7 @@ def test_config_sets():
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
-                                                                 "dq_tma+dq_mid+pdl+dq_early+rotate"]
+                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
     with pytest.raises(ValueError, match="KERNELS"):
@@ -204,7 +209,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
@@ -212,7 +217,7 @@ def test_name_expressions(causal, deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_name_expressions_pdl_use_own_row_kernels(deterministic):
-    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=True)
+    cfg = _plain(DType.BF16, 128).replace(pdl=True)
     exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=True, deterministic=deterministic))
     own = f"<StaticHopperBackwardConfig<{BACKWARD_SM90.config_literal(cfg)}>, true, {str(deterministic).lower()}>"
     assert exprs["preprocess"] == "backward_sm90_preprocess_kernel" + own
@@ -223,7 +228,7 @@ def test_name_expressions_pdl_use_own_row_kernels(deterministic):
 
 
 def test_geometry():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = _plain(DType.BF16, 128)
     assert BACKWARD_SM90.block_threads(cfg) == 384 and BACKWARD_SM90.smem_bytes(cfg) == cfg.smem_bytes()
     assert BACKWARD_SM90.block_threads(cfg, "preprocess") == 256 and BACKWARD_SM90.smem_bytes(cfg, "convert") == 0
     assert BACKWARD_SM90.grid(cfg, "dkdv", 2, 8, 2, 300, 257) == (3, 2, 2)
@@ -248,7 +253,7 @@ def _plan(cfg, deterministic=False, causal=False, **kw):
 
 
 def test_resolve_config_accepts_the_hopper_family():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = _plain(DType.BF16, 128)
     assert resolve_backward_config(cfg) is cfg
     assert resolve_backward_config(" backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate") == cfg
     with pytest.raises(ValueError, match="^cfg: cannot parse"):
@@ -257,7 +262,7 @@ def test_resolve_config_accepts_the_hopper_family():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_launch_sequence(deterministic):
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = _plain(DType.BF16, 128)
     p, _ = _plan(cfg, deterministic, b=2, sq=100, sk=200, h=4, hk=2)
     assert p.seq_len_q_pad == 128
     steps = launch.launch_sequence(p)
@@ -269,7 +274,7 @@ def test_launch_sequence(deterministic):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_launch_sequence_pdl(deterministic):
-    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=False, dq_early=False)
+    cfg = _plain(DType.BF16, 128).replace(pdl=False, dq_early=False)
     p, _ = _plan(cfg, deterministic, b=2, sq=100, sk=200, h=4, hk=2)
     assert not any(s.pdl for s in launch.launch_sequence(p))
     p, _ = _plan(cfg.replace(pdl=True), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
@@ -278,7 +283,7 @@ def test_launch_sequence_pdl(deterministic):
 
 
 def test_dq_workspace_shape():
-    cfg = config_sets.default_config(DType.BF16, 128).replace(pdl=False, dq_early=False)
+    cfg = _plain(DType.BF16, 128).replace(pdl=False, dq_early=False)
     p, _ = _plan(cfg, b=2, sq=100, sk=200, h=4, hk=2)
     assert launch.dq_workspace_shape(p) == p.dq_accum_shape == (2, 4, 128, 128)
     p, _ = _plan(cfg.replace(pdl=True, dq_early=True), b=2, sq=100, sk=200, h=4, hk=2)
@@ -301,7 +306,7 @@ def test_pack_dkdv(monkeypatch):
         return bytes([len(calls)]) * 128
 
     monkeypatch.setattr(launch.tma, "descriptor", fake_descriptor)
-    cfg = config_sets.default_config(DType.FP16, 128).replace(dq_tma=False, dq_mid=False, pdl=False,
+    cfg = _plain(DType.FP16, 128).replace(dq_tma=False, dq_mid=False, pdl=False,
                                                                dq_early=False)  # no dQ map
     p, a = _plan(cfg, b=1, sq=77, sk=130, h=8, hk=2, dtype=DType.FP16)
     raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
@@ -324,7 +329,7 @@ def test_pack_dkdv_dq_tma_map(monkeypatch):
 
     monkeypatch.setattr(launch.tma, "descriptor", lambda *a: bytes(128))
     monkeypatch.setattr(launch.tma, "encode_cached", fake_encode)
-    cfg = config_sets.default_config(DType.BF16, 128).replace(dq_tma=True)
+    cfg = _plain(DType.BF16, 128).replace(dq_tma=True)
     p, a = _plan(cfg, b=3, sq=77, sk=130, h=8, hk=2)
     raw = launch.pack_dkdv(p, a["q"], a["k"], a["v"], a["dout"], 0x10, 0x20, 0x30, 0x40, 0x50)
     assert HOPPER_BACKWARD_PARAMS.layout.unpack(raw)[4] == b"\x07" * 128
@@ -338,7 +343,7 @@ def test_pack_dkdv_dq_tma_map(monkeypatch):
 
 
 def test_check_sm90_problem():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = _plain(DType.BF16, 128)
     p, a = _plan(cfg)
     launch.check_sm90_problem(p, a["q"], a["k"], a["v"], a["dout"], 90)
     launch.check_sm90_problem(p, a["q"], a["k"], a["v"], a["dout"], None)
@@ -405,7 +410,7 @@ def _call(cfg, deterministic=False, causal=True, **kw):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_backward_launches_the_hopper_family(faked_backward, deterministic):
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = _plain(DType.BF16, 128)
     a, (dq, dk, dv) = _call(cfg.short_form(), deterministic, b=2, sq=100, sk=200, h=4, hk=2)
     assert dq.shape == a["q"].shape and dk.shape == a["k"].shape
     [(plan, sm80, hopper, stream)] = faked_backward["launches"]
@@ -429,7 +434,7 @@ def test_backward_refuses_the_hopper_family_off_sm90(faked_backward):
     faked_backward["cc"] = 80
     with pytest.raises(ValueError, match=r"^cfg: backward_sm90\(BF16, 128, 64, 128, 2\): dq_tma\+dq_mid\+pdl\+dq_early\+rotate .*compute "
                                          r"capability 9.0 only"):
-        _call(config_sets.default_config(DType.BF16, 128))
+        _call(_plain(DType.BF16, 128))
     assert not faked_backward["launches"]
 
 
@@ -459,8 +464,7 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     [(plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
-    # causal: one CTA per tile (rotate, a no-op there); non-causal: persistent CTAs
-    assert plan.cfg.n_stages == 2 and plan.cfg.persistent == (not causal) and plan.cfg.rotate == causal
+    assert plan.cfg.n_stages == 2 and plan.cfg.persistent and plan.cfg.dynamic  # one default for both masks
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
@@ -501,7 +505,7 @@ def test_hopper_reason_without_a_device(monkeypatch):
 
 
 def test_persistent_knob_short_form_rule_and_grid():
-    cfg = config_sets.default_config(DType.BF16, 128).replace(persistent=True)
+    cfg = _plain(DType.BF16, 128).replace(persistent=True)
     text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+rotate+persistent"
     assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
     with pytest.raises(ValueError, match="persistent needs dq_tma"):
@@ -514,3 +518,15 @@ def test_persistent_knob_short_form_rule_and_grid():
         BACKWARD_SM90.grid(cfg, "dkdv", 2, 4, 2, 100, 300)
     assert BACKWARD_SM90.grid(cfg.replace(persistent=False), "dkdv", 2, 4, 2, 100, 300) == (3, 2, 2)
     assert cfg.smem_bytes() == cfg.replace(persistent=False).smem_bytes()  # kv_empty is always allocated
+
+
+def test_dynamic_knob_rule_smem_and_workspace():
+    cfg = config_sets.default_config(DType.BF16, 128).replace(lpt=True)
+    text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early+persistent+dynamic"
+    assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
+    with pytest.raises(ValueError, match="dynamic needs persistent and dq_early"):
+        cfg.replace(persistent=False)
+    assert cfg.smem_bytes() == cfg.replace(dynamic=False).smem_bytes() + 40  # two tile slots, four barriers
+    p, _ = _plan(cfg, b=2, sq=300, sk=300, h=4, hk=2)
+    static = launch.dq_workspace_shape(p._replace(cfg=cfg.replace(dynamic=False)))
+    assert launch.dq_workspace_shape(p) == (static[0] + 1,)  # + the tile counter

@@ -58,7 +58,9 @@ LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
     (2, ("pdl", "dq_early", "rotate")), (3, ("pdl", "dq_early", "rotate")), (2, ("lpt", "pdl", "dq_early", "rotate")),
     # persistent CTAs (one per SM walking tiles), with and without pdl
     (2, ("pdl", "dq_early", "rotate", "persistent")), (2, ("lpt", "pdl", "dq_early", "persistent")),
-    (2, ("persistent",)))}
+    (2, ("persistent",)),
+    # ... with tiles claimed from a counter (dynamic)
+    (2, ("lpt", "pdl", "dq_early", "persistent", "dynamic")), (2, ("pdl", "dq_early", "persistent", "dynamic")))}
 PERSISTENT_KNOBS = [k for k in LAUNCH_KNOBS if "persistent" in k]
 
 

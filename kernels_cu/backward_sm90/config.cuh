@@ -25,6 +25,7 @@ struct StaticHopperBackwardConfig {
     static constexpr bool DQ_EARLY = C.dq_early;  // per-block counters: convert each dQ block once complete
     static constexpr bool ROTATE = C.rotate;      // non-causal: each CTA starts at its own query block
     static constexpr bool PERSISTENT = C.persistent;  // one CTA per SM walks tiles t, t + grid, ...
+    static constexpr bool DYNAMIC = C.dynamic;        // ... tiles claimed from a counter instead
     // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
     static constexpr int LPT_L2_KIB = 16 << 10;
 
@@ -77,7 +78,8 @@ struct StaticHopperBackwardConfig {
     static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
-    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES);  // kv_full, q_full[s], q_empty[s], kv_empty
+    // kv_full, q_full[s], q_empty[s], kv_empty; dynamic: tile_full[2], tile_empty[2], two tile slots
+    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
     static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
@@ -90,6 +92,7 @@ struct StaticHopperBackwardConfig {
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
     static_assert(!PERSISTENT || DQ_TMA, "persistent: the writer warp's panel hand-over runs on across tiles");
+    static_assert(!DYNAMIC || (PERSISTENT && DQ_EARLY), "dynamic: the tile counter lives behind dq_early's counters");
     static_assert(BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
@@ -119,6 +122,10 @@ struct BwdSmem {
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
     // persistent: every consumer thread's GEMMs of a tile (the last ones read K and V) are done
     CF_DEVICE u32 kv_empty() const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES); }
+    // dynamic: tile index hand-over j (the CTA's (j + 1)-th claimed tile) in slot j & 1
+    CF_DEVICE u32 tile_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 2 * Cfg::STAGES + s); }
+    CF_DEVICE u32 tile_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (4 + 2 * Cfg::STAGES + s); }
+    CF_DEVICE u32 tile_slot(int s) const { return base + Cfg::BAR_OFFSET + 8 * (6 + 2 * Cfg::STAGES) + 4 * s; }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
@@ -274,6 +281,33 @@ CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_hea
                                      int head, int m) {
     unsigned* base = reinterpret_cast<unsigned*>(dq_accum + (long long)batch_count * n_heads * seq_len_q_pad * D);
     return base + ((long long)batch * n_heads + head) * (seq_len_q_pad / BR) + m;
+}
+
+// dynamic: the tile counter, right behind dq_early's block counters (the family's preprocess
+// zeroes it; the producers claim tiles from it).
+template <int D, int BR>
+CF_DEVICE unsigned* bwd_tile_counter(float* dq_accum, int batch_count, int n_heads, int seq_len_q_pad) {
+    return dq_block_counter<D, BR>(dq_accum, batch_count, n_heads, seq_len_q_pad, batch_count, 0, 0);
+}
+
+// dynamic: hand-over j of the CTA's next tile index (-1: none left) from the producer thread to
+// the consumers and the writer warp, through slot j & 1 (mbarrier arrive/wait order the slot's
+// store before its loads).
+template <class Cfg>
+CF_DEVICE void tile_publish(const BwdSmem<Cfg>& smem, int j, int tile) {
+    const int s = j & 1;
+    mbarrier_wait(smem.tile_empty(s), ((u32)(j >> 1) & 1u) ^ 1u);
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem.tile_slot(s)), "r"(tile) : "memory");
+    mbarrier_arrive(smem.tile_full(s));
+}
+template <class Cfg>
+CF_DEVICE int tile_take(const BwdSmem<Cfg>& smem, int j, bool arrive) {
+    const int s = j & 1;
+    mbarrier_wait(smem.tile_full(s), (u32)(j >> 1) & 1u);
+    int tile;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(tile) : "r"(smem.tile_slot(s)) : "memory");
+    if (arrive) mbarrier_arrive(smem.tile_empty(s));
+    return tile;
 }
 
 // Number of dK/dV CTAs (key blocks of BC) that add to query block m (of BR rows): every key

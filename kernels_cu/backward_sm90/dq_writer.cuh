@@ -55,13 +55,17 @@ struct BwdDqWriter {
         finish(sched.batch, prev_head, prev_m);
     }
 
-    // persistent: tiles t, t + grid, ... of the launch order (as the other roles walk them); the
-    // panels are freed after every block, and the consumers take the hand-over after the last.
+    // persistent: tiles t, t + grid, ... of the launch order, or with dynamic the tiles the
+    // producer hands over (as the other roles walk them); the panels are freed after every
+    // block, and the consumers take the hand-over after the last.
     template <bool CAUSAL>
     CF_DEVICE void run_tiles() {
         start();
         int prev_batch = -1, prev_head = 0, prev_m = 0;  // dq_early: the block added one iteration before
-        for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(p); t += grid_ctas()) {
+        // (dynamic: the next tile from the producer's hand-over, lane 0 releasing the slot)
+        constexpr bool DYNAMIC = Cfg::DYNAMIC && CAUSAL;  // (as the kernel's roles walk them)
+        for (int t = blockIdx.x, index = 0; DYNAMIC ? t >= 0 : t < BwdTile::count_of<Cfg::BC>(p);
+             t = DYNAMIC ? tile_take(smem, index, lane == 0) : t + grid_ctas(), ++index) {
             sched = BwdSchedule::make<Cfg, CAUSAL>(p, BwdTile::of_linear<Cfg::BC>(p, t));
             const int n = sched.iterations();
             int head = sched.q_head(0), j = 0, mm = 0;

@@ -22,6 +22,12 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         if constexpr (WRITER) tma_prefetch_descriptor(&params.tma_dq);
         mbarrier_init(smem.kv_full(), 1);
         if constexpr (Cfg::PERSISTENT) mbarrier_init(smem.kv_empty(), 128 * Cfg::CONSUMERS);
+        if constexpr (Cfg::DYNAMIC) {
+            for (int s = 0; s < 2; ++s) {
+                mbarrier_init(smem.tile_full(s), 1);
+                mbarrier_init(smem.tile_empty(s), 128 * Cfg::CONSUMERS + (WRITER ? 1 : 0));
+            }
+        }
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.q_full(s), 1);
             mbarrier_init(smem.q_empty(s), 128 * Cfg::CONSUMERS);  // one arrival per consumer thread
@@ -30,6 +36,47 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     }
     __syncthreads();
 
+    if constexpr (Cfg::DYNAMIC && CAUSAL && !DETERMINISTIC) {
+        // Tile blockIdx.x first, then the tiles the producer claims from the counter (after it
+        // has issued the current tile's loads; tile 0's run waited for the preprocess, which
+        // zeroed the counter) and hands to the other roles (-1: none left). Non-causal tiles are
+        // all alike, so those calls keep the static walk below (whose consumers ptxas also
+        // keeps from serialising the wgmma chain, C7512, which it did with the hand-over there).
+        if (warpgroup == 0) {
+            setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+            if (threadIdx.x == 0) {
+                int ring = 0, t = blockIdx.x;
+                for (int index = 0; t >= 0; ++index) {
+                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+                    BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run_tile(index, ring);
+                    ring += sched.iterations();
+                    t = grid_ctas() + (int)atomicAdd(bwd_tile_counter<Cfg::D, Cfg::BR>(params.dq_accum, params.batch,
+                                                                                      params.n_heads, params.seq_len_q_pad),
+                                                     1u);
+                    if (t >= BwdTile::count_of<Cfg::BC>(params)) t = -1;
+                    tile_publish(smem, index, t);
+                }
+            }
+            if constexpr (WRITER) {
+                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
+            }
+            return;
+        }
+        setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+        int ring = 0, t = blockIdx.x;
+        for (int index = 0; t >= 0; ++index) {
+            const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+            BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128, ring,
+                                                            index);
+            consumer.run();
+            consumer.release_kv();
+            BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+            ring += sched.iterations();
+            t = tile_take(smem, index, true);
+        }
+        if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
+        return;
+    }
     if constexpr (Cfg::PERSISTENT) {
         // Tiles t = blockIdx.x, + gridDim.x, ... of the launch order; every role walks the same
         // ones, the Q/dO ring (position `ring`) and the barriers' phases running on across them.

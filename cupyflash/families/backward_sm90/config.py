@@ -45,6 +45,12 @@ t, t + grid, ... in the launch order (with lpt the causal longest-first order): 
 loads the next tile's K and V as soon as the consumers' last GEMMs of a tile have read them, and
 its first Q/dO stages while they still compute, so the epilogue (dK and dV from registers) and
 the next tile's loads overlap instead of every CTA paying its launch, K/V load and dQ drain.
+`dynamic` (needs persistent and dq_early) hands the tiles out from a counter instead: the
+producer claims the CTA's next tile with an atomic add once it has issued the current one's
+loads and passes it to the consumers and the writer warp through shared memory (the family's
+preprocess resets the counter); causal tiles, of unequal length, then balance over the CTAs.
+Non-causal calls (tiles all alike) and the deterministic variant (no dQ workspace) keep the
+static walk.
 """
 from __future__ import annotations
 
@@ -58,7 +64,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
            "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
-KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent")  # the boolean fields after n_stages, short-form order
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -94,6 +100,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     dq_early: bool = False
     rotate: bool = False
     persistent: bool = False
+    dynamic: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -116,6 +123,8 @@ class HopperBackwardKernelConfig(KernelConfig):
             not self.dq_early or (self.pdl and self.dq_tma)
         yield "persistent needs dq_tma (the writer warp's panel hand-over runs on across tiles)", \
             not self.persistent or self.dq_tma
+        yield "dynamic needs persistent and dq_early (the tile counter lives behind dq_early's counters)", \
+            not self.dynamic or (self.persistent and self.dq_early)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
@@ -143,6 +152,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
             dq = self.B_r * self.d_head * 4
         barriers = 8 * (2 + 2 * self.n_stages)  # kv_full, kv_empty, q_full and q_empty per stage
+        if self.dynamic:
+            barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
         return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
 
     @property

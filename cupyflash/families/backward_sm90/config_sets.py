@@ -30,22 +30,24 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # CTA starts at its own query block) for both masks: bf16 and fp16, 1k-16k, 5 interleaved rounds
 # beside cuDNN, 0.992-1.023x (geomean 1.012x) against 1.004x for two stages without rotate and
 # 0.990x for three stages with it (the fourth session's non-causal default).
+# Since the sixth session (NOTES.md items 94-95) d_head 128 takes persistent CTAs (one per SM
+# walking tiles, the next tile's loads under the last one's epilogue) that causal calls claim from
+# a counter (dynamic; non-causal tiles are alike and keep the static walk): 7 interleaved rounds
+# beside cuDNN, bf16 and fp16 at 1k/4k/16k, 1.008-1.053x (geometric mean 1.028x) against
+# 0.980-1.028x (1.005x) for the fifth session's `rotate` default; static striding alone ran
+# causal calls at 0.63-0.83x (tiles of unequal length), lpt's order with dynamic 0.96x at causal 1k.
 _DEFAULTS = {64: (128, 2, {}),
-             128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "rotate": True})}
-# Since the sixth session (NOTES.md item 94) non-causal calls at d_head 128 take persistent CTAs
-# (one per SM walking tiles, the next tile's loads under the last one's epilogue) without rotate:
-# bf16 1.009/1.030/1.063x cuDNN at 1k/4k/16k against 0.985/1.028/1.043x, fp16 1.014/1.029/1.024x
-# against 1.001/1.026/1.021x (5 interleaved rounds, one run). Causal calls keep one CTA per tile:
-# the persistent CTAs' static tile striding is unbalanced for causal tiles of unequal length
-# (0.62-0.83x cuDNN with or without lpt's order).
-_NONCAUSAL = {128: {"persistent": True, "rotate": False}}
+             128: (128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
+                            "dynamic": True})}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
                     {"lpt": True, "pdl": True, "dq_early": True},
-                    {"lpt": True, "pdl": True, "dq_early": True, "persistent": True})
+                    {"lpt": True, "pdl": True, "dq_early": True, "persistent": True},
+                    {"lpt": True, "pdl": True, "dq_early": True, "persistent": True, "dynamic": True})
 # On the defaults' launch knobs (pdl+dq_early), two and three stages: the block order knob.
-ORDER_KNOB_SETS = ({"rotate": True}, {"rotate": True, "persistent": True}, {"persistent": True})
+ORDER_KNOB_SETS = ({"rotate": True}, {"rotate": True, "persistent": True}, {"persistent": True},
+                   {"persistent": True, "dynamic": True})
 
 
 def all_configs() -> list[HopperBackwardKernelConfig]:
@@ -70,13 +72,11 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
 
 
 def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
-    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (at d_head
-    128 non-causal calls take persistent CTAs, causal ones one CTA per tile)."""
+    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (one config
+    for both masks: `dynamic` hands out only causal calls' tiles from the counter)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     bc, stages, knobs = _DEFAULTS[d_head]
-    if not causal:
-        knobs = {**knobs, **_NONCAUSAL.get(d_head, {})}
     return HopperBackwardKernelConfig(dtype, d_head, 64, bc, stages, **knobs)
 
 
@@ -95,7 +95,7 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
-                         rotate=False)
+                         rotate=False, persistent=False, dynamic=False)
     return list(dict.fromkeys([first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last]))
 
 

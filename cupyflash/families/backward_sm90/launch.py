@@ -111,11 +111,13 @@ def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
 def dq_workspace_shape(plan: BackwardPlan) -> tuple[int, ...]:
     """Shape of the fp32 dQ workspace: plan.dq_accum_shape, or for dq_early one flat array with
     a 32-bit counter per query block of every (batch, head) behind those elements (the kernels
-    find the counters at dq_accum + batch * n_heads * seq_len_q_pad * d_head)."""
+    find the counters at dq_accum + batch * n_heads * seq_len_q_pad * d_head), and with dynamic
+    one more: the dK/dV kernel's tile counter."""
     if not plan.cfg.dq_early or plan.deterministic:
         return plan.dq_accum_shape
     elements = plan.batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
-    return (elements + plan.batch * plan.n_heads * (plan.seq_len_q_pad // plan.cfg.B_r),)
+    counters = plan.batch * plan.n_heads * (plan.seq_len_q_pad // plan.cfg.B_r) + int(plan.cfg.dynamic)
+    return (elements + counters,)
 
 
 @functools.lru_cache(maxsize=None)
