@@ -351,13 +351,19 @@ def run_framework(label: str, impls: dict[str, Callable[..., Any]], train: Calla
 
 
 def main(argv: list[str] | None = None) -> int:
+    global N_HEAD
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--heads", type=int, default=N_HEAD,
+                    help=f"attention heads of the d_model {D_MODEL} model (2: d_head 128, the Hopper backward's head size)")
     ap.add_argument("--window", type=int, default=10, help="steps per averaged loss point")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-jax", action="store_true")
     ap.add_argument("--json", help="write curves and checks here (default $OUT/train_check.json when $OUT is set)")
     args = ap.parse_args(argv)
+    if args.heads <= 0 or D_MODEL % args.heads:
+        raise SystemExit(f"--heads: must divide d_model {D_MODEL}, got {args.heads}")
+    N_HEAD = args.heads
     tokens, vocab = make_corpus()
     starts = batch_starts(len(tokens), args.steps)
     eval_starts = batch_starts(len(tokens), 1, seed=99)[0]

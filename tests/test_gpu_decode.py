@@ -107,6 +107,19 @@ class Problem:
                                         out=out, **kw)
         return res
 
+    def settle_append(self) -> bool:
+        """After a call that appended k_new / v_new (and was checked): later calls attend to the
+        cache as it is now (the appended rows counted in the lengths, nothing left to append).
+        False when there was nothing appended."""
+        if not self.seq_new:
+            return False
+        self.k_logical, self.v_logical = self.logical_from_pages() if self.page_size else (self.k_cache, self.v_cache)
+        self.k_new = self.v_new = None
+        self.lengths = self.lengths + self.seq_new
+        self.cache_seqlens = cp.asarray(self.lengths)
+        self.seq_new = 0
+        return True
+
     def logical_after_append(self):
         k, v = bits(self.k_logical).copy(), bits(self.v_logical).copy()
         for b in range(self.batch):
@@ -316,12 +329,7 @@ def test_several_kv_heads_per_cta(case, rng):
         for ns in (1, 3, None):
             out, lse = p.run(cfg=cfg, num_splits=ns, return_lse=True)
             p.check(out, lse, context=f"{cfg} num_splits={ns}")
-            if p.seq_new:  # appended once (checked above); later calls attend to the cache as it is now
-                p.k_logical, p.v_logical = p.logical_from_pages() if ps else (p.k_cache, p.v_cache)
-                p.k_new = p.v_new = None
-                p.lengths = p.lengths + 1
-                p.cache_seqlens = cp.asarray(p.lengths)
-                p.seq_new = 0
+            p.settle_append()  # appended once (checked above); later calls attend to the cache as it is now
 
 
 # Splits taking warp steps round-robin (`interleave`): the paged narrow default's shape, the d_head
@@ -345,12 +353,7 @@ def test_interleaved_splits(cfg_index, page_size, rng):
         for ns in (1, 2, 7, 64, None):
             out, lse = p.run(cfg=cfg, num_splits=ns, causal=causal, return_lse=True)
             p.check(out, lse, causal=causal, context=f"{cfg} num_splits={ns}")
-            if new:  # appended once (checked above); later calls attend to the cache as it is now
-                p.k_logical, p.v_logical = p.logical_from_pages() if page_size else (p.k_cache, p.v_cache)
-                p.k_new = p.v_new = None
-                p.lengths = p.lengths + 1
-                p.cache_seqlens = cp.asarray(p.lengths)
-                p.seq_new = new = 0
+            p.settle_append()  # appended once (checked above); later calls attend to the cache as it is now
 
 
 # Grids of several waves of CTAs: the wide default's shape and an interleaved 8-warp one with two
@@ -376,12 +379,7 @@ def test_unused_cache_rows_hold_nan(cfg_index, page_size, rng):
             out, lse = p.run(cfg=cfg, num_splits=ns, causal=causal, return_lse=True)
             assert not bool(cp.isnan(to_float32(cp, out)).any()), f"{cfg} num_splits={ns}: NaN in out"
             p.check(out, lse, causal=causal, context=f"{cfg} num_splits={ns}")
-            if new:  # appended once (checked above); later calls attend to the cache as it is now
-                p.k_logical, p.v_logical = p.logical_from_pages() if page_size else (p.k_cache, p.v_cache)
-                p.k_new = p.v_new = None
-                p.lengths = p.lengths + 1
-                p.cache_seqlens = cp.asarray(p.lengths)
-                p.seq_new = new = 0
+            if p.settle_append():  # appended once (checked above); the new rows past the end are NaN too
                 _poison_unused_rows(p)
 
 

@@ -6,6 +6,19 @@
 // instantiated in the same module. With persistent, one CTA per SM walks tiles (kernel below).
 #pragma once
 
+// One tile of a persistent CTA's consumer warpgroup `wg` (the CTA's `index`-th, its query blocks
+// from ring position `ring` on): dK and dV, the K/V release, the epilogue. Returns its query
+// blocks (its share of the Q/dO ring).
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+CF_DEVICE int consume_tile(const HopperBackwardParams& params, BwdSmem<Cfg> smem, int t, int wg, int ring, int index) {
+    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, wg, threadIdx.x % 128, ring, index);
+    consumer.run();
+    consumer.release_kv();
+    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+    return sched.iterations();
+}
+
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     backward_sm90_dkdv_kernel(const __grid_constant__ HopperBackwardParams params) {
@@ -65,13 +78,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         setmaxnreg_inc<Cfg::CONSUMER_REGS>();
         int ring = 0, t = blockIdx.x;
         for (int index = 0; t >= 0; ++index) {
-            const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
-            BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128, ring,
-                                                            index);
-            consumer.run();
-            consumer.release_kv();
-            BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
-            ring += sched.iterations();
+            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC>(params, smem, t, warpgroup - 1, ring, index);
             t = tile_take(smem, index, true);
         }
         if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
@@ -99,15 +106,8 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         }
         setmaxnreg_inc<Cfg::CONSUMER_REGS>();
         int ring = 0, index = 0;
-        for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += gridDim.x, ++index) {
-            const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
-            BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128, ring,
-                                                            index);
-            consumer.run();
-            consumer.release_kv();
-            BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
-            ring += sched.iterations();
-        }
+        for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += gridDim.x, ++index)
+            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC>(params, smem, t, warpgroup - 1, ring, index);
         // The writer's hand-over after the CTA's last query block.
         if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
         return;
