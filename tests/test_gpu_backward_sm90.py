@@ -234,6 +234,19 @@ def test_persistent_ctas_walk_several_tiles(knobs, rng):
         assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
 
 
+@pytest.mark.parametrize("knobs", PERSISTENT_KNOBS)
+def test_persistent_ctas_walk_many_tiles_on_three_ctas(knobs, rng, monkeypatch):
+    """Three CTAs (the SM count patched) walk all 56-64 tiles of a call: every barrier phase, the
+    Q/dO ring and dynamic's two tile slots wrap many times, with tails, GQA and both masks."""
+    from cupyflash.families.backward_sm90 import launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
+    cfg = launch_knobs(DType.BF16, knobs)
+    run_case(cfg, 2, 701, 1000, 8, 4, False, rng)   # 8 key blocks x 4 kv heads x 2 = 64 tiles
+    run_case(cfg, 2, 1000, 899, 8, 4, True, rng)    # 8 x 4 x 2 causal tiles of unequal length; rows without keys
+    run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # 15 x 4 = 60 tiles, S_q << S_k (bottom-right causal)
+
+
 @pytest.mark.parametrize("d_head", D_HEADS)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True])
