@@ -9,7 +9,7 @@ For every point of the sweep (dtype, d_head, S, causal) the candidates are the c
 (both sides carry their own rounding) is dropped. The fastest of the rest becomes the table's entry
 for that bucket, unless it beats the table's own choice by less than `--margin` (relative): then
 the entry stays (noise must not churn the table). Points the sweep did not measure keep their
-entries. The table's meta records the sweep's command and date. This is the short path when a
+entries. The table's meta appends the sweep's command and date to the earlier sweeps'. This is the short path when a
 device session cannot afford `python -m cupyflash autotune` over the whole grid: the sweep's grid
 is the bench grid (batch*seq = 16k, 16 heads), where the autotune grid keeps heads*d_head = 2048.
 """
@@ -46,7 +46,7 @@ def pick(row: dict, margin: float) -> tuple[BackwardKernelConfig, dict, int] | N
         if errs is not None and not all(e <= bound for e in errs):
             continue
         text = row.get("auto_config") if name == "auto" else name
-        if not text:
+        if not text or not text.startswith("backward_sm80"):  # cfg=None ran the Hopper family there
             continue
         cfg = BackwardKernelConfig.parse(text).replace(dtype=dtype)
         if cfg not in timed or fig["tflops"] > timed[cfg]["tflops"]:
@@ -54,7 +54,8 @@ def pick(row: dict, margin: float) -> tuple[BackwardKernelConfig, dict, int] | N
     if not timed:
         return None
     best = max(timed, key=lambda c: timed[c]["tflops"])
-    current = BackwardKernelConfig.parse(row["auto_config"]).replace(dtype=dtype) if row.get("auto_config") else None
+    auto = row.get("auto_config") or ""
+    current = BackwardKernelConfig.parse(auto).replace(dtype=dtype) if auto.startswith("backward_sm80") else None
     if current in timed and timed[best]["tflops"] < timed[current]["tflops"] * (1 + margin):
         return None
     return best, timed[best], len(timed)
@@ -93,8 +94,9 @@ def main(argv=None) -> int:
         changes += update(table, sweep, args.margin)
         meta = sweep.get("meta", {})
         sources.append({"command": meta.get("command"), "date": meta.get("date"), "device": meta.get("device")})
-    if changes:
-        table.meta.update({"sweeps": sources, "changed_by_sweeps": len(changes)})
+    if changes:  # earlier sweeps' records stay: the entries they set are still in the table
+        table.meta.update({"sweeps": list(table.meta.get("sweeps", [])) + sources,
+                           "changed_by_sweeps": int(table.meta.get("changed_by_sweeps", 0)) + len(changes)})
         table.save(path)
     print("\n".join(changes) if changes else "no entry changed")
     return 0

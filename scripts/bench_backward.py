@@ -127,6 +127,17 @@ def timed_rounds(timers: dict, rounds: int) -> dict:
     return out
 
 
+def auto_config(q, k, v, do, dtype, d: int, seq: int, causal: bool) -> str:
+    """The config cfg=None ran: backward_sm90's default where backward() takes the Hopper family
+    (hopper_reason None), else backward_sm80's table or default pick."""
+    from cupyflash.backward_api import _hopper_default, _select, hopper_reason
+    from cupyflash.interop import as_view
+
+    if hopper_reason(*(as_view(t, n) for t, n in ((do, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None:
+        return str(_hopper_default(dtype, d, causal))
+    return str(_select(dtype, d, seq, seq, q.device.index or 0, causal))
+
+
 def meta_of(torch, args, argv, peers, t_start: float) -> dict:
     """The JSON's meta block: device, versions, settings, the command line, seconds so far."""
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -244,9 +255,7 @@ def main(argv=None) -> int:
                     if "auto" in row["configs"]:
                         row["tflops"]["cupyflash"] = row["configs"]["auto"]["tflops"]
                         row["ms"]["cupyflash"] = row["configs"]["auto"]["ms"]
-                        from cupyflash.backward_api import _select  # the config cfg=None ran
-
-                        row["auto_config"] = str(_select(dtype, d, seq, seq, q.device.index or 0, causal))
+                        row["auto_config"] = auto_config(q, k, v, do, dtype, d, seq, causal)
                     plain = {k_: v_ for k_, v_ in row["configs"].items() if "deterministic" not in k_}
                     if plain:
                         best = max(plain, key=lambda c: plain[c]["tflops"])

@@ -72,6 +72,10 @@ def test_parse_rejects_bad_short_forms(text):
     ({"pds_smem": True, "double_buffer": True, "mbarrier": True}, "mbarrier needs pipelined"),
     ({"dq_first": True}, "dq_first needs pds_smem"),
     ({"load_mid": True, "double_buffer": True}, "load_mid needs pds_smem"),
+    ({"pds_smem": True, "double_buffer": True, "dq_spread": True}, "dq_spread needs dq_first"),
+    ({"pds_smem": True, "double_buffer": True, "dq_late": True}, "dq_late needs pipelined"),
+    ({"pds_smem": True, "double_buffer": True, "pipelined": True, "dq_first": True, "dq_spread": True,
+      "dq_late": True}, "not dq_spread"),
     ({"pds_smem": True, "double_buffer": True, "d_head": 256, "d_split": 1}, "accumulators"),
 ])
 def test_invalid_combinations_name_the_rule(changes, rule):
@@ -149,8 +153,16 @@ def test_smem_and_threads():
     assert order.smem_bytes() == pds.smem_bytes()
     assert d64.replace(dq_first=True, load_mid=True).short_form().endswith("+pds+pipe+mbar+dqf+ldmid")
     for text in ("backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+ldmid",
-                 "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+ldmid"):
+                 "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+ldmid",
+                 "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+ldmid+dqs",
+                 "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dql"):
         assert BackwardKernelConfig.parse(text).short_form() == text
+    # dq_spread / dq_late move the dQ reductions only: same shared memory, both in the tuning set
+    # at the shipped layouts
+    late = pipe.replace(dq_late=True)
+    assert late.smem_bytes() == pipe.smem_bytes() and late.dq_late and late.short_form().endswith("+pipe+dql")
+    tune = set(get_kernel_configs("tune"))
+    assert late in tune and d64.replace(dq_first=True, dq_spread=True) in tune
 
 
 # ----------------------------------------------------------------------------- render / ABI
@@ -186,7 +198,7 @@ def test_name_expressions_per_variant():
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
     literal = ("BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false, false, false, "
-               "false}")
+               "false, false, false}")
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 

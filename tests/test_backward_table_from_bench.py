@@ -62,3 +62,10 @@ def test_main_updates_a_table_file_in_place(tmp_path, capsys):
     assert data["meta"]["changed_by_sweeps"] == 1 and data["meta"]["sweeps"][0]["command"] == "bench"
     assert TuningTable.from_dict(data).get(DType.FP16, 128, 4096, True).config.dq_first
     assert "S=4096 causal=1" in capsys.readouterr().out
+    # a second sweep appends its record; the first one's stays (its entries are still in the table)
+    sweep.write_text(json.dumps({"meta": {"command": "bench2", "date": "d2", "device": "H100"},
+                                 "rows": [row(1024, False, 250.0, 280.0)]}))
+    assert pick_mod.main([str(sweep), "--table", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [s["command"] for s in data["meta"]["sweeps"]] == ["bench", "bench2"]
+    assert data["meta"]["changed_by_sweeps"] == 2

@@ -48,6 +48,14 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+ldmid",
     "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+ldmid",
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+ldmid",
+    # dQ reductions spread over phase B's k-steps
+    "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+ldmid+dqs",
+    "backward_sm80 (FP16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+dqs",
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dqs",
+    # dQ tile reduced during the next block's phase A (the last one after the loop)
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dql",
+    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dql",
+    "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dql",
 )]
 FIGURES: list[dict] = []
 

@@ -71,6 +71,40 @@ def test_warm_up_windows_are_not_checked():
     assert not train_check.compare(_run(test, 2.0), _run(ref, 2.0), 10, 2)["ok"]
 
 
+def test_seed_summary_signs_and_counts():
+    def fw(a, b, ok):
+        return {"runs": {"x": _run([], a), "y": _run([], b)}, "checks": {"x vs y": {"ok": ok, "windows_ok": ok}}}
+
+    seeds = {"0": {"torch": fw(1.01, 1.0, True)}, "1": {"torch": fw(0.98, 1.0, False)}}
+    row = train_check.seed_summary(seeds)["torch"]["x vs y"]
+    assert row["signed"] == pytest.approx([0.01, -0.02])
+    assert row["mean_signed"] == pytest.approx(-0.005) and row["max_abs"] == pytest.approx(0.02)
+    assert (row["passed"], row["seeds"]) == (1, 2)
+    assert row["ok"] is False  # seed 1's windows failed
+
+
+def test_seed_rule_averages_the_final_eval_but_not_the_windows():
+    def fw(a, windows_ok):
+        return {"runs": {"x": _run([], a), "y": _run([], 1.0)},
+                "checks": {"x vs y": {"ok": windows_ok and abs(a - 1) <= 0.01, "windows_ok": windows_ok}}}
+
+    noisy = train_check.seed_summary({"0": {"t": fw(1.012, True)}, "1": {"t": fw(0.995, True)}})["t"]["x vs y"]
+    assert noisy["ok"] is True and noisy["passed"] == 1  # one seed 1.2% off, the mean 0.35%
+    biased = train_check.seed_summary({"0": {"t": fw(1.012, True)}, "1": {"t": fw(1.011, True)}})["t"]["x vs y"]
+    assert biased["ok"] is False
+    window = train_check.seed_summary({"0": {"t": fw(1.0, False)}, "1": {"t": fw(1.0, True)}})["t"]["x vs y"]
+    assert window["ok"] is False
+
+
+def test_seeds_change_weights_and_data_but_seed_0_is_the_single_run():
+    tokens, vocab = train_check.make_corpus(1 << 14)
+    assert np.array_equal(train_check.batch_starts(len(tokens), 3), train_check.batch_starts(len(tokens), 3, seed=7))
+    assert not np.array_equal(train_check.batch_starts(len(tokens), 3, seed=7),
+                              train_check.batch_starts(len(tokens), 3, seed=8))
+    a, b = train_check.init_params(len(vocab), seed=0), train_check.init_params(len(vocab), seed=1)
+    assert np.array_equal(a["wte"], train_check.init_params(len(vocab))["wte"]) and not np.array_equal(a["wte"], b["wte"])
+
+
 def _reference_attention_torch(q, k, v):
     import torch
 

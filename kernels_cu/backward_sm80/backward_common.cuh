@@ -84,6 +84,12 @@ struct StaticBackwardKernelConfig {
     // issued after the first k-step of the phase that follows the barrier (pds_smem only).
     static constexpr bool DQ_FIRST = C.dq_first;
     static constexpr bool LOAD_MID = C.load_mid;
+    // dq_spread: phase C's reductions issued a few per k-step of phase B (after it: dq_first).
+    static constexpr bool DQ_SPREAD = C.dq_spread;
+    static_assert(!DQ_SPREAD || DQ_FIRST, "dq_spread needs dq_first");
+    // dq_late: phase C's dQ tile reduced during the next block's phase A (pipelined loops).
+    static constexpr bool DQ_LATE = C.dq_late;
+    static_assert(!DQ_LATE || (PIPELINED && !DQ_SPREAD), "dq_late needs pipelined, not dq_spread");
     static_assert(!(DQ_FIRST || LOAD_MID) || PDS_SMEM, "dq_first and load_mid need pds_smem");
     static constexpr int PDS_Q_BUFFERS = PIPELINED ? (MBARRIER ? 2 : 3) : 2;
     static constexpr int P_BUFFERS = PIPELINED ? 2 : 1;

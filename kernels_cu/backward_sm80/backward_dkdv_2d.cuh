@@ -24,13 +24,22 @@
 // copies on that buffer's mbarrier, and phase A of it + 1 waits on the mbarrier (not on a second
 // barrier).
 // dq_first: phase C before phase B (the dQ reductions drain under phase B's mma).
+// dq_spread (with dq_first): phase C's reductions are issued a few after each k-step of phase B
+// rather than in one burst that fills the load/store queue ahead of phase B's fragment loads.
+// dq_late (pipelined): phase C's dQ tile is kept in registers and reduced during the next block's
+// phase A, a few reductions after each row group's exponentials: the load/store queue is idle
+// there, where in phases B/C the reductions queue up with the fragment loads (the last block's
+// are reduced after the loop).
 // load_mid: the next block's copies are issued after the first k-step of the first phase after
 // the barrier (phase A without pipelined, else phase B or C), beside mma already issued.
 #pragma once
 
-// The no-op hook of a phase (see load_mid).
+// The no-op hook of a phase (see load_mid), and of phase B's k-steps (see dq_spread).
 struct NoHook {
     CF_DEVICE void operator()() const {}
+};
+struct NoStep {
+    CF_DEVICE void operator()(int) const {}
 };
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
@@ -65,6 +74,9 @@ struct BackwardKVCTA2D {
 
     float dk[2][DKV_N][4];
     float dv[2][DKV_N][4];
+    // dq_late: the previous block's dQ tile and its dq_accum rows (this lane's element)
+    float dq_late[2][DQ_N][4];
+    float* dq_late_rows;
     // kv_regs: this warp's K and V B fragments (32 keys: two n-tile pairs per k-step over d_head)
     u32 k_frag[KV_REG_STEPS][S_N / 2][4];
     u32 v_frag[KV_REG_STEPS][S_N / 2][4];
@@ -226,8 +238,9 @@ struct BackwardKVCTA2D {
 
     // Phase A for one query block: P and dS of this warp's X_S_ROWS x 32 tile into shared memory.
     // `hook` runs after the S product (load_mid).
-    template <class Hook = NoHook>
-    CF_DEVICE void phase_a(int q0, int buf, int pbuf, Hook&& hook = Hook{}) {
+    // `spread(m)` runs after row group m's exponentials (dq_late).
+    template <class Hook = NoHook, class Spread = NoStep>
+    CF_DEVICE void phase_a(int q0, int buf, int pbuf, Hook&& hook = Hook{}, Spread&& spread = Spread{}) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
         const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
         const u32 st = stats_of(buf);
@@ -265,12 +278,14 @@ struct BackwardKVCTA2D {
                 dvec[m][h] = ld_shared_f32(st + (Cfg::BR + row) * 4);
             }
 #pragma unroll
-        for (int m = 0; m < S_M; ++m)
+        for (int m = 0; m < S_M; ++m) {
 #pragma unroll
             for (int n = 0; n < S_N; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
                     s[m][n][e] = fast_exp2(fmaf(s[m][n][e], p.softmax_scale_log2, -lse2[m][e >> 1]));
+            spread(m);
+        }
         float dp[S_M][S_N][4];
         query_by_key_product(dp, dot, shifted(do_a, buf), v_tile, v_b, v_frag);
         const auto p_cur = pt.cursor(a_q0 + (lane >> 2), a_k0 / 8, (lane & 3) * 4);
@@ -294,9 +309,9 @@ struct BackwardKVCTA2D {
     }
 
     // Phase B: dV += P^T dO and dK += dS^T Q for this warp's 32 keys and column slice; `hook`
-    // runs after the first k-step (load_mid).
-    template <class Hook = NoHook>
-    CF_DEVICE void phase_b(int buf, int pbuf, Hook&& hook = Hook{}) {
+    // runs after the first k-step (load_mid), `step(ks)` after every k-step (dq_spread).
+    template <class Hook = NoHook, class Step = NoStep>
+    CF_DEVICE void phase_b(int buf, int pbuf, Hook&& hook = Hook{}, Step&& step = Step{}) {
         const QTile qt = shifted(q_tile, buf), dot = shifted(do_tile, buf);
         const auto q_cur = shifted(q_bt, buf), do_cur = shifted(do_bt, buf);
         const PTile pt = pshifted(p_tile, pbuf), dst = pshifted(ds_tile, pbuf);
@@ -326,6 +341,7 @@ struct BackwardKVCTA2D {
                 }
             }
             if (ks == 0) hook();
+            step(ks);
         }
     }
 
@@ -334,9 +350,38 @@ struct BackwardKVCTA2D {
     // the first k-step (load_mid).
     template <class Hook = NoHook>
     CF_DEVICE void phase_c(float* dq_rows, int pbuf, Hook&& hook = Hook{}) {
+        float acc[2][DQ_N][4];
+        dq_product(acc, pbuf, hook);
+#pragma unroll
+        for (int i = 0; i < DQ_REDUCTIONS; ++i) reduce_dq(dq_rows, acc, i);
+    }
+
+    // The 2 * 2 * DQ_N fp32 pairs phase C adds into dq_accum, and how many dq_spread issues per
+    // k-step of phase B.
+    static constexpr int DQ_REDUCTIONS = 4 * DQ_N;
+    static constexpr int DQ_REDUCTIONS_PER_STEP = (DQ_REDUCTIONS + Cfg::Q_K_STEPS - 1) / Cfg::Q_K_STEPS;
+
+    // Reduction i (m-tile i / (2 DQ_N), n-tile (i / 2) % DQ_N, row half i % 2) of acc into dq_accum.
+    CF_DEVICE void reduce_dq(float* dq_rows, const float (&acc)[2][DQ_N][4], int i) const {
+        const int m = i / (2 * DQ_N), n = (i / 2) % DQ_N, h = i % 2;
+        atomic_add_f32x2(dq_rows + (16 * m + 8 * h) * Cfg::D + 8 * n, acc[m][n][2 * h], acc[m][n][2 * h + 1]);
+    }
+
+    // dq_late: the reductions of the kept dQ tile that belong to phase A's row group m (all of
+    // them spread over the S_M groups).
+    static constexpr int DQ_REDUCTIONS_PER_GROUP = (DQ_REDUCTIONS + S_M - 1) / S_M;
+    CF_DEVICE void reduce_late(int m) const {
+#pragma unroll
+        for (int j = 0; j < DQ_REDUCTIONS_PER_GROUP; ++j)
+            if (m * DQ_REDUCTIONS_PER_GROUP + j < DQ_REDUCTIONS)
+                reduce_dq(dq_late_rows, dq_late, m * DQ_REDUCTIONS_PER_GROUP + j);
+    }
+
+    // acc (32 queries x X_DQ_COLS) = dS K for this warp's tile; `hook` runs after the first k-step.
+    template <class Hook = NoHook>
+    CF_DEVICE void dq_product(float (&acc)[2][DQ_N][4], int pbuf, Hook&& hook = Hook{}) {
         const PTile dst = pshifted(ds_tile, pbuf);
         const auto ds_cur = pshifted(ds_a, pbuf);
-        float acc[2][DQ_N][4];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -360,14 +405,6 @@ struct BackwardKVCTA2D {
             }
             if (ks == 0) hook();
         }
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int n = 0; n < DQ_N; ++n) {
-                float* row_ptr = dq_rows + 16 * m * Cfg::D + 8 * n;
-                atomic_add_f32x2(row_ptr, acc[m][n][0], acc[m][n][1]);
-                atomic_add_f32x2(row_ptr + 8 * Cfg::D, acc[m][n][2], acc[m][n][3]);
-            }
     }
 
     // The block after (head, qb) in this CTA's order: each head's query blocks from qb_first to the
@@ -395,6 +432,25 @@ struct BackwardKVCTA2D {
     CF_DEVICE void phases_bc(int head, int qb, int buf, int pbuf, Hook&& hook) {
         if constexpr (DETERMINISTIC) {
             phase_b(buf, pbuf, hook);
+        } else if constexpr (Cfg::DQ_LATE) {  // reduced during the next block's phase A
+            if constexpr (Cfg::DQ_FIRST) {
+                dq_product(dq_late, pbuf, hook);
+                phase_b(buf, pbuf);
+            } else {
+                phase_b(buf, pbuf, hook);
+                dq_product(dq_late, pbuf);
+            }
+            dq_late_rows = dq_rows_of(head, qb);
+        } else if constexpr (Cfg::DQ_SPREAD) {
+            float acc[2][DQ_N][4];
+            dq_product(acc, pbuf, hook);
+            float* const dq_rows = dq_rows_of(head, qb);
+            phase_b(buf, pbuf, NoHook{}, [&](int ks) {
+#pragma unroll
+                for (int j = 0; j < DQ_REDUCTIONS_PER_STEP; ++j)
+                    if (ks * DQ_REDUCTIONS_PER_STEP + j < DQ_REDUCTIONS)
+                        reduce_dq(dq_rows, acc, ks * DQ_REDUCTIONS_PER_STEP + j);
+            });
         } else if constexpr (Cfg::DQ_FIRST) {
             phase_c(dq_rows_of(head, qb), pbuf, hook);
             phase_b(buf, pbuf);
@@ -440,7 +496,7 @@ struct BackwardKVCTA2D {
                 const int buf = it & 1;  // block it's Q/dO buffer and P/dS pair
                 // block it >= 1 is the ((it - 1) / 2)-th arrival on its buffer's mbarrier
                 if (it > 0) mbar_wait_parity(mbar + 8 * buf, ((it - 1) >> 1) & 1);
-                phase_a(qb * Cfg::BR, buf, buf);
+                phase_a(qb * Cfg::BR, buf, buf, NoHook{}, [&](int m) { reduce_previous(it, m); });
                 __syncthreads();  // P/dS(it) complete; every warp past phases B/C(it - 1)
                 auto issue = [&]() {  // block it + 1 into the buffer that phases B/C(it - 1) read
                     if (it + 1 < total) {
@@ -469,7 +525,7 @@ struct BackwardKVCTA2D {
             if constexpr (Cfg::KV_REGS) load_kv_fragments();
             int buf = 0;  // buffer of block it (it % 3)
             for (int it = 0; it < total; ++it) {
-                phase_a(qb * Cfg::BR, buf, it & 1);
+                phase_a(qb * Cfg::BR, buf, it & 1, NoHook{}, [&](int m) { reduce_previous(it, m); });
                 cp_async_wait<0>();  // block it + 1 (this thread's copies)
                 __syncthreads();     // P/dS(it) complete, block it + 1 visible, every warp past phases B/C(it - 1)
                 auto issue = [&]() {
@@ -517,7 +573,20 @@ struct BackwardKVCTA2D {
                 advance(head, qb, qb_first, n_qb_all);
             }
         }
+        if constexpr (Cfg::DQ_LATE && !DETERMINISTIC) {
+            if (total > 0) {  // the last block's dQ tile
+#pragma unroll
+                for (int m = 0; m < S_M; ++m) reduce_late(m);
+            }
+        }
         store_dk_dv();
+    }
+
+    // dq_late: block it - 1's reductions for row group m, inside block it's phase A.
+    CF_DEVICE void reduce_previous(int it, int m) const {
+        if constexpr (Cfg::DQ_LATE && !DETERMINISTIC) {
+            if (it > 0) reduce_late(m);
+        }
     }
 
     CF_DEVICE void store_dk_dv() {

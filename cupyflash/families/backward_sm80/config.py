@@ -36,7 +36,8 @@ _SHORT_RE = re.compile(
 _DSPLIT_RE = re.compile(r"^dsplit_(\d+)$")
 # Short-form feature names of the boolean fields, in short-form order (dsplit_N comes first).
 _FLAGS = (("swizzled", "swizzled"), ("dbuf", "double_buffer"), ("pds", "pds_smem"), ("kvreg", "kv_regs"),
-          ("pipe", "pipelined"), ("mbar", "mbarrier"), ("dqf", "dq_first"), ("ldmid", "load_mid"))
+          ("pipe", "pipelined"), ("mbar", "mbarrier"), ("dqf", "dq_first"), ("ldmid", "load_mid"),
+          ("dqs", "dq_spread"), ("dql", "dq_late"))
 
 
 @dataclass(frozen=True, order=True)
@@ -73,6 +74,14 @@ class BackwardKernelConfig(KernelConfig):
     dq_first: pds_smem only: dQ (phase C, with its atomics) before dK/dV (phase B), as
         FlashAttention-2 orders them: the fp32 reductions drain while phase B's mma run instead of
         queueing in front of the next iteration's shared-memory loads.
+    dq_spread: dq_first only: phase C's fp32 reductions are issued a few per k-step of phase B
+        instead of in one burst at the end of phase C, where they fill the load/store queue
+        (Nsight Compute at d_head 64: the burst's reductions held 9% of the warps' stall samples,
+        half of them queue-full stalls) and hold up phase B's transposed fragment loads behind
+        them; phase C's dQ tile stays in registers through phase B.
+    dq_late: pipelined only (not with dq_spread): phase C's dQ tile stays in registers and is
+        reduced during the next query block's phase A, a few reductions after each row group's
+        exponentials, where the load/store queue is idle (the last block's after the loop).
     load_mid: pds_smem only: the next query block's copies (their address arithmetic) are issued
         after the first k-step of the phase that follows the barrier, beside mma work already in
         flight, instead of between the barrier and the first fragment load.
@@ -94,6 +103,8 @@ class BackwardKernelConfig(KernelConfig):
     mbarrier: bool = False
     dq_first: bool = False
     load_mid: bool = False
+    dq_spread: bool = False
+    dq_late: bool = False
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -180,6 +191,10 @@ class BackwardKernelConfig(KernelConfig):
             yield "dq_first needs pds_smem", self.pds_smem
         if self.load_mid:
             yield "load_mid needs pds_smem", self.pds_smem
+        if self.dq_spread:
+            yield "dq_spread needs dq_first", self.dq_first
+        if self.dq_late:
+            yield "dq_late needs pipelined and not dq_spread", self.pipelined and not self.dq_spread
         if self.kv_regs:
             yield "kv_regs needs pds_smem", self.pds_smem
             yield (f"kv_regs: accumulators + K/V fragments (d_head) <= {MAX_ACCUMULATOR_REGISTERS} registers per "
