@@ -76,6 +76,8 @@ def test_parse_rejects_bad_short_forms(text):
     ({"pds_smem": True, "double_buffer": True, "dq_late": True}, "dq_late needs pipelined"),
     ({"pds_smem": True, "double_buffer": True, "pipelined": True, "dq_first": True, "dq_spread": True,
       "dq_late": True}, "not dq_spread"),
+    ({"dq_v4": True}, "dq_v4 needs pds_smem"),
+    ({"pds_smem": True, "double_buffer": True, "pipelined": True, "dq_late": True, "dq_v4": True}, "dq_v4 needs"),
     ({"pds_smem": True, "double_buffer": True, "d_head": 256, "d_split": 1}, "accumulators"),
 ])
 def test_invalid_combinations_name_the_rule(changes, rule):
@@ -163,6 +165,8 @@ def test_smem_and_threads():
     assert late.smem_bytes() == pipe.smem_bytes() and late.dq_late and late.short_form().endswith("+pipe+dql")
     tune = set(get_kernel_configs("tune"))
     assert late in tune and d64.replace(dq_first=True, dq_spread=True) in tune
+    v4 = d64.replace(dq_first=True, dq_v4=True)  # the reductions' shape only
+    assert v4.smem_bytes() == d64.smem_bytes() and v4.short_form().endswith("+pipe+mbar+dqf+dqv") and v4 in tune
 
 
 # ----------------------------------------------------------------------------- render / ABI
@@ -198,7 +202,7 @@ def test_name_expressions_per_variant():
     det = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, deterministic=True))
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
     literal = ("BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false, false, false, "
-               "false, false, false}")
+               "false, false, false, false}")
     assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
     assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
 

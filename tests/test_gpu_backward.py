@@ -56,6 +56,12 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dql",
     "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dql",
     "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dql",
+    # dQ reductions as 4-column vectors after a lane-pair exchange
+    "backward_sm80 (BF16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+mbar+dqf+dqv",
+    "backward_sm80 (FP16, 64, 128, 128, 8): dsplit_1+swizzled+dbuf+pds+ldmid+dqv",
+    "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+ldmid+dqv",
+    "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dqv",
+    "backward_sm80 (BF16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf+pds+dqv",  # 4 warps, 32-row S tiles
 )]
 FIGURES: list[dict] = []
 

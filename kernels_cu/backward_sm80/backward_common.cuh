@@ -89,6 +89,9 @@ struct StaticBackwardKernelConfig {
     static_assert(!DQ_SPREAD || DQ_FIRST, "dq_spread needs dq_first");
     // dq_late: phase C's dQ tile reduced during the next block's phase A (pipelined loops).
     static constexpr bool DQ_LATE = C.dq_late;
+    // dq_v4: phase C's reductions as 4-column vectors, formed by one exchange between lane pairs.
+    static constexpr bool DQ_V4 = C.dq_v4;
+    static_assert(!DQ_V4 || (PDS_SMEM && !DQ_SPREAD && !DQ_LATE), "dq_v4: pds_smem, not dq_spread/dq_late");
     static_assert(!DQ_LATE || (PIPELINED && !DQ_SPREAD), "dq_late needs pipelined, not dq_spread");
     static_assert(!(DQ_FIRST || LOAD_MID) || PDS_SMEM, "dq_first and load_mid need pds_smem");
     static constexpr int PDS_Q_BUFFERS = PIPELINED ? (MBARRIER ? 2 : 3) : 2;
@@ -179,6 +182,18 @@ CF_DEVICE void atomic_add_f32x2(float* addr, float a, float b) {
 #else
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(a) : "memory");
     asm volatile("red.relaxed.gpu.global.add.f32 [%0], %1;\n" ::"l"(addr + 1), "f"(b) : "memory");
+#endif
+}
+
+// dst[0..3] += (a, b, c, d), 16-byte aligned (sm_90: one vector reduction; else four scalar ones).
+CF_DEVICE void atomic_add_f32x4(float* addr, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(addr), "f"(a), "f"(b), "f"(c),
+                 "f"(d)
+                 : "memory");
+#else
+    atomic_add_f32x2(addr, a, b);
+    atomic_add_f32x2(addr + 2, c, d);
 #endif
 }
 

@@ -352,8 +352,36 @@ struct BackwardKVCTA2D {
     CF_DEVICE void phase_c(float* dq_rows, int pbuf, Hook&& hook = Hook{}) {
         float acc[2][DQ_N][4];
         dq_product(acc, pbuf, hook);
+        if constexpr (Cfg::DQ_V4) {
+            reduce_dq_v4(dq_rows, acc);
+        } else {
 #pragma unroll
-        for (int i = 0; i < DQ_REDUCTIONS; ++i) reduce_dq(dq_rows, acc, i);
+            for (int i = 0; i < DQ_REDUCTIONS; ++i) reduce_dq(dq_rows, acc, i);
+        }
+    }
+
+    // dq_v4: lanes 2j and 2j + 1 (columns 4j' .. of an n-tile pair) swap one fp32 pair per
+    // (m-tile, row half, n-tile pair), so the even lane holds 4 consecutive columns of n-tile n
+    // and the odd lane 4 of n-tile n + 1; each reduces them with one 16-byte vector reduction:
+    // half the reduction instructions, each covering 64 contiguous bytes of a row per lane quad.
+    CF_DEVICE void reduce_dq_v4(float* dq_rows, const float (&acc)[2][DQ_N][4]) const {
+        const bool odd = lane & 1;
+        // dq_rows points at column 2 * (lane % 4); the vector starts at the even lane's column
+        float* const base = dq_rows - (odd ? 2 : 0);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int n = 0; n < DQ_N; n += 2)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    // selects of values, not of pointers into acc (which would put it in local memory)
+                    const float a0 = acc[m][n][2 * h], a1 = acc[m][n][2 * h + 1];
+                    const float b0 = acc[m][n + 1][2 * h], b1 = acc[m][n + 1][2 * h + 1];
+                    const float g0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+                    const float g1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+                    float* const at = base + (16 * m + 8 * h) * Cfg::D + 8 * n + (odd ? 8 : 0);
+                    atomic_add_f32x4(at, odd ? g0 : a0, odd ? g1 : a1, odd ? b0 : g0, odd ? b1 : g1);
+                }
     }
 
     // The 2 * 2 * DQ_N fp32 pairs phase C adds into dq_accum, and how many dq_spread issues per

@@ -37,7 +37,7 @@ _DSPLIT_RE = re.compile(r"^dsplit_(\d+)$")
 # Short-form feature names of the boolean fields, in short-form order (dsplit_N comes first).
 _FLAGS = (("swizzled", "swizzled"), ("dbuf", "double_buffer"), ("pds", "pds_smem"), ("kvreg", "kv_regs"),
           ("pipe", "pipelined"), ("mbar", "mbarrier"), ("dqf", "dq_first"), ("ldmid", "load_mid"),
-          ("dqs", "dq_spread"), ("dql", "dq_late"))
+          ("dqs", "dq_spread"), ("dql", "dq_late"), ("dqv", "dq_v4"))
 
 
 @dataclass(frozen=True, order=True)
@@ -82,6 +82,9 @@ class BackwardKernelConfig(KernelConfig):
     dq_late: pipelined only (not with dq_spread): phase C's dQ tile stays in registers and is
         reduced during the next query block's phase A, a few reductions after each row group's
         exponentials, where the load/store queue is idle (the last block's after the loop).
+    dq_v4: pds_smem only, not with dq_spread or dq_late: phase C's reductions are 4-column
+        red.global.add.v4.f32 (sm_90; scalar pairs on sm_80), each lane pair swapping one fp32
+        pair per n-tile pair to hold 4 consecutive columns: half the reduction instructions.
     load_mid: pds_smem only: the next query block's copies (their address arithmetic) are issued
         after the first k-step of the phase that follows the barrier, beside mma work already in
         flight, instead of between the barrier and the first fragment load.
@@ -105,6 +108,7 @@ class BackwardKernelConfig(KernelConfig):
     load_mid: bool = False
     dq_spread: bool = False
     dq_late: bool = False
+    dq_v4: bool = False
 
     # ------------------------------------------------------------------ derived figures
     @property
@@ -195,6 +199,9 @@ class BackwardKernelConfig(KernelConfig):
             yield "dq_spread needs dq_first", self.dq_first
         if self.dq_late:
             yield "dq_late needs pipelined and not dq_spread", self.pipelined and not self.dq_spread
+        if self.dq_v4:
+            yield "dq_v4 needs pds_smem, not dq_spread or dq_late", self.pds_smem and not (self.dq_spread or
+                                                                                          self.dq_late)
         if self.kv_regs:
             yield "kv_regs needs pds_smem", self.pds_smem
             yield (f"kv_regs: accumulators + K/V fragments (d_head) <= {MAX_ACCUMULATOR_REGISTERS} registers per "

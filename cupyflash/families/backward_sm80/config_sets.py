@@ -21,10 +21,11 @@ def all_configs() -> list[BackwardKernelConfig]:
         # the pds_smem-only flags (mbarrier also needs pipelined) only where they can hold
         for mbar, dqf, mid in itertools.product((False, True) if pipe else (False,),
                                                 *([(False, True) if pds else (False,)] * 2)):
-            for dqs, dql in ((False, False), (True, False), (False, True)):
+            for dqs, dql, dqv in ((False, False, False), (True, False, False), (False, True, False),
+                                  (False, False, True)):
                 try:
                     out.append(BackwardKernelConfig(dtype, d, br, bc, w, ds, swz, dbuf, pds, kvr, pipe, mbar, dqf, mid,
-                                                    dqs, dql))
+                                                    dqs, dql, dqv))
                 except ValueError:
                     continue
     return sorted(out)
@@ -34,7 +35,7 @@ def should_autotune(cfg: BackwardKernelConfig) -> bool:
     """The tuning set's rule: swizzled only (the plain layout exists for the progression).
 
     d_head 64/128 (measured on the H100, NOTES.md): pds_smem with 128-key blocks only (the ordering
-    knobs mbarrier/dq_first/load_mid/dq_spread/dq_late only at the H100 table's layouts). pds_smem
+    knobs mbarrier/dq_first/load_mid/dq_spread/dq_late/dq_v4 only at the H100 table's layouts). pds_smem
     won every bucket of the first H100 tuning run (1.02-1.13x the 16-rows-per-warp layout), and
     64-key blocks lost with or without it (0.86-0.92x: twice the Q/dO loads and dQ atomics per
     FLOP); d_split 2 measured 0.66x at d128.
@@ -43,7 +44,7 @@ def should_autotune(cfg: BackwardKernelConfig) -> bool:
     equal to 16)."""
     if not cfg.swizzled:
         return False
-    if cfg.mbarrier or cfg.dq_first or cfg.load_mid or cfg.dq_spread or cfg.dq_late:
+    if cfg.mbarrier or cfg.dq_first or cfg.load_mid or cfg.dq_spread or cfg.dq_late or cfg.dq_v4:
         # the ordering knobs, measured (H100 sweep, NOTES.md) at the shipped layouts only: d_head 64
         # 128 x 128 (mbarrier: the pipelined loop that fits its shared memory) and d_head 128 64 x 128
         # pipelined (three buffers fit: no mbarrier)
