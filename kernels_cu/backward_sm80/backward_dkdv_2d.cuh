@@ -30,6 +30,8 @@
 // phase A, a few reductions after each row group's exponentials: the load/store queue is idle
 // there, where in phases B/C the reductions queue up with the fragment loads (the last block's
 // are reduced after the loop).
+// dq_v4: phase C's reductions are 16-byte vectors (4 consecutive columns per lane after one
+// exchange between lane pairs): half as many reduction instructions.
 // load_mid: the next block's copies are issued after the first k-step of the first phase after
 // the barrier (phase A without pipelined, else phase B or C), beside mma already issued.
 #pragma once
@@ -384,10 +386,8 @@ struct BackwardKVCTA2D {
                 }
     }
 
-    // The 2 * 2 * DQ_N fp32 pairs phase C adds into dq_accum, and how many dq_spread issues per
-    // k-step of phase B.
+    // The 2 * 2 * DQ_N fp32 pairs phase C adds into dq_accum.
     static constexpr int DQ_REDUCTIONS = 4 * DQ_N;
-    static constexpr int DQ_REDUCTIONS_PER_STEP = (DQ_REDUCTIONS + Cfg::Q_K_STEPS - 1) / Cfg::Q_K_STEPS;
 
     // Reduction i (m-tile i / (2 DQ_N), n-tile (i / 2) % DQ_N, row half i % 2) of acc into dq_accum.
     CF_DEVICE void reduce_dq(float* dq_rows, const float (&acc)[2][DQ_N][4], int i) const {
@@ -395,15 +395,16 @@ struct BackwardKVCTA2D {
         atomic_add_f32x2(dq_rows + (16 * m + 8 * h) * Cfg::D + 8 * n, acc[m][n][2 * h], acc[m][n][2 * h + 1]);
     }
 
-    // dq_late: the reductions of the kept dQ tile that belong to phase A's row group m (all of
-    // them spread over the S_M groups).
-    static constexpr int DQ_REDUCTIONS_PER_GROUP = (DQ_REDUCTIONS + S_M - 1) / S_M;
-    CF_DEVICE void reduce_late(int m) const {
+    // Share `part` of PARTS equal shares of the reductions (the last may be shorter): dq_spread
+    // issues one per phase-B k-step, dq_late one per phase-A row group.
+    template <int PARTS>
+    CF_DEVICE void reduce_share(float* dq_rows, const float (&acc)[2][DQ_N][4], int part) const {
+        constexpr int PER = (DQ_REDUCTIONS + PARTS - 1) / PARTS;
 #pragma unroll
-        for (int j = 0; j < DQ_REDUCTIONS_PER_GROUP; ++j)
-            if (m * DQ_REDUCTIONS_PER_GROUP + j < DQ_REDUCTIONS)
-                reduce_dq(dq_late_rows, dq_late, m * DQ_REDUCTIONS_PER_GROUP + j);
+        for (int j = 0; j < PER; ++j)
+            if (part * PER + j < DQ_REDUCTIONS) reduce_dq(dq_rows, acc, part * PER + j);
     }
+    CF_DEVICE void reduce_late(int m) const { reduce_share<S_M>(dq_late_rows, dq_late, m); }
 
     // acc (32 queries x X_DQ_COLS) = dS K for this warp's tile; `hook` runs after the first k-step.
     template <class Hook = NoHook>
@@ -473,12 +474,7 @@ struct BackwardKVCTA2D {
             float acc[2][DQ_N][4];
             dq_product(acc, pbuf, hook);
             float* const dq_rows = dq_rows_of(head, qb);
-            phase_b(buf, pbuf, NoHook{}, [&](int ks) {
-#pragma unroll
-                for (int j = 0; j < DQ_REDUCTIONS_PER_STEP; ++j)
-                    if (ks * DQ_REDUCTIONS_PER_STEP + j < DQ_REDUCTIONS)
-                        reduce_dq(dq_rows, acc, ks * DQ_REDUCTIONS_PER_STEP + j);
-            });
+            phase_b(buf, pbuf, NoHook{}, [&](int ks) { reduce_share<Cfg::Q_K_STEPS>(dq_rows, acc, ks); });
         } else if constexpr (Cfg::DQ_FIRST) {
             phase_c(dq_rows_of(head, qb), pbuf, hook);
             phase_b(buf, pbuf);
