@@ -38,11 +38,11 @@ def _hopper_default(dtype: DType, d_head: int, causal: bool) -> HopperBackwardKe
     return sm90_default(dtype, d_head, causal)
 
 
-# d_head values where cfg=None prefers backward_sm90. At d_head 64 backward_sm80 measured faster
-# on the H100 (0.93-1.01x FA2 for backward_sm90 against 0.96-1.05x for backward_sm80's table;
-# NOTES item 57): its dQ is still reduced twice per key block there. An explicit
-# backward_sm90 config still runs d_head 64.
-AUTO_D_HEADS = (128,)
+# d_head values where cfg=None prefers backward_sm90 (where it measured faster than backward_sm80's
+# table on the H100). d_head 64 joined in the eighth session (NOTES.md item 111): with 128 query
+# rows per iteration split over the two consumer warpgroups and dQ added by TMA reductions it runs
+# 1.6-1.8x backward_sm80's table (before, its dQ was reduced twice per key block and it was slower).
+AUTO_D_HEADS = (64, 128)
 
 
 def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView) -> str | None:

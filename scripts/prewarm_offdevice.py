@@ -51,11 +51,14 @@ def table_configs(tables_dir: Path) -> list:
 
 
 def default_configs(cc: int) -> list:
-    """Each family's default config per (dtype, d_head), for the families that run on `cc`."""
+    """Each family's default config per (dtype, d_head), and its `defaults` set where it has one
+    (backward_sm90's differ by mask at d_head 64), for the families that run on `cc`."""
     out = []
     for fam in FAMILIES.values():
         if not fam.supports(cc):
             continue
+        if "defaults" in getattr(fam, "set_keys", ()):
+            out += list(fam.config_set("defaults"))
         for dtype in DType:
             for d_head in SUPPORTED_D_HEADS:
                 try:

@@ -51,14 +51,23 @@ def test_default_config_text():
     assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
-    assert config_sets.default_config(DType.FP16, 64).short_form() == "backward_sm90(FP16, 64, 64, 128, 2)"
-    # one default per (dtype, d_head) for both masks (dynamic hands out only causal tiles)
-    for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
-        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
+    d64 = config_sets.default_config(DType.FP16, 64)
+    assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid"
+    # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
+    assert (d64.dq_rows, d64.dq_columns, cfg.dq_rows, cfg.dq_columns) == (64, 64, 64, 64)
+    # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
+    # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
+    assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 1024
+    # d_head 128: one default for both masks (dynamic hands out only causal tiles); d_head 64:
+    # non-causal calls add persistent CTAs behind a pdl preprocess
+    assert config_sets.default_config(DType.BF16, 128, causal=False) == config_sets.default_config(DType.BF16, 128)
+    assert config_sets.default_config(DType.FP16, 64, causal=False) == d64.replace(pdl=True, persistent=True)
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
+    prog64 = config_sets.progression_configs(DType.BF16, 64)
+    assert prog64[0].B_r == 64 and not prog64[0].dq_tma and prog64[-1] == config_sets.default_config(DType.BF16, 64, False)
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -71,13 +80,17 @@ def test_parse_rejects(text):
 @pytest.mark.parametrize("fields, rule", [
     ((DType.BF16, 96, 64, 128, 2), "d_head in"),
     ((DType.BF16, 256, 64, 64, 2), "d_head in"),
-    ((DType.BF16, 128, 128, 128, 2), "B_r in"),
+    ((DType.BF16, 128, 96, 128, 2), "B_r in"),
+    ((DType.BF16, 128, 128, 128, 2), "accumulator registers"),
+    ((DType.BF16, 64, 128, 64, 2), "B_r 128 needs two consumer warpgroups"),
+    ((DType.BF16, 64, 128, 128, 3, False, True), "shared memory"),
+    ((DType.BF16, 64, 128, 128, 2, False, True, True, False, False, True, True), "dq_early needs pdl, dq_tma and B_r 64"),
     ((DType.BF16, 128, 64, 192, 2), "B_c in"),
     ((DType.FP16, 64, 64, 128, 4), "n_stages in"),
     ((DType.BF16, 64, 64, 128, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 64, 2, True), "dq_bulk needs"),
     ((DType.BF16, 128, 64, 128, 3, True), "shared memory"),
-    ((DType.BF16, 64, 64, 128, 2, False, True), "dq_tma needs"),
+    ((DType.BF16, 64, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
     ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
@@ -113,10 +126,19 @@ def test_dq_tma_short_form_and_smem():
     plain = cfg.replace(dq_tma=False)
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
-    assert {(c.d_head, c.B_c, c.n_stages) for c in tma_cfgs} == {(128, 128, 1), (128, 128, 2), (128, 128, 3)}
-    # 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch knob sets on dq_mid: all at
-    # 2 stages; pdl+dq_early and the full set at 3; the block order knobs at 2 and 3)
-    assert len(tma_cfgs) == 2 * (3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS))
+    assert {(c.d_head, c.B_r, c.B_c, c.n_stages) for c in tma_cfgs} == {
+        (d, 64, 128, st) for d in (64, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
+    # per d_head with 64-row blocks: 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch
+    # knob sets on dq_mid: all at 2 stages; pdl+dq_early and the full set at 3; the block order knobs
+    # at 2 and 3)
+    for d in (64, 128):
+        assert len([c for c in tma_cfgs if c.d_head == d and c.B_r == 64]) == 2 * (
+            3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS))
+    # 128-row blocks (d_head 64, two stages at most): plain, dq_mid, nomask at 1 and 2 stages, the
+    # launch knob sets without dq_early (lpt, pdl) and B_R128_KNOB_SETS at 2
+    assert len([c for c in tma_cfgs if c.B_r == 128]) == 2 * (3 * 2 + 2 + len(config_sets.B_R128_KNOB_SETS))
+    rows = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 64, 128, 128, 2): dq_tma")
+    assert rows.smem_bytes() - rows.replace(dq_tma=False).smem_bytes() == 2 * 64 * 64 * 4  # two 64-row panels each
     knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
     assert knobs == cfg.replace(dtype=DType.FP16, nomask=True)
     assert knobs.short_form() == "backward_sm90(FP16, 128, 64, 128, 2): dq_tma+nomask"
@@ -132,7 +154,9 @@ def test_config_sets():
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
                                                                  "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
-    assert config_sets.progression_configs(DType.FP16, 64) == [config_sets.default_config(DType.FP16, 64)]
+    assert [c.short_form().partition("(")[2] for c in config_sets.progression_configs(DType.FP16, 64)] == [
+        "FP16, 64, 64, 128, 2)", "FP16, 64, 128, 128, 2)", "FP16, 64, 128, 128, 2): dq_tma",
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+pdl+persistent"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -209,7 +233,7 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 64, 128, 2, false, false, false, false, false, false, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false}>" + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
@@ -458,19 +482,22 @@ def sm80_launches(faked_backward, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d", [128])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", list(DType))
 def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, causal):
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     [(plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
-    assert plan.cfg.n_stages == 2 and plan.cfg.persistent and plan.cfg.dynamic  # one default for both masks
+    assert plan.cfg.n_stages == 2 and plan.cfg.dq_tma and plan.cfg.dq_mid
+    # d_head 128: persistent CTAs for both masks, causal tiles from a counter; d_head 64: 128-row
+    # blocks, persistent CTAs for non-causal calls only
+    want = (True, True, 64) if d == 128 else (not causal, False, 128)
+    assert (plan.cfg.persistent, plan.cfg.dynamic, plan.cfg.B_r) == want
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
                                         (89, 64, "compute capability 8.9"),
                                         (90, 96, "q: d_head 96 is not supported by backward_sm90"),
-                                        (90, 64, "q: d_head 64: backward_sm80 measured faster"),
                                         (90, 256, "q: d_head 256")])
 def test_cfg_none_falls_back_to_backward_sm80_with_a_reason(sm80_launches, cc, d, why):
     from cupyflash.backward_api import hopper_reason

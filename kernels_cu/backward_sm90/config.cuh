@@ -52,15 +52,27 @@ struct StaticHopperBackwardConfig {
     // Q and dO tiles of a stage (a multiple of 1024: tiles stay 1024-aligned); its lse2 and dvec
     // rows live in a separate small ring (STATS_OFFSET), so 3 stages fit beside dq_tma's panels.
     static constexpr int STAGE_BYTES = 2 * Q_BYTES;
-    static constexpr int DS_BYTES = WG_KEYS * BR * 2;  // one warpgroup's dS^T, [key][query]
+    // One warpgroup's dS^T, [key][query]: a buffer holds BR / 64 query blocks of [B_c keys][128
+    // bytes] (the warpgroups' keys contiguous in each, so one descriptor spans all B_c keys).
+    static constexpr int DS_BYTES = WG_KEYS * BR * 2;
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
-    // dq_tma: per warpgroup, its D/2 columns of the block's dQ as panels of [BR rows][32 fp32]
-    // (128 bytes a row, 128B-swizzled as the TMA map reads them, 1024-byte aligned).
+    // How dQ's GEMM (M = queries, one wgmma m64 tile per warpgroup) is shared by two warpgroups,
+    // each reading every warpgroup's dS^T (so every dQ element is added once per CTA): by query
+    // rows when the block has 128 (DQ_ROWS: warpgroup w takes rows 64 w ..), else by columns when
+    // each half is a whole 64-column swizzle block of K (DQ_SPLIT, d_head 128); otherwise by keys
+    // (each warpgroup its own dS^T, all columns: every dQ element is added twice per CTA).
+    static constexpr bool DQ_ROWS = CONSUMERS == 2 && BR == 2 * WG_KEYS;
+    static constexpr bool DQ_SPLIT = CONSUMERS == 2 && D >= 128 && !DQ_ROWS;
+    static constexpr bool DS_SHARED = DQ_ROWS || DQ_SPLIT;  // one dS^T barrier for both warpgroups
+    static constexpr int DQ_M = DQ_ROWS ? BR / 2 : BR;      // dQ rows of one warpgroup
+    static constexpr int DQ_N = DQ_SPLIT ? D / 2 : D;       // dQ columns of one warpgroup
+    // dq_tma: per warpgroup, its DQ_M x DQ_N share of the block's dQ as panels of [DQ_M rows][32
+    // fp32] (128 bytes a row, 128B-swizzled as the TMA map reads them, 1024-byte aligned).
     static constexpr int DQ_PANEL_COLS = 32;
-    static constexpr int DQ_PANEL_BYTES = BR * DQ_PANEL_COLS * 4;
-    static constexpr int DQ_PANELS = D / 2 / DQ_PANEL_COLS;  // of one warpgroup
-    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : DQ_TMA ? BR * D * 4 : 0;
+    static constexpr int DQ_PANEL_BYTES = DQ_M * DQ_PANEL_COLS * 4;
+    static constexpr int DQ_PANELS = DQ_N / DQ_PANEL_COLS;  // of one warpgroup
+    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : DQ_TMA ? CONSUMERS * DQ_PANELS * DQ_PANEL_BYTES : 0;
     // Named barrier (0 is __syncthreads; the consumers' dS^T barriers are 1 and 2): the staged dQ
     // is complete (every consumer arrives, the issuing warp waits).
     static constexpr int DQ_FULL_BARRIER = 3;
@@ -83,17 +95,20 @@ struct StaticHopperBackwardConfig {
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
     static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
-    static_assert(BR == 64, "one 64-query swizzle block per dS^T row (wgmma m64 for dQ)");
+    static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
+    static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
-    static_assert(!DQ_TMA || (CONSUMERS == 2 && D == 128), "dq_tma: each warpgroup stages half of dQ's columns");
+    static_assert(!DQ_TMA || (CONSUMERS == 2 && (D == 64 || D == 128)),
+                  "dq_tma: two warpgroups, each staging whole 32-column panels (d_head 128: half of dQ's columns)");
     static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
     static_assert(!PERSISTENT || DQ_TMA, "persistent: the writer warp's panel hand-over runs on across tiles");
     static_assert(!DYNAMIC || (PERSISTENT && DQ_EARLY), "dynamic: the tile counter lives behind dq_early's counters");
-    static_assert(BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
+    static_assert(!DQ_EARLY || BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
+    static_assert(!DQ_BULK || BR == 64, "dq_bulk: the staged rows are one 64-row block");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
@@ -108,9 +123,10 @@ struct BwdSmem {
     CF_DEVICE u32 dout(int s) const { return q(s) + Cfg::Q_BYTES; }
     CF_DEVICE u32 lse2(int s) const { return base + Cfg::STATS_OFFSET + s * 2 * Cfg::STAT_BYTES; }
     CF_DEVICE u32 dvec(int s) const { return lse2(s) + Cfg::STAT_BYTES; }
-    // dS^T of warpgroup wg in buffer buf; a buffer's warpgroups are contiguous (keys 0..B_c-1).
+    // dS^T of warpgroup wg in buffer buf (its first query block; the next is B_c rows on); a
+    // buffer's warpgroups are contiguous (keys 0..B_c-1).
     CF_DEVICE u32 ds(int buf, int wg) const {
-        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS + wg) * Cfg::DS_BYTES;
+        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS * (Cfg::BR / 64) + wg) * (Cfg::WG_KEYS * Cfg::ROW_BYTES);
     }
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
     // dq_tma: panel `panel` of consumer warpgroup `wg`.

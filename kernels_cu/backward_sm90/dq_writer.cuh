@@ -1,5 +1,7 @@
 // dq_tma's writer warp (warp 1 of the producer warpgroup): per query block, once a consumer
-// warpgroup has staged its half of dQ (two 128B-swizzled fp32 panels of B_r x 32), one lane adds
+// warpgroup has staged its share of dQ (two 128B-swizzled fp32 panels of 64 rows x 32: at d_head
+// 128 half of the columns over all keys; at d_head 64 with B_r 128 half of the rows over all keys,
+// with B_r 64 every column over its own keys), one lane adds
 // each panel to the fp32 workspace with a TMA tensor reduction (8 KiB per instruction) and frees
 // the panels when the reductions have read them. The consumers only store to shared memory; the
 // reductions to L2 run beside their next iteration.
@@ -106,8 +108,9 @@ struct BwdDqWriter {
             if (lane == 0) {
 #pragma unroll
                 for (int c = 0; c < Cfg::DQ_PANELS; ++c)
-                    tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c), (w * Cfg::DQ_PANELS + c) * Cfg::DQ_PANEL_COLS, row0,
-                                      head, sched.batch);
+                    tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c),
+                                      ((Cfg::DQ_SPLIT ? w * Cfg::DQ_PANELS : 0) + c) * Cfg::DQ_PANEL_COLS,
+                                      row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), head, sched.batch);
                 bulk_commit_group();
             }
         }

@@ -10,10 +10,10 @@
 //   dK  += dS^T Q      wgmma rs, A = dS^T from registers, B = Q (MN-major)
 //   dQ   = dS K       (atomic variant) dS^T staged in shared memory [key][query] (two buffers,
 //                      alternating per iteration), wgmma ss with both operands MN-major, added to
-//                      the fp32 dq_accum with red.global.add.v2. With two warpgroups and d_head
-//                      128 each computes half of dQ's columns over all B_c keys (every dQ
-//                      element is reduced once per CTA); otherwise each warpgroup computes all
-//                      columns over its own 64 keys.
+//                      the fp32 dq_accum with red.global.add.v2. With two warpgroups and 128
+//                      query rows each computes 64 of them over all B_c keys, with d_head 128
+//                      half of dQ's columns (every dQ element is reduced once per CTA);
+//                      otherwise each warpgroup computes all of dQ over its own 64 keys.
 // With dq_tma the dQ block is staged in shared memory and a writer warp adds it with TMA tensor
 // reductions (dq_writer.cuh) instead of the red.global.add.v2 above.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
@@ -24,13 +24,12 @@ struct BwdConsumer {
     static constexpr int NT = Cfg::BR / 8;        // n-tiles of S^T over the queries
     static constexpr int QK = Cfg::BR / 16;       // k-steps over the queries (dV, dK)
     static constexpr int DK = Cfg::D / 16;        // k-steps over d_head (S^T, dP^T)
-    // dQ split over the warpgroups by columns (each reads every warpgroup's dS^T) when each half
-    // is a whole 64-column swizzle block; else by keys (each its own dS^T, all columns).
-    static constexpr bool DQ_SPLIT = Cfg::CONSUMERS == 2 && Cfg::D >= 128;
-    static constexpr int DQ_N = DQ_SPLIT ? Cfg::D / 2 : Cfg::D;                 // dQ columns of a warpgroup
-    static constexpr int DQ_STEPS = (DQ_SPLIT ? Cfg::BC : Cfg::WG_KEYS) / 16;  // k-steps over keys
-    static constexpr int DS_BARRIER = 1;  // named barriers (0 is __syncthreads): 1, or 1 + wg unsplit
-    static constexpr int DS_THREADS = DQ_SPLIT ? 128 * Cfg::CONSUMERS : 128;
+    static constexpr bool DQ_SPLIT = Cfg::DQ_SPLIT;  // dQ by columns over the warpgroups
+    static constexpr bool DQ_ROWS = Cfg::DQ_ROWS;    // ... by query rows; neither: by keys
+    static constexpr int DQ_N = Cfg::DQ_N;           // dQ columns of a warpgroup
+    static constexpr int DQ_STEPS = (Cfg::DS_SHARED ? Cfg::BC : Cfg::WG_KEYS) / 16;  // k-steps over keys
+    static constexpr int DS_BARRIER = 1;  // named barriers (0 is __syncthreads): 1, or 1 + wg split by keys
+    static constexpr int DS_THREADS = Cfg::DS_SHARED ? 128 * Cfg::CONSUMERS : 128;
 
     const HopperBackwardParams& p;
     BwdSmem<Cfg> smem;
@@ -68,8 +67,10 @@ struct BwdConsumer {
     CF_DEVICE static u64 mnmajor_b_q(u32 tile, int k) {  // Q or dO as the N = d operand, query-steps
         return descriptor_advance(smem_descriptor_sw128(tile, Cfg::BR * Cfg::ROW_BYTES, 1024), 16 * k * Cfg::ROW_BYTES);
     }
-    // First key (inside the CTA's block) and first d column of this warpgroup's dQ GEMM.
-    CF_DEVICE int dq_key0() const { return DQ_SPLIT ? 0 : wg * Cfg::WG_KEYS; }
+    // First key (inside the CTA's block), query row (inside the query block) and d column of
+    // this warpgroup's dQ GEMM.
+    CF_DEVICE int dq_key0() const { return Cfg::DS_SHARED ? 0 : wg * Cfg::WG_KEYS; }
+    CF_DEVICE int dq_row0() const { return DQ_ROWS ? wg * Cfg::DQ_M : 0; }
     CF_DEVICE int dq_col0() const { return DQ_SPLIT ? wg * DQ_N : 0; }
     CF_DEVICE u64 mnmajor_b_k(u32 k_tile, int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
         return descriptor_advance(
@@ -78,10 +79,13 @@ struct BwdConsumer {
             16 * k * Cfg::ROW_BYTES);
     }
     // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
-    // are contiguous in the key, so key k of the CTA is row k of buffer `buf`.
+    // are contiguous in the key, so key k of the CTA is row k of the buffer's query block (this
+    // warpgroup's 64 query rows: block dq_row0() / 64).
     CF_DEVICE u64 ds_a(u32 ds_tile, int k) const {
-        return descriptor_advance(smem_descriptor_sw128(ds_tile + dq_key0() * Cfg::ROW_BYTES, Cfg::DS_BYTES, 1024),
-                                  16 * k * Cfg::ROW_BYTES);
+        return descriptor_advance(
+            smem_descriptor_sw128(ds_tile + (dq_row0() / 64) * Cfg::BC * Cfg::ROW_BYTES + dq_key0() * Cfg::ROW_BYTES,
+                                  Cfg::DS_BYTES, 1024),
+            16 * k * Cfg::ROW_BYTES);
     }
 
     // Accumulator pairs of 16 columns -> the A fragment of one k-step (mma.m16n8k16 layout).
@@ -180,12 +184,14 @@ struct BwdConsumer {
                 const u32 tr = 16 * (t >> 5 & 3) + (t >> 2 & 7);  // r, from the opaque thread index
                 const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + tr * Cfg::ROW_BYTES +
                                    (((tr & 7) << 4) ^ (4 * (t & 3)));
+                // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
 #pragma unroll
                 for (int k = 0; k < QK; ++k) {
-                    st_shared_4(ds_row ^ (u32)((2 * k) << 4), dsa[k][0]);
-                    st_shared_4((ds_row ^ (u32)((2 * k) << 4)) + 8 * Cfg::ROW_BYTES, dsa[k][1]);
-                    st_shared_4(ds_row ^ (u32)((2 * k + 1) << 4), dsa[k][2]);
-                    st_shared_4((ds_row ^ (u32)((2 * k + 1) << 4)) + 8 * Cfg::ROW_BYTES, dsa[k][3]);
+                    const u32 blk = (k / 4) * Cfg::BC * Cfg::ROW_BYTES;
+                    st_shared_4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + blk, dsa[k][0]);
+                    st_shared_4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + blk + 8 * Cfg::ROW_BYTES, dsa[k][1]);
+                    st_shared_4((ds_row ^ (u32)(((2 * k + 1) % 8) << 4)) + blk, dsa[k][2]);
+                    st_shared_4((ds_row ^ (u32)(((2 * k + 1) % 8) << 4)) + blk + 8 * Cfg::ROW_BYTES, dsa[k][3]);
                 }
                 fence_proxy_async_shared();
                 // Every dS^T row this dQ GEMM reads is written (and, by program order, every
@@ -194,7 +200,7 @@ struct BwdConsumer {
                 if constexpr (Cfg::DQ_BULK) {
                     if (issues_dq()) bulk_wait_group_0<true>();
                 }
-                named_barrier_sync(DQ_SPLIT ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
+                named_barrier_sync(Cfg::DS_SHARED ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
                 // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
                 float dq[DQ_N / 8][4];
                 wgmma_fence();
@@ -243,7 +249,8 @@ struct BwdConsumer {
                     }
                 } else {
                     float* acc = p.dq_accum +
-                                 (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0) * Cfg::D + dq_col0();
+                                 (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0 + dq_row0()) * Cfg::D +
+                                 dq_col0();
 #pragma unroll
                     for (int j = 0; j < DQ_N / 8; ++j) {
                         const int col = 8 * j + 2 * (lane & 3);

@@ -9,17 +9,22 @@ name expression and the short form, which names the family:
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma+nomask
     backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early
     backward_sm90(BF16, 128, 64, 128, 3): dq_tma+dq_mid+pdl+dq_early+rotate
+    backward_sm90(BF16, 64, 128, 128, 2): dq_tma+dq_mid
     backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: KNOB+KNOB...]  (KNOBS, in that order)
 
 B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
-B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. How dQ
-is accumulated is the variant, not the config: fp32 atomics (red.global.add.v2.f32) into a
-workspace, or with `deterministic` backward_sm80's separate dQ pass. `dq_bulk` (two consumer
-warpgroups at d_head 128 only) stages each block's fp32 dQ in shared memory and adds it to the
-workspace with bulk reductions (cp.reduce.async.bulk, one per row) from one consumer warp,
-instead of red.global.add.v2 from every consumer thread. `dq_tma` (same shapes) has each
-consumer warpgroup stage its half of the block's dQ in two 128B-swizzled fp32 panels and a
-writer warp of the producer warpgroup add each panel to the workspace with one TMA tensor
+B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. dQ = dS K
+is one wgmma m64 tile (64 query rows) per consumer warpgroup: with two warpgroups and B_r 128
+(d_head 64 only: the accumulator budget) each takes 64 of the rows over all B_c keys; with B_r 64
+at d_head 128 each takes half of the columns over all keys; otherwise each computes all of dQ
+over its own 64 keys (each element added twice per CTA). How dQ is accumulated is the variant,
+not the config: fp32 atomics (red.global.add.v2.f32) into a workspace, or with `deterministic`
+backward_sm80's separate dQ pass. `dq_bulk` (two consumer warpgroups at d_head 128 and B_r 64
+only) stages each block's fp32 dQ in shared memory and adds it to the workspace with bulk
+reductions (cp.reduce.async.bulk, one per row) from one consumer warp, instead of
+red.global.add.v2 from every consumer thread. `dq_tma` (two consumer warpgroups) has each
+consumer warpgroup stage its share of the block's dQ in two 128B-swizzled fp32 panels of 64 rows
+and a writer warp of the producer warpgroup add each panel to the workspace with one TMA tensor
 reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path.
 Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after it (dQ is
 finished, and its result handed on, while dK still runs; the default queues dV and dK before
@@ -32,11 +37,11 @@ a chunk of heads whose Q/dO fit in L2, then key block 1, ...), so the last CTAs 
 short ones; non-causal calls keep the plain order. `pdl` launches the dK/dV kernel and the
 convert kernel as programmatic dependents (griddepcontrol) of the kernel before each, with the
 family's own preprocess and convert kernels (kernels_cu/backward_sm90/rows.cuh): a kernel's
-prologue overlaps its predecessor's tail. `dq_early` (needs pdl and dq_tma) converts each query
+prologue overlaps its predecessor's tail. `dq_early` (needs pdl, dq_tma and B_r 64) converts each query
 block's dQ as soon as every key block that adds to it is done: the writer warp counts finished
 blocks in per-(batch, head, query block) counters behind the dq_accum workspace, and the convert
 kernel's CTAs, started while the dK/dV kernel's last wave still runs, wait on their counter
-instead of on the whole dK/dV grid.
+instead of on the whole dK/dV grid (at d_head 64 it cost 15-20%, NOTES.md item 111).
 `rotate` starts each non-causal CTA's walk over the query blocks at its own block (key block n of
 N starts at query block n * M / N and wraps), so the CTAs of one head do not add into the same
 dQ rows at the same time (causal CTAs already start at their diagonal).
@@ -66,7 +71,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
-B_R_VALUES = (64,)           # one 64-query swizzle block per dS^T row; dQ is one wgmma m64 tile
+B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
 STAGE_VALUES = (1, 2, 3)
 WG_KEYS = 64
@@ -108,10 +113,13 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield f"B_r in {B_R_VALUES}", self.B_r in B_R_VALUES
         yield f"B_c in {B_C_VALUES}", self.B_c in B_C_VALUES
         yield f"n_stages in {STAGE_VALUES}", self.n_stages in STAGE_VALUES
-        yield ("dq_bulk needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
-               not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
-        yield ("dq_tma needs two consumer warpgroups and d_head 128 (each adds half of dQ's columns)",
-               not self.dq_tma or (self.B_c == 2 * WG_KEYS and self.d_head == 128))
+        yield ("B_r 128 needs two consumer warpgroups (each computes dQ for 64 of the block's query rows)",
+               self.B_r == 64 or self.B_c == 2 * WG_KEYS)
+        yield ("dq_bulk needs two consumer warpgroups, d_head 128 and B_r 64 (each adds half of dQ's columns)",
+               not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128 and self.B_r == 64))
+        yield ("dq_tma needs two consumer warpgroups (each stages its share of dQ: half of the rows with B_r 128, "
+               "else half of the columns at d_head 128, else all of dQ over its own keys)",
+               not self.dq_tma or self.B_c == 2 * WG_KEYS)
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
         yield ("dq_mid and nomask exclude each other (ptxas serialised the wgmma chain at the consumers' 232 "
@@ -119,8 +127,8 @@ class HopperBackwardKernelConfig(KernelConfig):
                "as fast, NOTES.md item 88)", not (self.dq_mid and self.nomask))
         yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
                not self.pdl or self.dq_tma)
-        yield "dq_early needs pdl and dq_tma (the writer warp counts finished blocks)", \
-            not self.dq_early or (self.pdl and self.dq_tma)
+        yield ("dq_early needs pdl, dq_tma and B_r 64 (the writer warp counts finished blocks, one counter per "
+               "64-row convert block)", not self.dq_early or (self.pdl and self.dq_tma and self.B_r == 64))
         yield "persistent needs dq_tma (the writer warp's panel hand-over runs on across tiles)", \
             not self.persistent or self.dq_tma
         yield "dynamic needs persistent and dq_early (the tile counter lives behind dq_early's counters)", \
@@ -139,6 +147,20 @@ class HopperBackwardKernelConfig(KernelConfig):
     def n_threads(self) -> int:
         return 128 * (self.consumer_warpgroups + 1)  # + the producer warpgroup
 
+    @property
+    def dq_rows(self) -> int:
+        """dQ rows of one consumer warpgroup (one wgmma m64 tile): with B_r 128 the two warpgroups
+        take 64 each (over all B_c keys)."""
+        return self.B_r // 2 if self.consumer_warpgroups == 2 and self.B_r == 2 * WG_KEYS else self.B_r
+
+    @property
+    def dq_columns(self) -> int:
+        """dQ columns of one consumer warpgroup: with two warpgroups at d_head 128 and B_r 64 half of
+        them each (whole 64-column swizzle blocks of K), else all of them (with B_r 64 over the
+        warpgroup's own keys)."""
+        split = self.consumer_warpgroups == 2 and self.d_head >= 128 and self.dq_rows == self.B_r
+        return self.d_head // 2 if split else self.d_head
+
     def accumulator_registers(self) -> int:
         return self.d_head + max(self.B_r, self.d_head // 2)
 
@@ -149,8 +171,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         stats = self.n_stages * 2 * self.B_r * 4  # lse2 and dvec rows of every stage, their own ring
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
-        if self.dq_tma:  # each warpgroup's half of the block's fp32 dQ, unpadded swizzled panels
-            dq = self.B_r * self.d_head * 4
+        if self.dq_tma:  # each warpgroup's share of the block's fp32 dQ, unpadded swizzled panels
+            dq = self.consumer_warpgroups * self.dq_rows * self.dq_columns * 4
         barriers = 8 * (2 + 2 * self.n_stages)  # kv_full, kv_empty, q_full and q_empty per stage
         if self.dynamic:
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index

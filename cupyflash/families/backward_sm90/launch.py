@@ -66,10 +66,10 @@ _NO_DESCRIPTOR = bytes(128)
 def dq_tma_spec(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_ptr: int) -> tma.TensorMapSpec:
     """The tensor map of the fp32 dq_accum workspace (batch, n_heads, seq_len_q_pad, d_head),
     contiguous, that dq_tma's writer warp reduces into: boxes of 32 columns (128 bytes, the
-    128B swizzle span of the staged panels) x B_r rows."""
+    128B swizzle span of the staged panels) x a consumer warpgroup's dQ rows (64)."""
     d, rows = plan.d_head, plan.seq_len_q_pad
     return tma.TensorMapSpec(_FLOAT32, dq_accum_ptr, (d, rows, plan.n_heads, plan.batch),
-                             (d * 4, rows * d * 4, plan.n_heads * rows * d * 4), (DQ_TMA_COLS, cfg.B_r, 1, 1))
+                             (d * 4, rows * d * 4, plan.n_heads * rows * d * 4), (DQ_TMA_COLS, cfg.dq_rows, 1, 1))
 
 
 def dq_descriptor(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_ptr: int) -> bytes:
