@@ -2,6 +2,8 @@
 registration next to backward_sm80, name expressions and the launch plan (no GPU, no driver)."""
 from __future__ import annotations
 
+import math
+
 import struct
 import subprocess
 import sys
@@ -52,22 +54,21 @@ def test_default_config_text():
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
     d64 = config_sets.default_config(DType.FP16, 64)
-    assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid"
+    assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic"
     # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
     assert (d64.dq_rows, d64.dq_columns, cfg.dq_rows, cfg.dq_columns) == (64, 64, 64, 64)
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
-    assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 1024
-    # d_head 128: one default for both masks (dynamic hands out only causal tiles); d_head 64:
-    # non-causal calls add persistent CTAs behind a pdl preprocess
-    assert config_sets.default_config(DType.BF16, 128, causal=False) == config_sets.default_config(DType.BF16, 128)
-    assert config_sets.default_config(DType.FP16, 64, causal=False) == d64.replace(pdl=True, persistent=True)
+    assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
+    # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles)
+    for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
+        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
-    assert prog64[0].B_r == 64 and not prog64[0].dq_tma and prog64[-1] == config_sets.default_config(DType.BF16, 64, False)
+    assert prog64[0].B_r == 64 and not prog64[0].dq_tma and prog64[-1] == config_sets.default_config(DType.BF16, 64)
 
 
 @pytest.mark.parametrize("text", ["backward_sm90(BF16, 128, 64, 128)", "backward_sm90 BF16, 128, 64, 128, 2",
@@ -156,7 +157,7 @@ def test_config_sets():
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert [c.short_form().partition("(")[2] for c in config_sets.progression_configs(DType.FP16, 64)] == [
         "FP16, 64, 64, 128, 2)", "FP16, 64, 128, 128, 2)", "FP16, 64, 128, 128, 2): dq_tma",
-        "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+pdl+persistent"]
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -228,7 +229,7 @@ def test_registered_next_to_backward_sm80():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_name_expressions(causal, deterministic):
-    cfg = config_sets.default_config(DType.FP16, 64)
+    cfg = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid")  # no pdl: companion row kernels
     exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=causal, deterministic=deterministic))
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
@@ -317,7 +318,7 @@ def test_dq_workspace_shape():
 
 
 def test_launch_sequence_no_query_rows_runs_dkdv_only():
-    cfg = config_sets.default_config(DType.BF16, 64)
+    cfg = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 64, 128, 128, 2): dq_tma+dq_mid")  # one CTA per tile
     p, _ = _plan(cfg, sq=0, sk=70, d=64)
     assert [s.role for s in launch.launch_sequence(p)] == ["dkdv"]
 
@@ -489,9 +490,8 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
     [(plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
     assert plan.cfg.n_stages == 2 and plan.cfg.dq_tma and plan.cfg.dq_mid
-    # d_head 128: persistent CTAs for both masks, causal tiles from a counter; d_head 64: 128-row
-    # blocks, persistent CTAs for non-causal calls only
-    want = (True, True, 64) if d == 128 else (not causal, False, 128)
+    # persistent CTAs for both masks, causal tiles from a counter; d_head 64: 128-row blocks
+    want = (True, True, 64 if d == 128 else 128)
     assert (plan.cfg.persistent, plan.cfg.dynamic, plan.cfg.B_r) == want
 
 
@@ -551,9 +551,16 @@ def test_dynamic_knob_rule_smem_and_workspace():
     cfg = config_sets.default_config(DType.BF16, 128).replace(lpt=True)
     text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early+persistent+dynamic"
     assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
-    with pytest.raises(ValueError, match="dynamic needs persistent and dq_early"):
+    with pytest.raises(ValueError, match="dynamic needs persistent and pdl"):
         cfg.replace(persistent=False)
+    with pytest.raises(ValueError, match="dynamic needs persistent and pdl"):
+        cfg.replace(pdl=False, dq_early=False)
     assert cfg.smem_bytes() == cfg.replace(dynamic=False).smem_bytes() + 40  # two tile slots, four barriers
     p, _ = _plan(cfg, b=2, sq=300, sk=300, h=4, hk=2)
     static = launch.dq_workspace_shape(p._replace(cfg=cfg.replace(dynamic=False)))
     assert launch.dq_workspace_shape(p) == (static[0] + 1,)  # + the tile counter
+    # without dq_early (B_r 128): the dq_accum elements, then the tile counter alone
+    rows = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 64, 128, 128, 2): dq_tma+dq_mid+pdl+persistent+dynamic")
+    p, _ = _plan(rows, b=2, sq=300, sk=300, h=4, hk=2, d=64)
+    assert launch.dq_workspace_shape(p._replace(cfg=rows.replace(dynamic=False))) == p.dq_accum_shape
+    assert launch.dq_workspace_shape(p) == (math.prod(p.dq_accum_shape) + 1,)

@@ -106,7 +106,7 @@ struct StaticHopperBackwardConfig {
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
     static_assert(!PERSISTENT || DQ_TMA, "persistent: the writer warp's panel hand-over runs on across tiles");
-    static_assert(!DYNAMIC || (PERSISTENT && DQ_EARLY), "dynamic: the tile counter lives behind dq_early's counters");
+    static_assert(!DYNAMIC || (PERSISTENT && PDL), "dynamic: the family's (pdl) preprocess resets the tile counter");
     static_assert(!DQ_EARLY || BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(!DQ_BULK || BR == 64, "dq_bulk: the staged rows are one 64-row block");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
@@ -299,11 +299,12 @@ CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_hea
     return base + ((long long)batch * n_heads + head) * (seq_len_q_pad / BR) + m;
 }
 
-// dynamic: the tile counter, right behind dq_early's block counters (the family's preprocess
-// zeroes it; the producers claim tiles from it).
-template <int D, int BR>
+// dynamic: the tile counter, right behind dq_early's block counters, or without them right behind
+// the dq_accum elements (the family's preprocess zeroes it; the producers claim tiles from it).
+template <class Cfg>
 CF_DEVICE unsigned* bwd_tile_counter(float* dq_accum, int batch_count, int n_heads, int seq_len_q_pad) {
-    return dq_block_counter<D, BR>(dq_accum, batch_count, n_heads, seq_len_q_pad, batch_count, 0, 0);
+    return dq_block_counter<Cfg::D, Cfg::BR>(dq_accum, batch_count, n_heads, seq_len_q_pad,
+                                             Cfg::DQ_EARLY ? batch_count : 0, 0, 0);
 }
 
 // dynamic: hand-over j of the CTA's next tile index (-1: none left) from the producer thread to

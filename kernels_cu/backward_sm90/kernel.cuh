@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
                     const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
                     BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run_tile(index, ring);
                     ring += sched.iterations();
-                    t = grid_ctas() + (int)atomicAdd(bwd_tile_counter<Cfg::D, Cfg::BR>(params.dq_accum, params.batch,
+                    t = grid_ctas() + (int)atomicAdd(bwd_tile_counter<Cfg>(params.dq_accum, params.batch,
                                                                                       params.n_heads, params.seq_len_q_pad),
                                                      1u);
                     if (t >= BwdTile::count_of<Cfg::BC>(params)) t = -1;

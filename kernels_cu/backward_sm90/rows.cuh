@@ -6,8 +6,8 @@
 // (seq_len_q_pad / 64, n_heads, batch).
 //
 // preprocess: dvec = rowsum(dO * O), lse2 = lse * log2(e) (+inf for rows that saw no key and
-//   padding rows), dq_accum rows zeroed, and with dq_early the block's counter reset (with
-//   dynamic also the dK/dV kernel's tile counter). It lets the
+//   padding rows), dq_accum rows zeroed, with dq_early the block's counter reset, and with
+//   dynamic the dK/dV kernel's tile counter. It lets the
 //   dK/dV kernel's grid launch at once (griddepcontrol.launch_dependents); that kernel waits for
 //   this one's writes before reading them.
 // convert: dq = dq_accum * softmax_scale in the input precision. pdl: waits for the dK/dV grid
@@ -27,10 +27,10 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
         if (threadIdx.x == 0)
             *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, blockIdx.z, blockIdx.y,
                                                blockIdx.x) = 0u;
-        if constexpr (Cfg::DYNAMIC) {
-            if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
-                *bwd_tile_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad) = 0u;
-        }
+    }
+    if constexpr (Cfg::DYNAMIC && !DETERMINISTIC) {
+        if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
+            *bwd_tile_counter<Cfg>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad) = 0u;
     }
 }
 

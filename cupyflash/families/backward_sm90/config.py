@@ -50,7 +50,7 @@ t, t + grid, ... in the launch order (with lpt the causal longest-first order): 
 loads the next tile's K and V as soon as the consumers' last GEMMs of a tile have read them, and
 its first Q/dO stages while they still compute, so the epilogue (dK and dV from registers) and
 the next tile's loads overlap instead of every CTA paying its launch, K/V load and dQ drain.
-`dynamic` (needs persistent and dq_early) hands the tiles out from a counter instead: the
+`dynamic` (needs persistent and pdl) hands the tiles out from a counter instead: the
 producer claims the CTA's next tile with an atomic add once it has issued the current one's
 loads and passes it to the consumers and the writer warp through shared memory (the family's
 preprocess resets the counter); causal tiles, of unequal length, then balance over the CTAs.
@@ -131,8 +131,8 @@ class HopperBackwardKernelConfig(KernelConfig):
                "64-row convert block)", not self.dq_early or (self.pdl and self.dq_tma and self.B_r == 64))
         yield "persistent needs dq_tma (the writer warp's panel hand-over runs on across tiles)", \
             not self.persistent or self.dq_tma
-        yield "dynamic needs persistent and dq_early (the tile counter lives behind dq_early's counters)", \
-            not self.dynamic or (self.persistent and self.dq_early)
+        yield "dynamic needs persistent and pdl (the family's preprocess resets the tile counter)", \
+            not self.dynamic or (self.persistent and self.pdl)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "

@@ -36,18 +36,17 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # beside cuDNN, bf16 and fp16 at 1k/4k/16k, 1.008-1.053x (geometric mean 1.028x) against
 # 0.980-1.028x (1.005x) for the fifth session's `rotate` default; static striding alone ran
 # causal calls at 0.63-0.83x (tiles of unequal length), lpt's order with dynamic 0.96x at causal 1k.
-# Since the eighth session (NOTES.md item 111) d_head 64 takes 128 query rows per iteration, each
-# consumer warpgroup computing dQ for 64 of them over all 128 keys (added once per CTA, by the
-# writer warp's TMA reductions), with dq_mid, and non-causal calls persistent CTAs behind a pdl
-# preprocess: 1.05-1.17x cuDNN and 1.5-1.9x backward_sm80's table (H100, bf16 and fp16, 1k-16k,
-# causal and not; 3 interleaved rounds), against 0.6x cuDNN for the 64-row tile with red.global.
-# Causal calls keep one CTA per tile (persistent CTAs walk them statically: 0.64-0.85x; dynamic
-# needs dq_early, which needs 64-row blocks and at d_head 64 cost 15-20% there).
-_DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True}),
+# Since the eighth session (NOTES.md items 111, 114) d_head 64 takes 128 query rows per iteration,
+# each consumer warpgroup computing dQ for 64 of them over all 128 keys (added once per CTA, by the
+# writer warp's TMA reductions), with dq_mid and persistent CTAs behind a pdl preprocess, causal
+# tiles claimed from a counter longest first (dynamic no longer needs dq_early, which needs 64-row
+# blocks and at d_head 64 cost 15-20% there): 1.06-1.17x cuDNN and 1.3-1.9x backward_sm80's table
+# (H100, bf16 and fp16, 1k-16k, causal and not; 3 interleaved rounds), against 0.6x cuDNN for the
+# 64-row tile with red.global. One config for both masks, as at d_head 128.
+_DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
+                                "dynamic": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True})}
-# Knobs added to the default of non-causal calls (all key blocks alike: a static walk balances).
-_NON_CAUSAL_KNOBS = {64: {"pdl": True, "persistent": True}}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
@@ -56,7 +55,8 @@ LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True
                     {"lpt": True, "pdl": True, "dq_early": True, "persistent": True, "dynamic": True})
 # B_r 128 (d_head 64; dq_early, and with it dynamic, need B_r 64): on the dq_tma+dq_mid tile,
 # besides LAUNCH_KNOB_SETS' lpt and pdl.
-B_R128_KNOB_SETS = ({"rotate": True}, {"pdl": True, "persistent": True})
+B_R128_KNOB_SETS = ({"rotate": True}, {"pdl": True, "persistent": True}, {"pdl": True, "persistent": True, "dynamic": True},
+                    {"lpt": True, "pdl": True, "persistent": True, "dynamic": True})
 # On the defaults' launch knobs (pdl+dq_early), two and three stages: the block order knob.
 ORDER_KNOB_SETS = ({"rotate": True}, {"rotate": True, "persistent": True}, {"persistent": True},
                    {"persistent": True, "dynamic": True})
@@ -94,14 +94,11 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
 
 
 def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
-    """The config cfg=None runs for (dtype, d_head) with or without the causal mask: at d_head 128
-    one config for both (`dynamic` hands out only causal calls' tiles from the counter); at d_head
-    64 non-causal calls add persistent CTAs (_NON_CAUSAL_KNOBS)."""
+    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (one config
+    for both masks: `dynamic` and `lpt` order only causal calls' tiles)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     br, bc, stages, knobs = _DEFAULTS[d_head]
-    if not causal:
-        knobs = {**knobs, **_NON_CAUSAL_KNOBS.get(d_head, {})}
     return HopperBackwardKernelConfig(dtype, d_head, br, bc, stages, **knobs)
 
 
@@ -114,7 +111,7 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
     (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic (the default);
     at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ split by rows), + dq_tma,
-    + dq_mid (the causal default), + pdl+persistent (the non-causal one)."""
+    + dq_mid, + lpt+pdl+persistent+dynamic (the default)."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
@@ -122,8 +119,7 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
                          rotate=False, persistent=False, dynamic=False)
-    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last,
-             default_config(dtype, d_head, causal=False)]
+    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last]
     if first.B_r != 64:
         steps.insert(0, first.replace(B_r=64))
     return list(dict.fromkeys(steps))

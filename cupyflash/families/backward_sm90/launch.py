@@ -109,14 +109,16 @@ def launch_sequence(plan: BackwardPlan) -> list[LaunchStep]:
 
 
 def dq_workspace_shape(plan: BackwardPlan) -> tuple[int, ...]:
-    """Shape of the fp32 dQ workspace: plan.dq_accum_shape, or for dq_early one flat array with
-    a 32-bit counter per query block of every (batch, head) behind those elements (the kernels
-    find the counters at dq_accum + batch * n_heads * seq_len_q_pad * d_head), and with dynamic
-    one more: the dK/dV kernel's tile counter."""
-    if not plan.cfg.dq_early or plan.deterministic:
+    """Shape of the fp32 dQ workspace: plan.dq_accum_shape, or with counters one flat array with
+    them behind those elements (the kernels find them at dq_accum + batch * n_heads *
+    seq_len_q_pad * d_head): for dq_early a 32-bit counter per query block of every (batch, head),
+    then for dynamic one more, the dK/dV kernel's tile counter."""
+    cfg = plan.cfg
+    if not (cfg.dq_early or cfg.dynamic) or plan.deterministic:
         return plan.dq_accum_shape
     elements = plan.batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
-    counters = plan.batch * plan.n_heads * (plan.seq_len_q_pad // plan.cfg.B_r) + int(plan.cfg.dynamic)
+    blocks = plan.batch * plan.n_heads * (plan.seq_len_q_pad // cfg.B_r) if cfg.dq_early else 0
+    counters = blocks + int(cfg.dynamic)
     return (elements + counters,)
 
 
