@@ -247,6 +247,30 @@ def test_persistent_ctas_walk_many_tiles_on_three_ctas(knobs, rng, monkeypatch):
     run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # 15 x 4 = 60 tiles, S_q << S_k (bottom-right causal)
 
 
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_d64_row_split_default_walks_many_tiles(dtype, rng, monkeypatch):
+    """d_head 64's default (128 query rows split over the two warpgroups, persistent CTAs, causal
+    tiles claimed longest first from a counter without dq_early's block counters): three CTAs
+    walk all tiles of a call (the ring, the barriers' phases and the tile slots wrap many times),
+    with query tails inside a 128-row block, GQA, both masks and repeated calls on one stream."""
+    from cupyflash.families.backward_sm90 import launch
+
+    cfg = default_config(dtype, 64)
+    assert cfg.B_r == 128 and cfg.persistent and cfg.dynamic and not cfg.dq_early
+    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
+    run_case(cfg, 2, 701, 1000, 8, 4, False, rng)   # 8 key blocks x 4 kv heads x 2 = 64 tiles
+    run_case(cfg, 2, 1000, 899, 8, 4, True, rng)    # causal tiles of unequal length; rows without keys
+    run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # S_q << S_k (bottom-right causal)
+    monkeypatch.undo()
+    q, k, v, dout, out, lse = _inputs(dtype, 64, 2, 1100, 1100, 32, 16, True, rng)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
+    for _ in range(3):  # each call's preprocess resets the tile counter
+        again = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
+    for a, b in zip(first, again):
+        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
+        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+
+
 @pytest.mark.parametrize("d_head", D_HEADS)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True])
