@@ -23,7 +23,7 @@ dtype, and a contiguous float32 lse of shape (batch, heads, seq_q).
 
 Gradients: a third operator, `cupyflash::attention_backward(dout, q, k, v, out, lse, causal,
 softmax_scale, deterministic) -> (dq, dk, dv)`, runs `cupyflash.backward` (backward_sm90 on
-Hopper at d_head 128 where it applies, else backward_sm80; after a signature's first call its
+Hopper at d_head 64 and 128 where it applies, else backward_sm80; after a signature's first call its
 launch plan is replayed, cupyflash.backward_plans), and `attention_forward_lse` carries an autograd formula over it
 (`torch.library.register_autograd`, so it composes with torch.compile). `attention()` routes
 calls that need a gradient through the lse variant, which saves what the backward needs; the lse
