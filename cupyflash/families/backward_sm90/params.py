@@ -21,7 +21,7 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("tma_k", "TmaDescriptor", f"{_TMA}s"),
     ("tma_v", "TmaDescriptor", f"{_TMA}s"),
     ("tma_do", "TmaDescriptor", f"{_TMA}s"),
-    # dq_tma: fp32 dq_accum as (d_head, seq_len_q_pad, n_heads, batch), boxes of 32 x B_r; zeros otherwise
+    # dq_tma: fp32 dq_accum as (d_head, seq_len_q_pad, n_heads, batch), boxes of 32 x 64 (a consumer warpgroup's dQ rows); zeros otherwise
     ("tma_dq", "TmaDescriptor", f"{_TMA}s"),
     ("dk", "void*", "Q"),
     ("dv", "void*", "Q"),
