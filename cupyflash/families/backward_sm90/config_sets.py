@@ -14,12 +14,12 @@ __all__ = ["KERNEL_SET_KEYS", "all_configs", "tune_configs", "progression_config
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 
-# (B_c, n_stages, knobs) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a
+# (B_r, B_c, n_stages, knobs) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a
 # double Q/dO ring. d_head 128: dQ by the writer warp's TMA tensor reductions with the dV | dQ, dK
 # order (H100, bf16, S 1k-16k, causal and not: 1.18-1.32x the red.global.add.v2 kernel; dq_tma
 # alone 1.17-1.26x; dq_tma+nomask 0.93-1.05x dq_tma; dq_bulk measured 14-18% slower than
-# red.global). d_head 64: red.global.add.v2 (dq_tma needs each warpgroup's half of dQ to be
-# whole 32-column panels of a d 128 row). The other tiles were checked for correctness on the
+# red.global). d_head 64 until the eighth session: red.global.add.v2 (dq_tma then needed each
+# warpgroup's half of dQ to be whole 32-column panels of a d 128 row; see below). The other tiles were checked for correctness on the
 # H100, not timed: a `tune` sweep is still to do. Since 2026-11-23 (evening, NOTES.md item 73) d_head
 # 128 also launches the dK/dV and convert kernels as programmatic dependents and converts dQ
 # blocks during the dK/dV tail (pdl+dq_early): bf16, 5 interleaved rounds beside cuDNN, 0.904-0.990x
