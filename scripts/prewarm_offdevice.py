@@ -52,7 +52,7 @@ def table_configs(tables_dir: Path) -> list:
 
 def default_configs(cc: int) -> list:
     """Each family's default config per (dtype, d_head), and its `defaults` set where it has one
-    (backward_sm90's differ by mask at d_head 64), for the families that run on `cc`."""
+    (e.g. both masks' defaults), for the families that run on `cc`."""
     out = []
     for fam in FAMILIES.values():
         if not fam.supports(cc):

@@ -123,6 +123,30 @@ def run_case(cfg, batch, seq_q, seq_k, heads, kv_heads, causal, rng, determinist
     return dq, dk, dv
 
 
+
+def repeats_agree(cfg, batch, seq_q, seq_k, heads, kv_heads, causal, rng, calls=3):
+    """Back-to-back calls on one stream give the first call's gradients (fp32 atomics: the same to
+    rounding; never a stale block or a counter left over from the call before)."""
+    q, k, v, dout, out, lse = _inputs(cfg.dtype, cfg.d_head, batch, seq_q, seq_k, heads, kv_heads, causal, rng)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, cfg=cfg)
+    for _ in range(calls):
+        again = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, cfg=cfg)
+    for a, b in zip(first, again):
+        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
+        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+
+
+def walk_on_three_ctas(cfg, rng, monkeypatch):
+    """Three CTAs (the SM count patched) walk all 56-64 tiles of a call: every barrier phase, the
+    Q/dO ring and dynamic's two tile slots wrap many times, with tails, GQA and both masks."""
+    from cupyflash.families.backward_sm90 import launch
+
+    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
+    run_case(cfg, 2, 701, 1000, 8, 4, False, rng)   # 8 key blocks x 4 kv heads x 2 = 64 tiles
+    run_case(cfg, 2, 1000, 899, 8, 4, True, rng)    # 8 x 4 x 2 causal tiles of unequal length; rows without keys
+    run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # 15 x 4 = 60 tiles, S_q << S_k (bottom-right causal)
+    monkeypatch.undo()
+
 @pytest.mark.parametrize("cfg", ALL, ids=str)
 def test_every_config_matches_reference(cfg, rng):
     # tails in both directions, two q heads per k/v head, several query blocks per CTA
@@ -204,13 +228,7 @@ def test_launch_knobs_many_blocks_heads_and_repeats(knobs, rng):
     cfg = launch_knobs(DType.BF16, knobs)
     run_case(cfg, 3, 1500, 1300, 8, 2, True, rng)
     run_case(cfg, 2, 1000, 1000, 6, 3, False, rng)
-    q, k, v, dout, out, lse = _inputs(cfg.dtype, 128, 2, 777, 900, 4, 2, True, rng)
-    first = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
-    for _ in range(3):
-        again = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
-    for a, b in zip(first, again):  # fp32 atomics: the same values to rounding, never stale blocks
-        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
-        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+    repeats_agree(cfg, 2, 777, 900, 4, 2, True, rng)
     run_case(cfg, 2, 333, 270, 4, 2, True, rng, deterministic=True)
 
 
@@ -225,26 +243,13 @@ def test_persistent_ctas_walk_several_tiles(knobs, rng):
         run_case(cfg, 4, 1000, 1100, 32, 16, True, rng)
     cfg = launch_knobs(DType.BF16, knobs)
     run_case(cfg, 2, 1100, 1000, 32, 16, True, rng, deterministic=True)
-    q, k, v, dout, out, lse = _inputs(cfg.dtype, 128, 2, 1100, 1100, 32, 16, False, rng)
-    first = cupyflash.backward(dout, q, k, v, out, lse, causal=False, cfg=cfg)
-    for _ in range(3):
-        again = cupyflash.backward(dout, q, k, v, out, lse, causal=False, cfg=cfg)
-    for a, b in zip(first, again):
-        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
-        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+    repeats_agree(cfg, 2, 1100, 1100, 32, 16, False, rng)
 
 
 @pytest.mark.parametrize("knobs", PERSISTENT_KNOBS)
 def test_persistent_ctas_walk_many_tiles_on_three_ctas(knobs, rng, monkeypatch):
-    """Three CTAs (the SM count patched) walk all 56-64 tiles of a call: every barrier phase, the
-    Q/dO ring and dynamic's two tile slots wrap many times, with tails, GQA and both masks."""
-    from cupyflash.families.backward_sm90 import launch
-
-    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
-    cfg = launch_knobs(DType.BF16, knobs)
-    run_case(cfg, 2, 701, 1000, 8, 4, False, rng)   # 8 key blocks x 4 kv heads x 2 = 64 tiles
-    run_case(cfg, 2, 1000, 899, 8, 4, True, rng)    # 8 x 4 x 2 causal tiles of unequal length; rows without keys
-    run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # 15 x 4 = 60 tiles, S_q << S_k (bottom-right causal)
+    """walk_on_three_ctas on each persistent knob set (d_head 128)."""
+    walk_on_three_ctas(launch_knobs(DType.BF16, knobs), rng, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
@@ -253,22 +258,10 @@ def test_d64_row_split_default_walks_many_tiles(dtype, rng, monkeypatch):
     tiles claimed longest first from a counter without dq_early's block counters): three CTAs
     walk all tiles of a call (the ring, the barriers' phases and the tile slots wrap many times),
     with query tails inside a 128-row block, GQA, both masks and repeated calls on one stream."""
-    from cupyflash.families.backward_sm90 import launch
-
     cfg = default_config(dtype, 64)
     assert cfg.B_r == 128 and cfg.persistent and cfg.dynamic and not cfg.dq_early
-    monkeypatch.setattr(launch, "sm_count", lambda device: 3)
-    run_case(cfg, 2, 701, 1000, 8, 4, False, rng)   # 8 key blocks x 4 kv heads x 2 = 64 tiles
-    run_case(cfg, 2, 1000, 899, 8, 4, True, rng)    # causal tiles of unequal length; rows without keys
-    run_case(cfg, 1, 333, 1800, 4, 4, True, rng)    # S_q << S_k (bottom-right causal)
-    monkeypatch.undo()
-    q, k, v, dout, out, lse = _inputs(dtype, 64, 2, 1100, 1100, 32, 16, True, rng)
-    first = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
-    for _ in range(3):  # each call's preprocess resets the tile counter
-        again = cupyflash.backward(dout, q, k, v, out, lse, causal=True, cfg=cfg)
-    for a, b in zip(first, again):
-        a32, b32 = a.astype(cp.float32), b.astype(cp.float32)
-        assert float(cp.linalg.norm(a32 - b32) / cp.linalg.norm(b32)) < 1e-2
+    walk_on_three_ctas(cfg, rng, monkeypatch)
+    repeats_agree(cfg, 2, 1100, 1100, 32, 16, True, rng)  # each call's preprocess resets the tile counter
 
 
 @pytest.mark.parametrize("d_head", D_HEADS)
