@@ -31,11 +31,11 @@ def _select(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int, device: i
     return cfg if cfg is not None else _default(dtype, d_head)
 
 
-@functools.lru_cache(maxsize=64)
-def _hopper_default(dtype: DType, d_head: int, causal: bool) -> HopperBackwardKernelConfig:
+@functools.lru_cache(maxsize=256)
+def _hopper_default(dtype: DType, d_head: int, causal: bool, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     from .families.backward_sm90.config_sets import default_config as sm90_default
 
-    return sm90_default(dtype, d_head, causal)
+    return sm90_default(dtype, d_head, causal, seq_len_q)
 
 
 # d_head values where cfg=None prefers backward_sm90 (where it measured faster than backward_sm80's
@@ -160,7 +160,7 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
     if qv.device not in _checked_devices:
         _check_device(qv.device)
     if config is None and hopper_reason(dov, qv, kv, vv) is None:
-        config = _hopper_default(qv.dtype, qv.shape[3], causal is True)
+        config = _hopper_default(qv.dtype, qv.shape[3], causal is True, qv.shape[1])
     plan = check_backward_args(config, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, softmax_scale, causal,
                                deterministic, select=_select)
     if isinstance(plan.cfg, HopperBackwardKernelConfig):

@@ -51,20 +51,27 @@ def backward_flops(batch: int, heads: int, seq: int, d: int, causal: bool) -> fl
     return f / 2 if causal else f
 
 
-SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spin queued ahead of each timed call
+SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spin queued ahead of each timed call (at least)
+SPIN_CYCLES_PER_S = 2e9  # GPU clock for sizing longer spins (H100 ~1.98 GHz; only a lower bound matters)
 
 
 def time_events(torch, fn, warmup: int, reps: int) -> float:
     """Median milliseconds of fn() between CUDA events on the current stream. Each sample is queued
-    behind a ~1 ms GPU spin (torch.cuda._sleep), so the start event fires only after the host has
-    issued fn()'s kernels: the figure is their GPU time, not the host's cost of issuing them (which
-    an idle GPU would otherwise wait out inside the timed span: ~0.1 ms, 6% of a 1k point)."""
-    for _ in range(warmup):
+    behind a GPU spin (torch.cuda._sleep) of at least ~1 ms and of three times the longest host
+    time of a warm-up call, so the start event fires only after the host has issued fn()'s
+    kernels: the figure is their GPU time, not the host's cost of issuing them (which an idle GPU
+    would otherwise wait out inside the timed span: ~0.1 ms, 6% of a 1k point; a call through the
+    full validation path, dq/dk/dv given, can take longer than 1 ms of host time)."""
+    host = 0.0
+    for _ in range(max(1, warmup)):
+        t0 = time.perf_counter()
         fn()
+        host = max(host, time.perf_counter() - t0)
+    spin = max(SPIN_CYCLES, int(3 * host * SPIN_CYCLES_PER_S))
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(SPIN_CYCLES)
+        torch.cuda._sleep(spin)
         start.record()
         fn()
         end.record()
@@ -134,7 +141,7 @@ def auto_config(q, k, v, do, dtype, d: int, seq: int, causal: bool) -> str:
     from cupyflash.interop import as_view
 
     if hopper_reason(*(as_view(t, n) for t, n in ((do, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None:
-        return str(_hopper_default(dtype, d, causal))
+        return str(_hopper_default(dtype, d, causal, seq))
     return str(_select(dtype, d, seq, seq, q.device.index or 0, causal))
 
 

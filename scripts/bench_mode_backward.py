@@ -3,7 +3,7 @@ FLOP count, timers, FA3 backward and grid constants (imported, not copied: that 
 working on its own, with its config sweeps and rounds).
 
     python scripts/bench.py --mode backward [--dtypes bf16,fp16] [--d-heads 128,64] [--seqs 1k,4k,16k]
-                            [--causal both|yes|no] [--warmup 3] [--reps 10] [--json bench_backward.json]
+                            [--causal both|yes|no] [--warmup 3] [--reps 10] [--rounds 1] [--json bench_backward.json]
 
 Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only the backward is
 timed: cupyflash.backward(dout, q, k, v, out, lse) on the output and lse of cupyflash.forward,
@@ -15,7 +15,9 @@ is installed): bench_backward.fa3_backward (the jitted VJP of flash_mha), timed 
 (bench_backward.time_host). Backward FLOPs = 2.5 x forward (bench_backward.backward_flops;
 half when causal). Every implementation's (dq, dk, dv) is checked once, before it is timed,
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
-each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls.
+each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls; with
+--rounds N, every checked column is timed in N rounds in alternating order and the median of its
+round medians is reported.
 Targets (issue 12, printed beside the figures, never a failure): the sm_80 backward family
 >= 1.00x SDPA flash at every S >= 1k; the Hopper backward family >= 1.00x cuDNN, then FA3.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from typing import Any, Callable
 
@@ -50,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated columns to measure (default all: {IMPLS})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10, help="timed calls per measurement (median reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds per point: after every column's check, each column is timed once per round "
+                        "in alternating order and the median of its round medians is reported (clock drift then "
+                        "cannot favour whichever column runs first; bench_backward.py --rounds does the same)")
     p.add_argument("--json", default="bench_backward.json")
     p.add_argument("--plot", default=None, help="PNG (default: the --json path with .png; '' for none)")
     return p
@@ -92,7 +99,8 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
 
 
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
-                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS, sm90_config: Any = None) -> list[dict]:
+                  reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS, sm90_config: Any = None,
+                  rounds: int = 1) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -129,7 +137,7 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
             raise Skip(f"backward_sm90 has d_head {SM90_D_HEADS}")
         if sm90_config is not None:
             return cupyflash_run(sm90_config.replace(dtype=dtype, d_head=d))
-        return cupyflash_run(sm90_default(dtype, d, causal))
+        return cupyflash_run(sm90_default(dtype, d, causal, seq))
 
     def sdpa_run(backend: str) -> Callable[[], tuple]:
         if not hasattr(SDPBackend, backend):
@@ -161,34 +169,55 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
 
     runs["fa3"] = fa3_run
     records = []
+    timers: dict[str, tuple[dict, Callable[[], float]]] = {}  # rounds > 1: the checked columns, kept alive
     for name, make in runs.items():
         if name not in impls:
             continue
         holder: dict[str, Callable] = {}
 
-        def check(make: Callable = make, name: str = name) -> float:
+        def check(make: Callable = make, name: str = name, holder: dict = holder) -> float:
             holder["fn"] = make()
             grads = holder["fn"]()
             if name == "fa3":  # JAX arrays, computed on JAX's stream
                 grads = [torch.from_dlpack(g.block_until_ready()) for g in grads]
             return grads_rel_l2(torch, refs, grads)
 
-        def time_us(name: str = name) -> float:
+        def time_us(name: str = name, holder: dict = holder) -> float:  # bound: rounds call it after the loop
             if name == "fa3":  # not on torch's stream: host clock over batches of calls
                 return bb.time_host(fa3["run"], fa3["block"], warmup, reps) * 1e3
             return bb.time_events(torch, holder["fn"], warmup, reps) * 1e3
 
         rec = check_then_time(name, check, time_us, tol)
-        holder.clear()
+        if rounds > 1 and rec["status"] == "ok":
+            timers[name] = (rec, time_us)
+        else:
+            holder.clear()
         torch.cuda.synchronize()
         rec.update(point)
+        records.append(rec)
+    if timers:
+        samples = timed_rounds({name: rec["us"] for name, (rec, _) in timers.items()},
+                               {name: fn for name, (_, fn) in timers.items()}, rounds)
+        for name, (rec, _) in timers.items():
+            rec.update(us=statistics.median(samples[name]), us_rounds=samples[name])
+        timers.clear()
+    for rec in records:
         if rec["status"] == "ok":
             rec["tflops"] = flops / (rec["us"] * 1e-6) / 1e12
-        records.append(rec)
         status = f"{rec['tflops']:7.1f} TFLOP/s ({rec['us']:.0f} us, rel_l2 {rec['rel_l2']:.1e})" \
             if rec["status"] == "ok" else f"{rec['status'].upper()}: {rec['reason']}"
-        print(f"  {point['point']:<28} {name:<11} {status}", flush=True)
+        print(f"  {point['point']:<28} {rec['impl']:<11} {status}", flush=True)
     return records
+
+
+def timed_rounds(first: dict[str, float], timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Per column, its first timing (`first`, taken right after its check) and rounds - 1 more:
+    round r times the columns in their order when r is even, in reverse when odd."""
+    samples = {name: [first[name]] for name in timers}
+    for r in range(1, rounds):
+        for name in (reversed(list(timers)) if r % 2 else list(timers)):
+            samples[name].append(float(timers[name]()))
+    return samples
 
 
 def target_flash(seq: int) -> float | None:
@@ -234,8 +263,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
                 sm90_config = HopperBackwardKernelConfig.parse(args.sm90_config)
             except ValueError as exc:
                 raise ValueError(f"--sm90-config: {exc}") from None
-        if args.reps < 1 or args.warmup < 0:
-            raise ValueError("--reps must be >= 1 and --warmup >= 0")
+        if args.reps < 1 or args.warmup < 0 or args.rounds < 1:
+            raise ValueError("--reps and --rounds must be >= 1 and --warmup >= 0")
     except ValueError as exc:
         print(f"bench.py --mode backward: error: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +285,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
             for seq, batch in grid(seqs):
                 for causal in causals:
                     data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax,
-                                                   impls, sm90_config)
+                                                   impls, sm90_config, args.rounds)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
     failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]

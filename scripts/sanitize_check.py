@@ -150,8 +150,10 @@ def family_launches(family: str, args: argparse.Namespace, rng: np.random.Genera
 
             configs = [HopperBackwardKernelConfig.parse(t) for t in args.sm90_configs.split("|") if t.strip()]
             return list(sanitize_backward.launches(configs, shapes, rng)), None
-        # the defaults (d_head 128: causal and non-causal differ in stages), each run on every shape
-        configs = list(dict.fromkeys(sm90_default(DType.BF16, d, causal) for d in (64, 128) for causal in (True, False)))
+        # the defaults (short and long causal calls differ in stages at d_head 128), each run on every shape
+        from cupyflash.families.backward_sm90.config_sets import default_configs
+
+        configs = [c for c in default_configs() if c.dtype is DType.BF16]
         d128 = sm90_default(DType.BF16, 128)
         if not args.no_dq_bulk:  # dQ by bulk reductions from shared memory (no launch knob: they need dq_tma)
             configs.append(d128.replace(dq_bulk=True, dq_tma=False, dq_mid=False, nomask=False, lpt=False, pdl=False,

@@ -60,11 +60,18 @@ def test_default_config_text():
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
     assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
-    # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles)
+    # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles), but
+    # for causal calls of at least LONG_CAUSAL_ROWS query rows at d_head 128: three stages
     for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
         assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
+        assert config_sets.default_config(dt, d, False, 1 << 16) == config_sets.default_config(dt, d)
+    assert config_sets.LONG_CAUSAL_ROWS == {128: 4096}
+    assert config_sets.default_config(DType.BF16, 128, True, 4095) == cfg
+    assert config_sets.default_config(DType.BF16, 128, True, 4096) == cfg.replace(n_stages=3)
+    assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 4 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert {c for c in defaults if c.n_stages == 3} == {cfg.replace(dtype=dt, n_stages=3) for dt in DType}
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
@@ -487,12 +494,15 @@ def sm80_launches(faked_backward, monkeypatch):
 @pytest.mark.parametrize("dtype", list(DType))
 def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, causal):
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
-    [(plan, _, _, _)] = faked_backward["launches"]
+    _call(None, causal=causal, b=1, sq=4096, sk=300, h=2, hk=2, d=d, dtype=dtype)  # a long call
+    [(plan, _, _, _), (long_plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
     assert plan.cfg.n_stages == 2 and plan.cfg.dq_tma and plan.cfg.dq_mid
     # persistent CTAs for both masks, causal tiles from a counter; d_head 64: 128-row blocks
     want = (True, True, 64 if d == 128 else 128)
     assert (plan.cfg.persistent, plan.cfg.dynamic, plan.cfg.B_r) == want
+    # 4096 query rows: a causal call at d_head 128 takes three stages, everything else as before
+    assert long_plan.cfg == plan.cfg.replace(n_stages=3 if causal and d == 128 else 2)
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),

@@ -60,7 +60,9 @@ LAUNCH_KNOBS = {f"{st}st_" + "+".join(k): (st, k) for st, k in (
     (2, ("pdl", "dq_early", "rotate", "persistent")), (2, ("lpt", "pdl", "dq_early", "persistent")),
     (2, ("persistent",)),
     # ... with tiles claimed from a counter (dynamic)
-    (2, ("lpt", "pdl", "dq_early", "persistent", "dynamic")), (2, ("pdl", "dq_early", "persistent", "dynamic")))}
+    (2, ("lpt", "pdl", "dq_early", "persistent", "dynamic")), (2, ("pdl", "dq_early", "persistent", "dynamic")),
+    # ... with three stages: cfg=None's pick for long causal calls at d_head 128 (LONG_CAUSAL_ROWS)
+    (3, ("pdl", "dq_early", "persistent", "dynamic")))}
 PERSISTENT_KNOBS = [k for k in LAUNCH_KNOBS if "persistent" in k]
 
 

@@ -9,8 +9,8 @@ from ..backward_sm80.config import BackwardKernelConfig
 from ..backward_sm80.config_sets import default_config as sm80_default
 from .config import B_C_VALUES, B_R_VALUES, D_HEADS, STAGE_VALUES, HopperBackwardKernelConfig
 
-__all__ = ["KERNEL_SET_KEYS", "all_configs", "tune_configs", "progression_configs", "default_config",
-           "get_kernel_configs", "companion_config"]
+__all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "all_configs", "tune_configs", "progression_configs",
+           "default_config", "default_configs", "get_kernel_configs", "companion_config"]
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 
@@ -47,6 +47,14 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
                                 "dynamic": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True})}
+
+# Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
+# ninth session, NOTES.md item 120): with persistent CTAs claiming causal tiles from a counter, the
+# deeper ring carries the producer further into the next tile while the consumers finish the last
+# one (causal tiles are short and many). H100, bf16/fp16, 3 interleaved rounds, two runs: 4k
+# +5-8%, 8k +6-8%, 16k +2-3% over two stages; 2k level; 1k -2% (so shorter calls keep two stages;
+# non-causal calls -2% at 1k and level at 4k/16k, so they keep two as well).
+LONG_CAUSAL_ROWS = {128: 4096}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
@@ -93,13 +101,23 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
     return sorted(set(out))
 
 
-def default_config(dtype: DType, d_head: int, causal: bool = True) -> HopperBackwardKernelConfig:
-    """The config cfg=None runs for (dtype, d_head) with or without the causal mask (one config
-    for both masks: `dynamic` and `lpt` order only causal calls' tiles)."""
+def default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
+    """The config cfg=None runs for (dtype, d_head), with or without the causal mask, for calls of
+    `seq_len_q` query rows (0: a short call). One tile and knob set for both masks (`dynamic` and
+    `lpt` order only causal calls' tiles); long causal calls at d_head 128 take three stages
+    (LONG_CAUSAL_ROWS)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     br, bc, stages, knobs = _DEFAULTS[d_head]
+    if causal and seq_len_q >= LONG_CAUSAL_ROWS.get(d_head, 1 << 62):
+        stages = 3
     return HopperBackwardKernelConfig(dtype, d_head, br, bc, stages, **knobs)
+
+
+def default_configs() -> list[HopperBackwardKernelConfig]:
+    """Every config default_config returns (both masks, short and long calls)."""
+    return sorted({default_config(dt, d, causal, rows) for dt in DType for d in D_HEADS for causal in (False, True)
+                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0))})
 
 
 def tune_configs() -> list[HopperBackwardKernelConfig]:
@@ -130,7 +148,7 @@ def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:
     if k == "all":
         return all_configs()
     if k == "defaults":
-        return sorted({default_config(dt, d, causal) for dt in DType for d in D_HEADS for causal in (False, True)})
+        return default_configs()
     if k == "tune":
         return tune_configs()
     if k == "prog":
