@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Callable
 
 from ...kvcache_pdl import PDLLaunch
 from ...registry import LoadedKernel
 
-__all__ = ["launch_pdl"]
+__all__ = ["pdl_launcher"]
 
 
 class _Launcher:
@@ -45,12 +46,7 @@ _launchers: dict[tuple, _Launcher] = {}
 _MAX_LAUNCHERS = 4096  # one per (kernel, grid): a process cycling through more shapes rebuilds them
 
 
-def launch_pdl(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, stream_ptr: int,
-               params: bytes) -> None:
-    """Launch `kernel` as a programmatic dependent of the previous kernel on `stream_ptr`."""
-    if len(params) != kernel.params_size:
-        raise ValueError(f"params: expected {kernel.params_size} bytes of the packed parameter struct, "
-                         f"got {len(params)}")
+def _launcher(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int) -> _Launcher:
     key = (kernel.func_ptr, grid, block, smem)
     launcher = _launchers.get(key)
     if launcher is None:
@@ -58,6 +54,22 @@ def launch_pdl(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, sme
             if len(_launchers) >= _MAX_LAUNCHERS:
                 _launchers.clear()
             launcher = _launchers.setdefault(key, _Launcher(kernel, grid, block, smem))
-    with launcher.lock:
-        ctypes.memmove(launcher.buf, params, launcher.size)
-        launcher.pdl(stream_ptr, launcher.argv_ptr)
+    return launcher
+
+
+def pdl_launcher(kernel: LoadedKernel, grid: tuple[int, int, int], block: int,
+                 smem: int) -> Callable[[int, bytes], None]:
+    """(stream_ptr, params) -> `kernel` launched as a programmatic dependent of the previous kernel
+    on the stream, with its launcher looked up once (a plan keeps the function)."""
+    launcher = _launcher(kernel, grid, block, smem)
+    size = kernel.params_size
+
+    def launch(stream_ptr: int, params: bytes) -> None:
+        if len(params) != size:
+            raise ValueError(f"params: expected {size} bytes of the packed parameter struct, got {len(params)}")
+        with launcher.lock:
+            ctypes.memmove(launcher.buf, params, size)
+            launcher.pdl(stream_ptr, launcher.argv_ptr)
+
+    return launch
+
