@@ -251,8 +251,9 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
                   ov: TensorView | None, out: Any, softmax_scale: Any, causal: Any, return_lse: Any, lse: Any,
                   stream: Any, key: tuple | None) -> Any:
     """forward() on the Hopper family: validated as forward validates, launched with TMA
-    descriptors (cached by pointer and layout); remembered as a fast launch that re-packs the
-    descriptors of each call's pointers."""
+    descriptors (cached by pointer and layout); remembered as a fast launch that stores each
+    call's pointers into the descriptors' address words (or, where their format hides them,
+    re-packs the descriptors)."""
     from .families.forward_sm90.launch import get_kernel, launch_sm90, make_repack, pack_sm90, plan_sm90
 
     plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
@@ -261,10 +262,20 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
     if base.launch:
         launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
+            from .families.forward_sm90.params import PARAMS_SIZE
+            from .op_launch import address_offsets, address_writer
+
             c = plan.cfg
             kernel = get_kernel(plan.cfg, base.device, base.causal)
+            repack = make_repack(plan, qv, kv, vv)
+            # where the descriptors hold the pointers in known words, a call stores five words
+            # (as the operators do) instead of re-packing the descriptors through tma's cache
+            found = address_offsets(repack, PARAMS_SIZE)
             fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
-                                params=pack_sm90(plan, qv, kv, vv, ov.ptr, 0), repack=make_repack(plan, qv, kv, vv))
+                                params=found[1] if found else pack_sm90(plan, qv, kv, vv, ov.ptr, 0),
+                                repack=None if found else repack)
+            if found:
+                fast.write = address_writer(fast.buf, found[0])
             launch_plans.remember(key, fast)
     return _result(out, ov, want_lse, lse, lv)
 

@@ -35,7 +35,7 @@ class FastLaunch:
     """One validated launch, replayable with new pointers (see `lookup`)."""
 
     __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "is_torch", "buf",
-                 "_argv", "argv_ptr", "lock", "repack", "size")
+                 "_argv", "argv_ptr", "lock", "repack", "size", "write")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
@@ -52,6 +52,10 @@ class FastLaunch:
         # embed the pointers elsewhere (the Hopper family's TMA descriptors); None: the pointers
         # are the struct's first four fields (ForwardParams).
         self.repack = repack
+        # write(q, k, v, o, lse) -> the pointers stored where `params` (a template) holds them, for
+        # kernels that embed them elsewhere but in known words (op_launch.address_offsets; set by
+        # the caller, repack then None); None: the first four fields, or repack
+        self.write: Callable[[int, int, int, int, int], None] | None = None
         self.size = len(params)
         self.buf = ctypes.create_string_buffer(params, self.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
@@ -143,7 +147,9 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     # the per-call cost. cuLaunchKernel copies the parameters before it returns, so the lock
     # only has to cover the pack and the launch.
     with plan.lock:
-        if plan.repack is None:
+        if plan.write is not None:
+            plan.write(q_ptr, k_ptr, v_ptr, o_ptr, 0)
+        elif plan.repack is None:
             _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
         else:
             ctypes.memmove(plan.buf, plan.repack(q_ptr, k_ptr, v_ptr, o_ptr), plan.size)
