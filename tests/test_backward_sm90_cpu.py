@@ -62,16 +62,22 @@ def test_default_config_text():
     assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
     # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles), but
     # for causal calls of at least LONG_CAUSAL_ROWS query rows at d_head 128: three stages
+    # and non-causal ones of at least LONG_NONCAUSAL_ROWS rotate
     for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
         assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
-        assert config_sets.default_config(dt, d, False, 1 << 16) == config_sets.default_config(dt, d)
-    assert config_sets.LONG_CAUSAL_ROWS == {128: 4096}
+    assert config_sets.LONG_CAUSAL_ROWS == {128: 4096} and config_sets.LONG_NONCAUSAL_ROWS == {128: 8192}
     assert config_sets.default_config(DType.BF16, 128, True, 4095) == cfg
     assert config_sets.default_config(DType.BF16, 128, True, 4096) == cfg.replace(n_stages=3)
+    assert config_sets.default_config(DType.BF16, 128, True, 1 << 16) == cfg.replace(n_stages=3)
+    assert config_sets.default_config(DType.BF16, 128, False, 8191) == cfg
+    long_nc = config_sets.default_config(DType.BF16, 128, False, 8192)
+    assert long_nc == cfg.replace(rotate=True, dynamic=False) and long_nc.persistent and long_nc.n_stages == 2
     assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64
+    assert config_sets.default_config(DType.FP16, 64, False, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 6 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 8 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     assert {c for c in defaults if c.n_stages == 3} == {cfg.replace(dtype=dt, n_stages=3) for dt in DType}
+    assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt) for dt in DType}
     prog = config_sets.progression_configs()
     assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
@@ -503,6 +509,9 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
     assert (plan.cfg.persistent, plan.cfg.dynamic, plan.cfg.B_r) == want
     # 4096 query rows: a causal call at d_head 128 takes three stages, everything else as before
     assert long_plan.cfg == plan.cfg.replace(n_stages=3 if causal and d == 128 else 2)
+    _call(None, causal=causal, b=1, sq=8192, sk=300, h=2, hk=2, d=d, dtype=dtype)  # longer: non-causal rotates
+    rotate = not causal and d == 128
+    assert faked_backward["launches"][2][0].cfg == long_plan.cfg.replace(rotate=rotate, dynamic=not rotate)
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),

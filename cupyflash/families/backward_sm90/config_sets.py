@@ -9,7 +9,7 @@ from ..backward_sm80.config import BackwardKernelConfig
 from ..backward_sm80.config_sets import default_config as sm80_default
 from .config import B_C_VALUES, B_R_VALUES, D_HEADS, STAGE_VALUES, HopperBackwardKernelConfig
 
-__all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "all_configs", "tune_configs", "progression_configs",
+__all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "LONG_NONCAUSAL_ROWS", "all_configs", "tune_configs", "progression_configs",
            "default_config", "default_configs", "get_kernel_configs", "companion_config"]
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
@@ -55,6 +55,13 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
 # +5-8%, 8k +6-8%, 16k +2-3% over two stages; 2k level; 1k -2% (so shorter calls keep two stages;
 # non-causal calls -2% at 1k and level at 4k/16k, so they keep two as well).
 LONG_CAUSAL_ROWS = {128: 4096}
+# Non-causal calls at d_head 128 with at least this many query rows start each CTA's walk over the
+# query blocks at its own block (`rotate`, on the persistent static walk; `dynamic` only orders
+# causal tiles, so the config leaves it out): the CTAs of a head then add into different dQ rows.
+# Two runs of 5 interleaved rounds (NOTES.md item 127): 8k +1.9-2.6% in both dtypes (cuDNN's level
+# there, which the plain walk missed by 1-2%), 16k +1.5% on average (-0.8 to +4.5%), 4k -1.7%,
+# 2k -2%.
+LONG_NONCAUSAL_ROWS = {128: 8192}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
@@ -104,20 +111,22 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
 def default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     """The config cfg=None runs for (dtype, d_head), with or without the causal mask, for calls of
     `seq_len_q` query rows (0: a short call). One tile and knob set for both masks (`dynamic` and
-    `lpt` order only causal calls' tiles); long causal calls at d_head 128 take three stages
-    (LONG_CAUSAL_ROWS)."""
+    `lpt` order only causal calls' tiles); at d_head 128 long causal calls take three stages
+    (LONG_CAUSAL_ROWS) and long non-causal ones `rotate` (LONG_NONCAUSAL_ROWS)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by backward_sm90 (supported: {D_HEADS})")
     br, bc, stages, knobs = _DEFAULTS[d_head]
     if causal and seq_len_q >= LONG_CAUSAL_ROWS.get(d_head, 1 << 62):
         stages = 3
+    if not causal and seq_len_q >= LONG_NONCAUSAL_ROWS.get(d_head, 1 << 62):
+        knobs = {**knobs, "rotate": True, "dynamic": False}
     return HopperBackwardKernelConfig(dtype, d_head, br, bc, stages, **knobs)
 
 
 def default_configs() -> list[HopperBackwardKernelConfig]:
     """Every config default_config returns (both masks, short and long calls)."""
     return sorted({default_config(dt, d, causal, rows) for dt in DType for d in D_HEADS for causal in (False, True)
-                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0))})
+                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
 
 
 def tune_configs() -> list[HopperBackwardKernelConfig]:
