@@ -62,6 +62,17 @@ class FastLaunch:
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()  # the buffer is shared by every thread replaying this plan
 
+    def store_pointers(self, q: int, k: int, v: int, o: int) -> None:
+        """Put a call's four pointers into the parameter buffer, as `lookup` does inline (for tools
+        that launch the buffer themselves: the bench scripts' bare-launch figures)."""
+        with self.lock:
+            if self.write is not None:
+                self.write(q, k, v, o, 0)
+            elif self.repack is None:
+                _POINTERS.pack_into(self.buf, 0, q, k, v, o)
+            else:
+                ctypes.memmove(self.buf, self.repack(q, k, v, o), self.size)
+
 
 _TORCH, _CUPY = 1, 2
 _kinds: dict[type, int] = {}  # array type -> _TORCH / _CUPY / 0, so the module test runs once per type

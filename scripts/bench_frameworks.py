@@ -18,7 +18,6 @@ launch from a command buffer).
 """
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import statistics
@@ -87,10 +86,7 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
     plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
     out = torch.empty_like(q)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-    if plan.repack is None:  # the mma.sync family: pointers are the first parameter fields
-        launch_plans._POINTERS.pack_into(plan.buf, 0, *ptrs)
-    else:  # the Hopper family: TMA descriptors of these pointers
-        ctypes.memmove(plan.buf, plan.repack(*ptrs), plan.size)
+    plan.store_pointers(*ptrs)
     from cupy_backends.cuda.api.driver import launchKernel
 
     stream = torch.cuda.current_stream().cuda_stream

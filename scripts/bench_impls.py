@@ -8,7 +8,6 @@ and passed in, so this module imports without either.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import math
 import statistics
@@ -386,10 +385,7 @@ def measure_overhead(torch: Any, n_calls: int = 2000, warmup: int = 200, rounds:
     from cupyflash import launch_plans
 
     plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
-    if plan.repack is None:  # ForwardParams: the four pointers lead the struct
-        launch_plans._POINTERS.pack_into(plan.buf, 0, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
-    else:  # the Hopper family: TMA descriptors of these pointers
-        ctypes.memmove(plan.buf, plan.repack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()), plan.size)
+    plan.store_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     stream = torch.cuda.current_stream().cuda_stream
     calls["bare_launch"] = (lambda: launchKernel(*plan.launch_head, stream, plan.argv_ptr, 0), contextlib.nullcontext)
     samples = {name: {"issue": [], "wall": [], "gpu": []} for name in calls}
