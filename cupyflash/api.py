@@ -254,7 +254,7 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
     descriptors (cached by pointer and layout); remembered as a fast launch that stores each
     call's pointers into the descriptors' address words (or, where their format hides them,
     re-packs the descriptors)."""
-    from .families.forward_sm90.launch import get_kernel, launch_sm90, make_repack, pack_sm90, plan_sm90
+    from .families.forward_sm90.launch import get_kernel, launch_sm90, make_repack, plan_sm90
 
     plan = plan_sm90(cfg, qv, kv, vv, ov, softmax_scale, causal)
     base = plan.base
@@ -263,27 +263,24 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
         launch_sm90(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
             from .families.forward_sm90.params import PARAMS_SIZE
-            from .op_launch import address_offsets, address_writer
+            from .op_launch import embedded_pointers
 
             c = plan.cfg
             kernel = get_kernel(plan.cfg, base.device, base.causal)
-            repack = make_repack(plan, qv, kv, vv)
-            # where the descriptors hold the pointers in known words, a call stores five words
-            # (as the operators do) instead of re-packing the descriptors through tma's cache
-            found = address_offsets(repack, PARAMS_SIZE)
+            # as the operators do: a call stores five words into the descriptors where their
+            # format allows, else re-packs them through tma's cache
+            params, writer = embedded_pointers(make_repack(plan, qv, kv, vv), PARAMS_SIZE)
             fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
-                                params=found[1] if found else pack_sm90(plan, qv, kv, vv, ov.ptr, 0),
-                                repack=None if found else repack)
-            if found:
-                fast.write = address_writer(fast.buf, found[0])
+                                params=params, writer=writer)
             launch_plans.remember(key, fast)
     return _result(out, ov, want_lse, lse, lv)
 
 
 def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, *, grid: tuple[int, int, int] | None = None,
                  block: int | None = None, smem: int | None = None, params: bytes | None = None,
-                 repack: Any = None) -> launch_plans.FastLaunch:
-    """The replayable form of a validated launch, for later calls with the same signature."""
+                 writer: Any = None) -> launch_plans.FastLaunch:
+    """The replayable form of a validated launch, for later calls with the same signature;
+    `writer(buf)` makes its write_pointers (default: the leading ForwardParams fields)."""
     if q.framework == TORCH:
         import torch
 
@@ -294,10 +291,14 @@ def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, *, grid: tuple[in
     else:  # CuPy: lookup() only replays on the plan's device, so the current device is right
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
         current_stream = functools.partial(resolve_stream, None, q)
-    return launch_plans.FastLaunch(kernel.func_ptr, grid or plan.grid, block or plan.block,
+    from .op_launch import leading_writer
+
+    fast = launch_plans.FastLaunch(kernel.func_ptr, grid or plan.grid, block or plan.block,
                                    plan.smem_bytes if smem is None else smem, plan.device,
                                    plan.pack(0, 0, 0, 0) if params is None else params, tuple(plan.out_shape),
-                                   allocate, current_stream, repack)
+                                   allocate, current_stream)
+    fast.write_pointers = (writer or leading_writer)(fast.buf)
+    return fast
 
 
 def _launch(plan: LaunchPlan, q: TensorView, k: TensorView, v: TensorView, o: TensorView,

@@ -13,7 +13,6 @@ plain bool) goes through the full path every time.
 from __future__ import annotations
 
 import ctypes
-import struct
 import threading
 from typing import Any, Callable
 
@@ -23,7 +22,6 @@ from .families.forward_sm90.config import HopperForwardKernelConfig
 __all__ = ["FastLaunch", "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
-_POINTERS = struct.Struct("<4Q")  # q, k, v, o: the first four ForwardParams fields
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
 
 _plans: dict[tuple, "FastLaunch"] = {}
@@ -35,12 +33,11 @@ class FastLaunch:
     """One validated launch, replayable with new pointers (see `lookup`)."""
 
     __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "is_torch", "buf",
-                 "_argv", "argv_ptr", "lock", "repack", "size", "write")
+                 "_argv", "argv_ptr", "lock", "size", "write_pointers")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
-                 current_stream: Callable[[], int],
-                 repack: Callable[[int, int, int, int], bytes] | None = None) -> None:
+                 current_stream: Callable[[], int]) -> None:
         # cuLaunchKernel's arguments up to the stream, as one tuple: fewer attribute reads per call
         self.launch_head = (func_ptr, *grid, block, 1, 1, smem_bytes)
         self.device = device
@@ -48,30 +45,20 @@ class FastLaunch:
         self.allocate = allocate              # () -> a new output array (CuPy; None for torch)
         self.current_stream = current_stream  # () -> the caller's current stream handle
         self.is_torch = False                 # set by remember(): which pointer accessor to use
-        # repack(q, k, v, o pointers) -> the whole parameter struct, for kernels whose parameters
-        # embed the pointers elsewhere (the Hopper family's TMA descriptors); None: the pointers
-        # are the struct's first four fields (ForwardParams).
-        self.repack = repack
-        # write(q, k, v, o, lse) -> the pointers stored where `params` (a template) holds them, for
-        # kernels that embed them elsewhere but in known words (op_launch.address_offsets; set by
-        # the caller, repack then None); None: the first four fields, or repack
-        self.write: Callable[[int, int, int, int, int], None] | None = None
         self.size = len(params)
         self.buf = ctypes.create_string_buffer(params, self.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self._argv)
         self.lock = threading.Lock()  # the buffer is shared by every thread replaying this plan
+        # write_pointers(q, k, v, o, lse): one call's pointers into `buf`, set by whoever builds
+        # the plan (op_launch's writers: the leading ForwardParams fields, the TMA descriptors'
+        # address words, or a re-pack of the whole block); hold `lock` around it and the launch
 
     def store_pointers(self, q: int, k: int, v: int, o: int) -> None:
-        """Put a call's four pointers into the parameter buffer, as `lookup` does inline (for tools
-        that launch the buffer themselves: the bench scripts' bare-launch figures)."""
+        """Put a call's four pointers into the parameter buffer, as `lookup` does (for tools that
+        launch the buffer themselves: the bench scripts' bare-launch figures)."""
         with self.lock:
-            if self.write is not None:
-                self.write(q, k, v, o, 0)
-            elif self.repack is None:
-                _POINTERS.pack_into(self.buf, 0, q, k, v, o)
-            else:
-                ctypes.memmove(self.buf, self.repack(q, k, v, o), self.size)
+            self.write_pointers(q, k, v, o, 0)
 
 
 _TORCH, _CUPY = 1, 2
@@ -158,12 +145,7 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     # the per-call cost. cuLaunchKernel copies the parameters before it returns, so the lock
     # only has to cover the pack and the launch.
     with plan.lock:
-        if plan.write is not None:
-            plan.write(q_ptr, k_ptr, v_ptr, o_ptr, 0)
-        elif plan.repack is None:
-            _POINTERS.pack_into(plan.buf, 0, q_ptr, k_ptr, v_ptr, o_ptr)
-        else:
-            ctypes.memmove(plan.buf, plan.repack(q_ptr, k_ptr, v_ptr, o_ptr), plan.size)
+        plan.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, 0)
         _launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
     return result
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from typing import Any
+from typing import Any, Callable
 
 from . import launch_plans
 from .interop import TensorView
 from .validation import LaunchPlan
 
 __all__ = ["POINTERS", "OpLaunch", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views",
-           "make_launch"]
+           "make_launch", "repack_writer", "embedded_pointers"]
 
 POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
 
@@ -52,10 +52,10 @@ def plan_views(q: TensorView, k: TensorView, v: TensorView, causal: bool,
 
 
 class OpLaunch(launch_plans.FastLaunch):
-    """A FastLaunch plus `write_pointers(q, k, v, o, lse)`, which puts one call's five pointers
-    into its parameter block (the operators' per-call step; hold `lock` around it and the launch)."""
+    """The operators' FastLaunch; its `write_pointers(q, k, v, o, lse)` puts one call's five
+    pointers into its parameter block (hold `lock` around it and the launch)."""
 
-    __slots__ = ("write_pointers",)
+    __slots__ = ()
 
 
 def leading_writer(buf: Any) -> Any:
@@ -128,11 +128,22 @@ def address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:
     return write
 
 
-def _repack_writer(buf: Any, repack: Any, size: int) -> Any:
+def repack_writer(buf: Any, repack: Any, size: int) -> Any:
+    """write_pointers that re-packs the whole block (descriptors whose format hides the address)."""
     def write(q: int, k: int, v: int, o: int, lse: int) -> None:
         ctypes.memmove(buf, repack(q, k, v, o, lse), size)
 
     return write
+
+
+def embedded_pointers(repack: Any, size: int) -> tuple[bytes, Callable[[Any], Any]]:
+    """(initial parameter block, buf -> write_pointers) for a block whose pointers `repack`
+    embeds (the Hopper family's TMA descriptors): the address words `address_offsets` found, with
+    its template, or else a re-pack of the whole block per call."""
+    found = address_offsets(repack, size)
+    if found:
+        return found[1], functools.partial(address_writer, offsets=found[0])
+    return bytes(size), functools.partial(repack_writer, repack=repack, size=size)
 
 
 def make_launch(plan: LaunchPlan, sm90: Any, device: int) -> OpLaunch:
@@ -150,12 +161,10 @@ def make_launch(plan: LaunchPlan, sm90: Any, device: int) -> OpLaunch:
         hopper, views = sm90
         cfg = hopper.cfg
         kernel = get_kernel(cfg, device, hopper.base.causal)
-        repack = make_repack(hopper, *views)
-        found = address_offsets(repack, PARAMS_SIZE)
-        fast = OpLaunch(kernel.func_ptr, hopper.grid, cfg.n_threads, cfg.smem_bytes(), device,
-                        found[1] if found else bytes(PARAMS_SIZE), hopper.base.out_shape, None, None, repack)
-        fast.write_pointers = (address_writer(fast.buf, found[0]) if found
-                              else _repack_writer(fast.buf, repack, PARAMS_SIZE))
+        params, writer = embedded_pointers(make_repack(hopper, *views), PARAMS_SIZE)
+        fast = OpLaunch(kernel.func_ptr, hopper.grid, cfg.n_threads, cfg.smem_bytes(), device, params,
+                        hopper.base.out_shape, None, None)
+        fast.write_pointers = writer(fast.buf)
         return fast
     from .registry import get_registry
 

@@ -5,7 +5,7 @@ import ctypes
 
 import pytest
 
-from cupyflash import launch_plans
+from cupyflash import launch_plans, op_launch
 from cupyflash.families.forward_sm80.config_sets import default_config
 from cupyflash.config import DType
 from cupyflash.families.forward_sm80.params import PARAMS_STRUCT, param_names
@@ -46,8 +46,10 @@ def launches(monkeypatch):
 
 def make_plan(allocated=None):
     params = PARAMS_STRUCT.pack(*([0] * 19 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
-    return launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params, out_shape=(1, 128, 8, 64),
+    plan = launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params, out_shape=(1, 128, 8, 64),
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
+    plan.write_pointers = op_launch.leading_writer(plan.buf)  # as api._fast_launch sets it
+    return plan
 
 
 def test_signature_covers_what_changes_the_launch():

@@ -49,7 +49,7 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
                                 "dynamic": True})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
-# ninth session, NOTES.md item 120): with persistent CTAs claiming causal tiles from a counter, the
+# ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
 # deeper ring carries the producer further into the next tile while the consumers finish the last
 # one (causal tiles are short and many). H100, bf16/fp16, 3 interleaved rounds, two runs: 4k
 # +5-8%, 8k +6-8%, 16k +2-3% over two stages; 2k level; 1k -2% (so shorter calls keep two stages;

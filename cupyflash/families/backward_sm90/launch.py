@@ -3,9 +3,8 @@
 `check_sm90_problem` adds this family's rules to the shared validation (d_head, TMA-readable
 layouts, compute capability 9.0), `pack_dkdv` builds `HopperBackwardParams` (four cached TMA
 descriptors, then the outputs and workspaces), `launch_sequence` lists the kernels of one call
-in order with their grids and parameter structs, and `launch_backward_sm90` runs them (resolved once
-per plan: `plan_launch`). Only an
-explicit `cfg` of this family reaches it (`cupyflash.backward(..., cfg=...)`).
+in order with their grids and parameter structs, and `launch_backward_sm90` runs them (resolved
+once per plan: `plan_launch`). Only an explicit `cfg` of this family reaches it (`cupyflash.backward(..., cfg=...)`).
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from ...validation import LOG2_E
 from ..forward_sm90 import tma
 from . import BACKWARD_SM90, roles_for
 from .config import D_HEADS, DQ_TMA_COLS, HopperBackwardKernelConfig
-from ...registry import LoadedKernel
 from .params import pack_params
 from .pdl_launch import pdl_launcher
 
@@ -166,7 +164,7 @@ def plan_launch(plan: BackwardPlan) -> Launch:
     for step in launch_sequence(plan):
         kernel = kernels[step.role]
         go = (pdl_launcher(kernel, step.grid, step.block, step.smem) if step.pdl
-              else functools.partial(_plain_launch, kernel, step.grid, step.block, step.smem))
+              else functools.partial(kernel.launch, step.grid, step.block, step.smem))
         steps.append((step.hopper_params, go))
 
     def run(sm80_params: bytes, hopper_params: bytes, stream_ptr: int) -> None:
@@ -178,11 +176,6 @@ def plan_launch(plan: BackwardPlan) -> Launch:
             _plan_launches.clear()
         _plan_launches[plan] = run
     return run
-
-
-def _plain_launch(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int, stream_ptr: int,
-                  params: bytes) -> None:
-    kernel.launch(grid, block, smem, stream_ptr, params)
 
 
 def launch_backward_sm90(plan: BackwardPlan, sm80_params: bytes, hopper_params: bytes, stream_ptr: int) -> None:
