@@ -1,4 +1,4 @@
-"""forward_sm90's `oreg` and `lazy` knobs and the 192-column key tile without a GPU: short forms
+"""forward_sm90's `oreg`, `lazy` and `ring` knobs and the 192-column key tile without a GPU: short forms
 (the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
 configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
 from __future__ import annotations
@@ -23,10 +23,20 @@ def test_short_forms_round_trip(text):
 
 def test_new_flags_default_off_and_keep_older_short_forms():
     cfg = H(DType.BF16, 64, 192, 128, 2, True, True, True, True, True, 1)
-    assert not cfg.o_direct and not cfg.lazy_rescale
+    assert not cfg.o_direct and not cfg.lazy_rescale and not cfg.turn_ring
     assert cfg.short_form() == "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+emu1"
     both = cfg.replace(o_direct=True, lazy_rescale=True)
     assert both.short_form().endswith("+emu1+oreg+lazy") and both.smem_bytes() == cfg.smem_bytes()
+    assert cfg.replace(lazy_rescale=True, turn_ring=True).short_form().endswith("+emu1+lazy+ring")
+
+
+def test_turn_ring_needs_persistent_ping_pong():
+    ok = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+ring")
+    assert ok.turn_ring and ok.smem_bytes() == ok.replace(turn_ring=False).smem_bytes()
+    for text in ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+ring",
+                 "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+overlap+persistent+ring"):
+        with pytest.raises(ValueError, match="turn_ring needs persistent and pingpong"):
+            H.parse(text)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -50,7 +60,9 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false}>, false, false>")
+    ring = cfg.replace(o_direct=False, turn_ring=True)
+    assert name_expression(ring, True).endswith("0, false, false, true, true}>, true, false>")
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)

@@ -1,5 +1,6 @@
 """GPU tests of forward_sm90's `oreg` (O stored from registers; persistent CTAs release their Q
-tile after the last Q K^T), `lazy` (threshold rescaling) and the 192-column key tile, against
+tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
+a persistent CTA's tiles) and the 192-column key tile, against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
 several times. Skipped cleanly without a compute capability 9.0 GPU."""
@@ -30,7 +31,12 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(BF16, 64, 128, 192, 2): tma+ws+pingpong+overlap",
                 "forward_sm90(FP16, 64, 128, 192, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy",
                 "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+oreg+lazy",
-                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+oreg")
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+oreg",
+                # the turn ring: three and two consumer warpgroups, overlapped and plain loops, one
+                # and two Q tiles (causal tiles without a visible key take no turns)
+                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+ring",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring")
 
 if _is_sm90():
     import cupy as cp

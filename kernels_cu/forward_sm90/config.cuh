@@ -27,6 +27,7 @@ struct StaticHopperForwardConfig {
     // epilogue no longer stages O in it), so the consumers release it there.
     static constexpr bool EARLY_Q_RELEASE = O_DIRECT && PERSISTENT;
     static constexpr bool LAZY_RESCALE = C.lazy_rescale;  // running max moved only when it grows by > 2^8
+    static constexpr bool TURN_RING = C.turn_ring;  // ping-pong turns run on across a persistent CTA's tiles
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -64,6 +65,7 @@ struct StaticHopperForwardConfig {
     static_assert(STAGES >= 1, "at least one K/V stage");
     static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
     static_assert(Q_BUFFERS == 1 || PERSISTENT, "a second Q tile serves only a CTA's next tile");
+    static_assert(!TURN_RING || (PERSISTENT && PINGPONG), "the turn ring carries ping-pong turns across tiles");
     static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
 };

@@ -58,14 +58,17 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
             return;
         }
         setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+        using TileConsumer = Consumer<Cfg, CAUSAL>;
+        TileConsumer::open_turns(warpgroup - 1);  // TURN_RING: the ping-pong turns run on across tiles
         int ring = 0, iter = 0;
         for (auto tile = Scheduler::first(params); tile.valid; tile = tile.next(params), ++iter) {
             const int n_blocks = tile.kv_blocks(params);
-            Consumer<Cfg, CAUSAL> consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
+            TileConsumer consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
             consumer.run(n_blocks, [](int) {});
             Epilogue<Cfg, CAUSAL>::store(consumer);
             ring += n_blocks;
         }
+        TileConsumer::close_turns(warpgroup - 1);
     } else {
         const auto tile = Scheduler::first(params);
         const int n_blocks = tile.kv_blocks(params);

@@ -96,16 +96,34 @@ struct Consumer {
     // 128 of its predecessor in the ring handing it over. A warpgroup cannot hand over twice
     // before the next one has waited: between two hand-overs it must itself wait, which needs
     // a hand-over that, around the ring, follows the next warpgroup's wait.
+    // Per tile (default): each tile starts the ring anew - the last warpgroup hands warpgroup 0
+    // its first turn when it starts the tile (after its previous epilogue) and skips its last
+    // hand-over, so every warpgroup waits exactly as often as it is signalled and no barrier is
+    // left half-arrived. TURN_RING: the ring runs on across a persistent CTA's tiles - the last
+    // warpgroup hands over right after its last GEMM of a tile, so warpgroup 0 starts the next
+    // tile's Q K^T during the others' epilogues; open_turns primes the ring once and close_turns
+    // takes its last hand-over.
     CF_DEVICE void wait_turn() const {
         if constexpr (Cfg::PINGPONG) named_barrier_sync(TURN_BARRIER + wg, 256);
     }
-    // Hands the tensor cores to the next warpgroup. The last warpgroup skips its last hand-over:
-    // warpgroup 0 started with one from it (see run), so every warpgroup waits exactly as often
-    // as it is signalled and no barrier is left half-arrived at exit.
-    CF_DEVICE void pass_turn(bool last) const {
+    // `tile_end`: the warpgroup's last turn of the tile.
+    CF_DEVICE void pass_turn(bool tile_end) const {
         if constexpr (Cfg::PINGPONG)
-            if (!(last && wg == Cfg::CONSUMERS - 1))
+            if (Cfg::TURN_RING || !(tile_end && wg == Cfg::CONSUMERS - 1))
                 named_barrier_arrive(TURN_BARRIER + (wg + 1) % Cfg::CONSUMERS, 256);
+    }
+    CF_DEVICE void start_tile_turns() const {
+        if constexpr (Cfg::PINGPONG && !Cfg::TURN_RING)
+            if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
+    }
+    // TURN_RING, before a CTA's first tile and after its last; `warpgroup` counts consumers from 0.
+    CF_DEVICE static void open_turns(int warpgroup) {
+        if constexpr (Cfg::TURN_RING)
+            if (warpgroup == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);
+    }
+    CF_DEVICE static void close_turns(int warpgroup) {
+        if constexpr (Cfg::TURN_RING)
+            if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, 256);
     }
 
     CF_DEVICE void rescale_output(const float (&rescale)[1][2]) {
@@ -147,8 +165,7 @@ struct Consumer {
             release_q_early();
             return;
         }
-        if constexpr (Cfg::PINGPONG)
-            if (wg == Cfg::CONSUMERS - 1) named_barrier_arrive(TURN_BARRIER, 256);  // warpgroup 0 goes first
+        start_tile_turns();
         if constexpr (Cfg::OVERLAP) run_overlapped(n_blocks, refill);
         else run_sequential(n_blocks, refill);
     }

@@ -12,8 +12,9 @@ the short form, which names the family:
 The features start with how Q/K/V reach shared memory: `tma` (TMA copies) or `cpasync` (16-byte
 cp.async copies issued by every consumer thread: the progression's first step, wgmma alone);
 `ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
-registers, Q released early), `lazy` (threshold rescaling) and `emuN` (exp2 of N quarters of the
-scores on the FMA units) are the optional features. Invalid combinations raise
+registers, Q released early), `lazy` (threshold rescaling), `ring` (the ping-pong turn ring runs on
+across a persistent CTA's tiles) and `emuN` (exp2 of N quarters of the scores on the FMA units)
+are the optional features. Invalid combinations raise
 ValueError naming the rule.
 """
 from __future__ import annotations
@@ -78,6 +79,12 @@ class HopperForwardKernelConfig(KernelConfig):
     # to 256, exact in fp32 and representable in fp16/bf16) and the O rescale (d_head/2 FMULs
     # per thread per key block) is skipped by the whole warp.
     lazy_rescale: bool = False
+    # Ping-pong turns across tiles (persistent): the last consumer warpgroup hands the tensor cores
+    # to warpgroup 0 right after its last GEMM of a tile, so warpgroup 0 starts the next tile's
+    # Q K^T during the others' epilogues; without it every tile starts the ring anew, after the
+    # last warpgroup's epilogue. Short tiles gain (H100: d_head 64 at S 512-1k +2-4%, causal
+    # d_head 128 at 512-1k +1-2.5%), d_head 128 non-causal at 1k-2k lost 1-3% (NOTES.md item 133).
+    turn_ring: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -93,6 +100,8 @@ class HopperForwardKernelConfig(KernelConfig):
             not self.persistent or self.warp_specialized
         yield "double_q needs persistent (only a CTA with a next tile can load its Q early)", \
             not self.double_q or self.persistent
+        yield "turn_ring needs persistent and pingpong (it carries the ping-pong turns across tiles)", \
+            not self.turn_ring or (self.persistent and self.pingpong)
         yield f"exp_emulation in {EXP_EMULATION_VALUES}", self.exp_emulation in EXP_EMULATION_VALUES
         yield ("cp_async loads need the plain mainloop (no ws, pingpong, overlap, persistent, qbuf2): "
                "every consumer thread copies between its own GEMMs",
@@ -132,8 +141,9 @@ class HopperForwardKernelConfig(KernelConfig):
     # ------------------------------------------------------------ short form
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
-                                        "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy")  # written after emuN
+                                        "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
+                                        "ring": "turn_ring"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring")  # written after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
@@ -185,4 +195,4 @@ class HopperForwardKernelConfig(KernelConfig):
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
                    flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
-                   o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"])
+                   o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"])
