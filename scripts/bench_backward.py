@@ -55,13 +55,38 @@ SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spin queued ahead of each timed call (at
 SPIN_CYCLES_PER_S = 2e9  # GPU clock for sizing longer spins (H100 ~1.98 GHz; only a lower bound matters)
 
 
-def time_events(torch, fn, warmup: int, reps: int) -> float:
+def sustain_load(fn, seconds: float, sync) -> None:
+    """Run fn() back to back for `seconds` (host clock; `sync` every 8 calls keeps the queue short):
+    long enough and the GPU sits at the steady state of its power cap, as in a training loop."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            fn()
+        sync()
+
+
+def time_events(torch, fn, warmup: int, reps: int, sustain: float = 0.0) -> float:
     """Median milliseconds of fn() between CUDA events on the current stream. Each sample is queued
     behind a GPU spin (torch.cuda._sleep) of at least ~1 ms and of three times the longest host
     time of a warm-up call, so the start event fires only after the host has issued fn()'s
     kernels: the figure is their GPU time, not the host's cost of issuing them (which an idle GPU
     would otherwise wait out inside the timed span: ~0.1 ms, 6% of a 1k point; a call through the
-    full validation path, dq/dk/dv given, can take longer than 1 ms of host time)."""
+    full validation path, dq/dk/dv given, can take longer than 1 ms of host time).
+    sustain > 0 (seconds): the GPU is first loaded with fn() back to back for that long (sustain_load),
+    then the reps run back to back with an event pair around each and no spin between them, so
+    they are timed at the power-capped clocks of continuous work rather than in short bursts
+    (the host issues a backward call in well under its GPU time at every bench point)."""
+    if sustain > 0:
+        for _ in range(max(1, warmup)):
+            fn()
+        sustain_load(fn, sustain, torch.cuda.synchronize)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
     host = 0.0
     for _ in range(max(1, warmup)):
         t0 = time.perf_counter()
@@ -84,11 +109,18 @@ def rel(torch, a, b) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def time_host(fn, block, warmup: int, reps: int, batch: int = FA3_BATCH) -> float:
+def time_host(fn, block, warmup: int, reps: int, batch: int = FA3_BATCH, sustain: float = 0.0) -> float:
     """Median milliseconds per call of fn(), timed on the host over batches of `batch` calls each
-    ended by block(result) (for JAX, which launches on its own stream)."""
+    ended by block(result) (for JAX, which launches on its own stream); sustain > 0: after
+    `sustain` seconds of back-to-back calls (time_events)."""
     for _ in range(warmup):
         block(fn())
+    if sustain > 0:
+        last = [None]
+
+        def call():
+            last[0] = fn()
+        sustain_load(call, sustain, lambda: block(last[0]))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

@@ -3,7 +3,8 @@ FLOP count, timers, FA3 backward and grid constants (imported, not copied: that 
 working on its own, with its config sweeps and rounds).
 
     python scripts/bench.py --mode backward [--dtypes bf16,fp16] [--d-heads 128,64] [--seqs 1k,4k,16k]
-                            [--causal both|yes|no] [--warmup 3] [--reps 10] [--rounds 1] [--json bench_backward.json]
+                            [--causal both|yes|no] [--warmup 3] [--reps 10] [--rounds 1] [--sustain 0]
+                            [--json bench_backward.json]
 
 Grid: batch*seq = 16384 (bench_backward.TOKENS), 16 heads, S_q = S_k = S. Only the backward is
 timed: cupyflash.backward(dout, q, k, v, out, lse) on the output and lse of cupyflash.forward,
@@ -17,7 +18,10 @@ half when causal). Every implementation's (dq, dk, dv) is checked once, before i
 against a float64 reference of the first and last (batch, head) (SPEC §5 relative L2 bound on
 each of dq, dk, dv). Times: median of --reps CUDA-event timings after --warmup calls; with
 --rounds N, every checked column is timed in N rounds in alternating order and the median of its
-round medians is reported.
+round medians is reported. With --sustain S (seconds), each timing first runs its column back to
+back for S seconds and then times its --reps calls back to back (no GPU spin between them): the
+figures are then taken at the clocks the GPU holds under its power cap in continuous work, as in a
+training loop, instead of in short bursts after idle gaps (bench_backward.time_events).
 Targets (issue 12, printed beside the figures, never a failure): the sm_80 backward family
 >= 1.00x SDPA flash at every S >= 1k; the Hopper backward family >= 1.00x cuDNN, then FA3.
 """
@@ -57,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timing rounds per point: after every column's check, each column is timed once per round "
                         "in alternating order and the median of its round medians is reported (clock drift then "
                         "cannot favour whichever column runs first; bench_backward.py --rounds does the same)")
+    p.add_argument("--sustain", type=float, default=0.0,
+                   help="seconds of back-to-back calls before each timing, whose reps then run back to back "
+                        "(0: each rep after a GPU spin, the burst timing)")
     p.add_argument("--json", default="bench_backward.json")
     p.add_argument("--plot", default=None, help="PNG (default: the --json path with .png; '' for none)")
     return p
@@ -100,7 +107,7 @@ def grads_rel_l2(torch: Any, refs: dict, grads: tuple) -> float:
 
 def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal: bool, warmup: int,
                   reps: int, jax: Any = None, impls: tuple[str, ...] = IMPLS, sm90_config: Any = None,
-                  rounds: int = 1) -> list[dict]:
+                  rounds: int = 1, sustain: float = 0.0) -> list[dict]:
     import cupyflash
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -184,8 +191,8 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
 
         def time_us(name: str = name, holder: dict = holder) -> float:  # bound: rounds call it after the loop
             if name == "fa3":  # not on torch's stream: host clock over batches of calls
-                return bb.time_host(fa3["run"], fa3["block"], warmup, reps) * 1e3
-            return bb.time_events(torch, holder["fn"], warmup, reps) * 1e3
+                return bb.time_host(fa3["run"], fa3["block"], warmup, reps, sustain=sustain) * 1e3
+            return bb.time_events(torch, holder["fn"], warmup, reps, sustain) * 1e3
 
         rec = check_then_time(name, check, time_us, tol)
         if rounds > 1 and rec["status"] == "ok":
@@ -263,8 +270,8 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
                 sm90_config = HopperBackwardKernelConfig.parse(args.sm90_config)
             except ValueError as exc:
                 raise ValueError(f"--sm90-config: {exc}") from None
-        if args.reps < 1 or args.warmup < 0 or args.rounds < 1:
-            raise ValueError("--reps and --rounds must be >= 1 and --warmup >= 0")
+        if args.reps < 1 or args.warmup < 0 or args.rounds < 1 or args.sustain < 0:
+            raise ValueError("--reps and --rounds must be >= 1, --warmup and --sustain >= 0")
     except ValueError as exc:
         print(f"bench.py --mode backward: error: {exc}", file=sys.stderr)
         return 2
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None, host: Any = None) -> int:
             for seq, batch in grid(seqs):
                 for causal in causals:
                     data["records"] += measure_point(torch, dtype, d, seq, batch, causal, args.warmup, args.reps, jax,
-                                                   impls, sm90_config, args.rounds)
+                                                   impls, sm90_config, args.rounds, args.sustain)
                     torch.cuda.empty_cache()  # the point's tensors are gone with measure_point's frame
                     write_json(args.json, data)
     failures = [f for name in OURS for f in collect_failures([r for r in data["records"] if r["impl"] == name], name)]

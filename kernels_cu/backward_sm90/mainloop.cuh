@@ -287,21 +287,25 @@ struct BwdConsumer {
     // exactly 0 to dQ. The other CTAs have no such keys and run the loop without the clamp.
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
+        // Causal: key key_base + key_row(e) is visible to query q0 + query_col(j, e) when
+        //   g + 8 (e >> 1) - (e & 1) <= 8 j,  g = key_base + key_row(0) - q0 - causal_offset - 2 (lane & 3),
+        // one compare with an immediate per element; a hidden score's exponent becomes -inf
+        // (ex2.approx gives +0), so every element runs the same FFMA (scale read from the
+        // parameter bank) and MUFU, with one select between them.
+        const int g = key_base + key_row(0) - q0 - causal_offset - 2 * (lane & 3);
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                bool keep = true;
-                if constexpr (MASK && CAUSAL) {
-                    const int key = key_base + key_row(e), query = q0 + query_col(j, e, lane);
-                    keep = key <= query + causal_offset;
-                }
+                const float x = fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x));
                 if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
-                    st[j][e] = fast_exp2(fminf(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x)), 0.f));
+                    st[j][e] = fast_exp2(fminf(x, 0.f));
+                else if constexpr (MASK && CAUSAL)
+                    st[j][e] = fast_exp2(g <= 8 * j - 8 * (e >> 1) + (e & 1) ? x : CF_NEG_INF);
                 else
-                    st[j][e] = keep ? fast_exp2(fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x))) : 0.f;
+                    st[j][e] = fast_exp2(x);
             }
         }
     }
