@@ -90,7 +90,13 @@ for line in sys.stdin:
         causal = req.get("causal", False)
         if causal:
             flops /= 2
-        if req["op"] == "pick":
+        if req["op"] == "runs":  # can this release run that config (a knob it may not know)?
+            try:
+                resolve_config(req["cfg"])
+                answer = {"ok": True}
+            except ValueError:
+                answer = {"ok": False}
+        elif req["op"] == "pick":
             cfg = resolve_config(None, DTYPES[req["dtype"]][1], req["d_head"], req["seq"], req["seq"], 0, causal)
             answer = {"config": str(cfg)}
         elif req["cfg"] in ("sdpa", "sdpa_cudnn"):
@@ -148,20 +154,14 @@ def compare_point(new: Worker, old: Worker, dtype: str, d_head: int, seq: int, r
     runs: dict[str, tuple[Worker, str | None]] = {
         "new": (new, None), "old": (old, None), "new@old": (new, old_pick), "old@new": (old, new_pick),
         "sdpa_flash": (new, "sdpa"), "sdpa_cudnn": (new, "sdpa_cudnn")}
+    if not old.ask(op="runs", cfg=new_pick, **point)["ok"]:
+        del runs["old@new"]  # the new pick uses a knob the old release does not know
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(rounds):
         order = list(runs) if r % 2 == 0 else list(reversed(runs))  # alternate who goes first
         for name in order:
-            if name not in runs:
-                continue
             worker, cfg = runs[name]
-            try:
-                samples[name].append(worker.ask(op="time", cfg=cfg, iters=iters, **point)["tflops"])
-            except RuntimeError:
-                if name != "old@new":
-                    raise
-                # the new pick uses a knob the old release does not know: no old@new figure
-                del runs[name], samples[name]
+            samples[name].append(worker.ask(op="time", cfg=cfg, iters=iters, **point)["tflops"])
     row: dict[str, Any] = dict(point, new_pick=new_pick, old_pick=old_pick)
     row.update({name: statistics.median(values) for name, values in samples.items()})
     row.setdefault("old@new", None)
@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
             for d_head in (int(x) for x in args.d_heads.split(",")):
                 for seq in (int(x) for x in args.seqs.split(",")):
                     row = compare_point(new, old, dtype, d_head, seq, args.rounds, args.iters, args.causal)
-                    # kernel-only: each kernel on the same config, geometric mean over both picks
                     row["kernel_new_over_old"] = kernel_ratio(row)
                     rows.append(row)
                     same = "same pick" if row["new_pick"] == row["old_pick"] else f"{row['new_pick']} | {row['old_pick']}"
