@@ -10,7 +10,7 @@ nested tensors and FA3: bench_mode_varlen.py), backward (issue 12's table: bench
 
     python scripts/bench.py [--dtypes bf16,fp16] [--d-heads 128] [--seqs 512,1k,...,16k]
                             [--causal] [--configs SHORT_FORM ...] [--all-tune] [--progression]
-                            [--iters 50] [--json bench_results.json] [--plot PNG]
+                            [--iters 50] [--sustain S] [--json bench_results.json] [--plot PNG]
 
 Grid: batch*seq = 16384, heads*d_head = 2048, S_q = S_k = S; FLOPs = 4*B*H*S*S*D, or with --causal
 2*B*H*S*S*D (half the score matrix is masked, and skipped). Implementations: cupyflash
@@ -21,7 +21,10 @@ is_causal=True with --causal) when jax is importable, and FlashAttention-3 (`fla
 jitted, d_head 128 only) when the flash-attn3-jax wheel is installed. A peer that is missing or
 fails is skipped with its reason printed. Times: median of --iters CUDA-event timings after
 warm-up (JAX: host clock over batches of back-to-back calls, as its stream is not torch's), input
-sets rotated when one set is smaller than 3x L2. Every implementation's output is checked once
+sets rotated when one set is smaller than 3x L2. With --sustain S every column first runs S
+seconds of back-to-back calls, so all are timed at the power-capped clock of continuous work
+(without it, CUDA-event columns start after an idle spin at boost clocks while the host-clocked
+JAX columns run longer batches, which favours the event columns by a few percent). Every implementation's output is checked once
 against a float64 reference (SPEC §5 relative L2 bound: 1e-2 bf16, 2e-3 fp16) before it is
 timed; a result that fails is refused, not reported.
 
@@ -98,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peers to run (default all: sdpa_flash,sdpa_cudnn,jax_cudnn,fa3; '' for none)")
     p.add_argument("--iters", type=int, default=50, help="timed calls per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before timing")
+    p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                   help="seconds of back-to-back calls before each column's timed calls, so every column "
+                        "(peers included) is timed at the GPU's power-capped steady state; 0 (default): "
+                        "timed calls start after an idle spin, at boost clocks")
     p.add_argument("--overhead-calls", type=int, default=2000, help="back-to-back calls per overhead round")
     p.add_argument("--json", default="bench_results.json", help="results file (default bench_results.json)")
     p.add_argument("--plot", default=None,
@@ -237,7 +244,7 @@ def _measure(torch: Any, impl: Any, problem: Any, record: dict, args: argparse.N
                     f"relative L2 error {rel:.3g} > {tol:g}"
                 record.update(status="refused", reason=why)
                 return record
-            timing = impl.time(torch, args.warmup, args.iters)
+            timing = impl.time(torch, args.warmup, args.iters, args.sustain)
         record.update(status="ok", tflops=timing.tflops(problem.flops), timing=impl.timing_method, **timing.to_dict())
     except Skip as exc:
         record.update(status="skipped", reason=str(exc))
@@ -309,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(peers) - set(report.PEER_ORDER)
         if unknown:
             raise ValueError(f"--peers: unknown {sorted(unknown)}; expected from {report.PEER_ORDER}")
-        if args.iters < 1 or args.warmup < 0:
-            raise ValueError("--iters must be >= 1 and --warmup >= 0")
+        if args.iters < 1 or args.warmup < 0 or args.sustain < 0:
+            raise ValueError("--iters must be >= 1, --warmup and --sustain >= 0")
         if not args.seq_k_factor > 0:
             raise ValueError(f"--seq-k-factor must be > 0, got {args.seq_k_factor}")
     except ValueError as exc:
@@ -368,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.seq_k_factor != 1:
             gqa += f", seq_k = {args.seq_k_factor:g} x seq"
         print(f"grid: batch*seq=16384, heads*d_head=2048, {'causal' if args.causal else 'non-causal'}{gqa}; "
-              f"median of {args.iters} timings after {args.warmup} warm-up calls", flush=True)
+              f"median of {args.iters} timings after {args.warmup} warm-up calls"
+              + (f" and {args.sustain:g} s of sustained load (power-capped clocks)" if args.sustain else ""), flush=True)
         for dtype, d_head in groups:
             for seq in seqs:
                 cfg, source = _auto_choice(dtype, d_head, seq, device, args.causal,

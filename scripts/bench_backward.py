@@ -36,6 +36,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_impls import sustain_load  # noqa: E402  (shared with the forward bench)
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm80.config_sets import default_config as forward_default  # noqa: E402
 from cupyflash.backward_validation import resolve_backward_config  # noqa: E402
@@ -53,16 +54,6 @@ def backward_flops(batch: int, heads: int, seq: int, d: int, causal: bool) -> fl
 
 SPIN_CYCLES = 2_000_000  # ~1 ms of GPU spin queued ahead of each timed call (at least)
 SPIN_CYCLES_PER_S = 2e9  # GPU clock for sizing longer spins (H100 ~1.98 GHz; only a lower bound matters)
-
-
-def sustain_load(fn, seconds: float, sync) -> None:
-    """Run fn() back to back for `seconds` (host clock; `sync` every 8 calls keeps the queue short):
-    long enough and the GPU sits at the steady state of its power cap, as in a training loop."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(8):
-            fn()
-        sync()
 
 
 def time_events(torch, fn, warmup: int, reps: int, sustain: float = 0.0) -> float:

@@ -21,7 +21,7 @@ from cupyflash.config import DType
 from cupyflash.config import KernelConfig
 
 __all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Fa3Impl", "Skip", "rel_l2_error",
-           "time_events", "time_host", "measure_overhead", "JAX_BATCH"]
+           "time_events", "time_host", "sustain_load", "measure_overhead", "JAX_BATCH"]
 
 _SLEEP_CYCLES = 10_000_000  # ~5 ms of GPU spin before timing, so the host can queue ahead of the GPU
 JAX_BATCH = 20              # back-to-back JAX calls per host-clock sample
@@ -110,15 +110,36 @@ def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
 
 
 # ---------------------------------------------------------------------------- timing
-def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int, iters: int) -> Timing:
+def sustain_load(fn: Callable[[], Any], seconds: float, sync: Callable[[], Any]) -> None:
+    """Run fn() back to back for `seconds` (host clock; `sync` every 8 calls keeps the queue short):
+    long enough and the GPU sits at the steady state of its power cap, as in a training loop or a
+    long prefill batch, instead of at the boost clock an idle GPU starts a short burst with."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            fn()
+        sync()
+
+
+def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int, iters: int,
+                sustain: float = 0.0) -> Timing:
     """Median of per-call CUDA-event times on torch's current stream.
 
     The GPU is kept busy (a short spin kernel, then the warm-up calls, all queued without a sync),
     so each event pair brackets the kernel and not the Python launch overhead before it.
+    sustain > 0 (seconds): first `sustain` seconds of back-to-back calls (sustain_load), so the
+    timed calls run at the power-capped clock, as every column of a --sustain run does.
     """
     run(0)
     torch.cuda.synchronize()
-    if hasattr(torch.cuda, "_sleep"):
+    if sustain > 0:
+        calls = [0]
+
+        def call() -> None:
+            run(calls[0] % n_sets)
+            calls[0] += 1
+        sustain_load(call, sustain, torch.cuda.synchronize)
+    elif hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(_SLEEP_CYCLES)
     for i in range(warmup):
         run(i % n_sets)
@@ -132,15 +153,23 @@ def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int,
 
 
 def time_host(run: Callable[[int], Any], block: Callable[[Any], Any], n_sets: int, warmup: int,
-              samples: int, batch: int = JAX_BATCH) -> Timing:
+              samples: int, batch: int = JAX_BATCH, sustain: float = 0.0) -> Timing:
     """Host-clock time per call for work on a stream we cannot record events on (JAX): each sample
-    is `batch` back-to-back calls, then a block on the last result, divided by `batch`."""
+    is `batch` back-to-back calls, then a block on the last result, divided by `batch`.
+    sustain > 0: after `sustain` seconds of back-to-back calls (as time_events)."""
     block(run(0))
     out = None
     for i in range(warmup):
         out = run(i % n_sets)
     if out is not None:
         block(out)
+    if sustain > 0:
+        last = [None, 0]
+
+        def call() -> None:
+            last[0] = run(last[1] % n_sets)
+            last[1] += 1
+        sustain_load(call, sustain, lambda: block(last[0]))
     times = []
     for s in range(samples):
         t0 = time.perf_counter()
@@ -170,8 +199,8 @@ class Impl:
     def check(self, torch: Any) -> float:
         return rel_l2_error(torch, self.problem, self.run(0))
 
-    def time(self, torch: Any, warmup: int, iters: int) -> Timing:
-        return time_events(torch, self.run, len(self.problem.sets), warmup, iters)
+    def time(self, torch: Any, warmup: int, iters: int, sustain: float = 0.0) -> Timing:
+        return time_events(torch, self.run, len(self.problem.sets), warmup, iters, sustain)
 
 
 class CupyflashImpl(Impl):
@@ -281,9 +310,10 @@ class JaxImpl(Impl):
             t = torch.from_numpy(np.asarray(out)).cuda()
         return rel_l2_error(torch, self.problem, t)
 
-    def time(self, torch: Any, warmup: int, iters: int) -> Timing:
+    def time(self, torch: Any, warmup: int, iters: int, sustain: float = 0.0) -> Timing:
         samples = max(5, iters // 4)
-        return time_host(self.run, lambda x: x.block_until_ready(), len(self._sets), warmup, samples)
+        return time_host(self.run, lambda x: x.block_until_ready(), len(self._sets), warmup, samples,
+                         sustain=sustain)
 
 
 class Fa3Impl(JaxImpl):

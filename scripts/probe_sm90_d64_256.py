@@ -7,7 +7,7 @@ in --rounds interleaved rounds (order rotated per round; median of round medians
 drift falls on all alike.
 
     python scripts/probe_sm90_d64_256.py [--rows d64,d64c,d256] [--seqs 2k,4k,16k] [--rounds 2]
-                                         [--iters 20] [--json probe.json]
+                                         [--iters 20] [--sustain S] [--twins 'mmasum|...'] [--json probe.json]
     python scripts/probe_sm90_d64_256.py --list-configs     # every config it may run (for prewarm)
 
 Grid: bench.py's (batch*seq = 16384, heads*d_head = 2048), bf16 and fp16. Prints one line per
@@ -60,6 +60,13 @@ def candidates(auto: H) -> list[H]:
     return list(dict.fromkeys(out))
 
 
+def with_features(cfg: H, features: str) -> H:
+    """`cfg` with the '+'-separated short-form features added (those it has already are kept)."""
+    have = str(cfg).split(": ", 1)[1].split("+")
+    extra = [f for f in features.split("+") if f and f not in have]
+    return H.parse("+".join([str(cfg)] + extra))
+
+
 def table_picks() -> list[H]:
     """Every config of the shipped H100 table."""
     return [H.parse(e["config"]) for e in json.loads(TABLE.read_text())["entries"]]
@@ -75,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="probe_sm90_d64_256.json")
+    p.add_argument("--twins", default="",
+                   help="'|'-separated feature sets, e.g. 'mmasum|mmasum+emu1': time only the table's pick and, "
+                        "per set, the pick with those features added (a same-run A/B of knobs; replaces the "
+                        "derived candidates)")
+    p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                   help="seconds of back-to-back calls before each timing (bench.py --sustain: power-capped clocks)")
     p.add_argument("--list-configs", action="store_true")
     p.add_argument("--configs", default="",
                    help="'|'-separated extra short forms, each tried on the rows of its d_head (dtype taken from "
@@ -97,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.cuda.current_device()
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    timing = argparse.Namespace(warmup=args.warmup, iters=args.iters)
+    timing = argparse.Namespace(warmup=args.warmup, iters=args.iters, sustain=args.sustain)
+    twins = [t.strip() for t in args.twins.split("|") if t.strip()]
     explicit = [H.parse(t) for t in args.configs.split("|") if t.strip()]
     results, failures = [], []
     for item in args.rows.split(","):
@@ -107,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             for seq in parse_ints(own.replace("/", ",") if own else args.seqs, "--rows"):
                 auto, source = bench._auto_choice(dtype, d_head, seq, device, causal)
                 extra = [c.replace(dtype=dtype) for c in explicit if c.d_head == d_head]
-                impls = [CupyflashImpl(c, f"cf{i}") for i, c in enumerate(dict.fromkeys(candidates(auto) + extra))]
+                found = [auto] + [with_features(auto, t) for t in twins] if twins else candidates(auto)
+                impls = [CupyflashImpl(c, f"cf{i}") for i, c in enumerate(dict.fromkeys(found + extra))]
                 impls.append(SdpaImpl(torch, "CUDNN_ATTENTION", "sdpa_cudnn"))
                 problem = make_problem(torch, dtype, grid_shape(seq, d_head), causal, l2, seed=seq)
                 samples: dict[str, list[float]] = {}
@@ -127,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                                 continue
                             impl.prepare(problem)
                             with impl.context():
-                                tf = impl.time(torch, args.warmup, args.iters).tflops(problem.flops)
+                                tf = impl.time(torch, args.warmup, args.iters, args.sustain).tflops(problem.flops)
                             torch.cuda.synchronize()
                         samples.setdefault(impl.name, []).append(tf)
                         print(f"  {row} {dtype.name.lower()} S={seq:<6} r{rnd} {tf:7.1f}  {rec['cfg']}", flush=True)

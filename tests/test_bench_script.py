@@ -179,7 +179,7 @@ def test_main_orchestration_with_fake_gpu_side(tmp_path, monkeypatch, capsys):
         def check(self, torch):
             return 0.5 if self.cfg == bad else 1e-3
 
-        def time(self, torch, warmup, iters):
+        def time(self, torch, warmup, iters, sustain=0.0):
             ms = 1.0 + (hash(str(self.cfg)) % 7) / 10  # fixture value
             return Timing(ms, ms, ms, iters)
 
@@ -192,7 +192,7 @@ def test_main_orchestration_with_fake_gpu_side(tmp_path, monkeypatch, capsys):
         def check(self, torch):
             return 1e-3
 
-        def time(self, torch, warmup, iters):
+        def time(self, torch, warmup, iters, sustain=0.0):
             return Timing(1.2, 1.2, 1.2, iters)
 
     def fake_problem(torch, dtype, shape, causal, l2, seed=0, kv_group=1, seq_k=None):

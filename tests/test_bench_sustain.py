@@ -1,6 +1,7 @@
-"""scripts/bench_backward.py's sustained timing without a GPU: the load phase runs the call back to
-back for the given time, then the timed calls run back to back between event pairs (stand-ins for
-torch's events record a fake clock, so the medians are exact; test fixtures, not measurements)."""
+"""Sustained timing without a GPU, in scripts/bench_backward.py and bench_impls.py (the forward
+bench's): the load phase runs the call back to back for the given time, then the timed calls run
+back to back between event pairs (stand-ins for torch's events record a fake clock, so the medians
+are exact; test fixtures, not measurements). Also the knob probe's --twins."""
 from __future__ import annotations
 
 import sys
@@ -8,10 +9,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_backward  # noqa: E402
+import bench_impls  # noqa: E402
 
 
 def test_sustain_load_runs_for_the_time_and_syncs():
@@ -74,3 +78,57 @@ def test_time_events_burst_spins_before_each_call():
 
     assert bench_backward.time_events(torch, fn, warmup=1, reps=2) == 1.0
     assert log.count("spin") == 2
+
+
+def test_forward_time_events_sustained_loads_then_times_without_a_spin():
+    log, sets = [], []
+    torch, clock = _fake_torch(log)
+
+    def run(i):
+        sets.append(i)
+        log.append("call")
+        clock[0] += 1.0 if "record" in log else 0.25
+
+    timing = bench_impls.time_events(torch, run, n_sets=3, warmup=2, iters=4, sustain=0.02)
+    assert timing.median_ms == 1.0
+    assert "spin" not in log
+    first = log.index("record")
+    # the load phase: at least one batch of 8 calls, each followed by a sync; then 2 warm-up calls
+    assert log[:first].count("call") >= 1 + 8 + 2 and log[:first].count("sync") >= 2
+    assert log[first:] == ["record", "call", "record"] * 4 + ["sync"]
+    assert set(sets) == {0, 1, 2}  # the load rotates the input sets like the timed calls
+
+
+def test_forward_time_events_burst_spins_once_before_the_warmup():
+    log = []
+    torch, clock = _fake_torch(log)
+
+    def run(i):
+        log.append("call")
+        clock[0] += 1.0
+
+    bench_impls.time_events(torch, run, n_sets=1, warmup=2, iters=3)
+    assert log.count("spin") == 1 and log.index("spin") < log.index("record")
+
+
+def test_forward_time_host_sustained_blocks_the_load_and_times_batches():
+    blocks, calls = [], []
+    t0 = time.perf_counter()
+    timing = bench_impls.time_host(lambda i: calls.append(i) or i, blocks.append, n_sets=2, warmup=1,
+                                   samples=3, batch=4, sustain=0.02)
+    assert time.perf_counter() - t0 >= 0.02
+    # run(0) + 1 warm-up + >= 8 load calls + 3 samples of 4
+    assert len(calls) >= 1 + 1 + 8 + 12 and timing.median_ms >= 0
+    assert len(blocks) >= 2 + 1 + 3
+
+
+def test_probe_twins_add_features_to_the_table_pick():
+    import probe_sm90_d64_256 as probe
+    from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+
+    pick = H.parse("forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
+    twin = probe.with_features(pick, "emu1+lazy+ring")  # lazy is there already: kept, not repeated
+    assert twin == pick.replace(exp_emulation=1, turn_ring=True)
+    assert str(twin).endswith("+qbuf2+emu1+lazy+ring")
+    with pytest.raises(ValueError, match="turn_ring needs persistent"):
+        probe.with_features(pick.replace(persistent=False, double_q=False), "ring")

@@ -58,7 +58,7 @@ struct BwdConsumer {
     // ---- descriptors ----
     // One descriptor per tile (and warpgroup), advanced per k-step (descriptor_advance).
     CF_DEVICE u64 kmajor_a(u32 tile, int k) const {  // K or V rows of this warpgroup, d-steps
-        return descriptor_advance(smem_descriptor_sw128(tile + wg * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16, 1024),
+        return descriptor_advance(smem_descriptor_sw128(tile + warp_uniform(wg) * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16, 1024),
                                   (k / 4) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % 4));
     }
     CF_DEVICE static u64 kmajor_b(u32 tile, int k) {  // Q or dO as the N = B_r operand, d-steps

@@ -30,6 +30,14 @@ CF_DEVICE u32 opaque(u32 x) {
     return x;
 }
 
+// `x`, which the caller knows is the same in every lane (a warpgroup index), taken from lane 0.
+// ptxas cannot prove a value derived from threadIdx is warp-uniform, so a wgmma descriptor built
+// from it lives in vector registers and is moved to uniform ones (R2UR) before every wgmma;
+// built from the broadcast value it stays on the uniform datapath. Broadcast where the
+// descriptor is built: one broadcast per kernel kept live across the loop made ptxas serialise
+// the wgmma chain (C7512).
+CF_DEVICE int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Orders this thread's register and shared-memory accesses before the wgmma ops that follow
 // (needed before the first wgmma and whenever accumulators or A registers were touched).
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
