@@ -24,9 +24,9 @@ warm-up (JAX: host clock over batches of back-to-back calls, as its stream is no
 sets rotated when one set is smaller than 3x L2. With --sustain S every column first runs S
 seconds of back-to-back calls, so all are timed at the power-capped clock of continuous work
 (without it, CUDA-event columns start after an idle spin at boost clocks while the host-clocked
-JAX columns run longer batches, which favours the event columns by a few percent). Every implementation's output is checked once
-against a float64 reference (SPEC §5 relative L2 bound: 1e-2 bf16, 2e-3 fp16) before it is
-timed; a result that fails is refused, not reported.
+JAX columns run longer batches, which favours the event columns by a few percent). Every
+implementation's output is checked once against a float64 reference (SPEC §5 relative L2 bound:
+1e-2 bf16, 2e-3 fp16) before it is timed; a result that fails is refused, not reported.
 
 Also: --progression (the seven-step optimisation history at S=4096, or --seqs), and the per-call
 Python overhead of cupyflash.forward vs SDPA flash on a tiny problem (skip with --no-overhead).

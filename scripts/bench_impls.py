@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import statistics
 import time
@@ -133,12 +134,8 @@ def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int,
     run(0)
     torch.cuda.synchronize()
     if sustain > 0:
-        calls = [0]
-
-        def call() -> None:
-            run(calls[0] % n_sets)
-            calls[0] += 1
-        sustain_load(call, sustain, torch.cuda.synchronize)
+        calls = itertools.count()
+        sustain_load(lambda: run(next(calls) % n_sets), sustain, torch.cuda.synchronize)
     elif hasattr(torch.cuda, "_sleep"):
         torch.cuda._sleep(_SLEEP_CYCLES)
     for i in range(warmup):
@@ -164,11 +161,10 @@ def time_host(run: Callable[[int], Any], block: Callable[[Any], Any], n_sets: in
     if out is not None:
         block(out)
     if sustain > 0:
-        last = [None, 0]
+        calls, last = itertools.count(), [None]
 
         def call() -> None:
-            last[0] = run(last[1] % n_sets)
-            last[1] += 1
+            last[0] = run(next(calls) % n_sets)
         sustain_load(call, sustain, lambda: block(last[0]))
     times = []
     for s in range(samples):

@@ -7,7 +7,7 @@ in --rounds interleaved rounds (order rotated per round; median of round medians
 drift falls on all alike.
 
     python scripts/probe_sm90_d64_256.py [--rows d64,d64c,d256] [--seqs 2k,4k,16k] [--rounds 2]
-                                         [--iters 20] [--sustain S] [--twins 'mmasum|...'] [--json probe.json]
+                                         [--iters 20] [--sustain S] [--twins 'lazy|ring+lazy'] [--json probe.json]
     python scripts/probe_sm90_d64_256.py --list-configs     # every config it may run (for prewarm)
 
 Grid: bench.py's (batch*seq = 16384, heads*d_head = 2048), bf16 and fp16. Prints one line per
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--json", default="probe_sm90_d64_256.json")
     p.add_argument("--twins", default="",
-                   help="'|'-separated feature sets, e.g. 'mmasum|mmasum+emu1': time only the table's pick and, "
+                   help="'|'-separated feature sets, e.g. 'lazy|emu1+lazy': time only the table's pick and, "
                         "per set, the pick with those features added (a same-run A/B of knobs; replaces the "
                         "derived candidates)")
     p.add_argument("--sustain", type=float, default=0.0, metavar="S",
