@@ -1,6 +1,10 @@
 // Epilogue of one consumer warpgroup: dK * softmax_scale and dV (sums over every query head of
-// the GQA group) converted to 16-bit and stored from the accumulator layout, 4 bytes per pair of
-// columns, rows past seq_len_k skipped.
+// the GQA group) converted to 16-bit and stored from the accumulator layout, rows past seq_len_k
+// skipped. Each lane quad holds 16 columns of a row per 4 n-tiles; quad_transpose gives every lane
+// 8 consecutive columns, so a warp stores 64 contiguous bytes of each of its 8 rows per 16-byte
+// store. The 4-byte stores of the accumulator layout (four times the store instructions, 16 bytes
+// per row each) kept the consumers in the epilogue ~6 us per tile (NOTES.md item 153). The
+// validation guarantees 16-byte aligned rows (pointer and strides).
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
@@ -10,17 +14,27 @@ struct BwdEpilogue {
         const int key0 = c.sched.n_block * Cfg::BC;
         u16* dk = static_cast<u16*>(p.dk) + c.sched.batch * p.dk_batch_stride + c.sched.kv_head * p.dk_head_stride;
         u16* dv = static_cast<u16*>(p.dv) + c.sched.batch * p.dv_batch_stride + c.sched.kv_head * p.dv_head_stride;
+        const int quad_lane = c.lane & 3;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int key = key0 + c.key_row(2 * h);
-            if (key >= p.seq_len_k) continue;
+            const bool inside = key < p.seq_len_k;  // (the shuffles below need every lane)
 #pragma unroll
-            for (int j = 0; j < Cfg::D / 8; ++j) {
-                const int col = 8 * j + 2 * (c.lane & 3);
-                *reinterpret_cast<u32*>(dk + key * p.dk_seq_stride + col) =
-                    pack_pair<Cfg::dtype>(c.dk[j][2 * h] * p.softmax_scale, c.dk[j][2 * h + 1] * p.softmax_scale);
-                *reinterpret_cast<u32*>(dv + key * p.dv_seq_stride + col) =
-                    pack_pair<Cfg::dtype>(c.dv[j][2 * h], c.dv[j][2 * h + 1]);
+            for (int g = 0; g < Cfg::D / 32; ++g) {
+                u32 wk[4], wv[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    wk[i] = pack_pair<Cfg::dtype>(c.dk[4 * g + i][2 * h] * p.softmax_scale,
+                                                  c.dk[4 * g + i][2 * h + 1] * p.softmax_scale);
+                    wv[i] = pack_pair<Cfg::dtype>(c.dv[4 * g + i][2 * h], c.dv[4 * g + i][2 * h + 1]);
+                }
+                quad_transpose(wk, c.lane);
+                quad_transpose(wv, c.lane);
+                const int col = 32 * g + 8 * quad_lane;  // n-tile 4 g + quad_lane
+                if (inside) {
+                    st_global_16(dk + key * p.dk_seq_stride + col, make_uint4(wk[0], wk[1], wk[2], wk[3]));
+                    st_global_16(dv + key * p.dv_seq_stride + col, make_uint4(wv[0], wv[1], wv[2], wv[3]));
+                }
             }
         }
     }

@@ -128,6 +128,27 @@ CF_DEVICE float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// 4x4 transpose of 32-bit words across a lane quad: lane c's a[i] becomes lane i's a[c]. An mma
+// accumulator row's words (two 16-bit columns each, lane c holding columns 2c, 2c + 1 of every
+// 8-column n-tile) then give lane c the 8 consecutive columns of n-tile c of 4: one 16-byte store
+// instead of four 4-byte ones. Two exchange steps (lane bits 1, then 0), each swapping the two
+// words whose index bit differs from the lane's; every lane of the warp must take part.
+CF_DEVICE void quad_transpose(u32 (&a)[4], int lane) {
+    const bool b1 = lane & 2, b0 = lane & 1;
+    u32 r0 = __shfl_xor_sync(0xffffffffu, b1 ? a[0] : a[2], 2);
+    u32 r1 = __shfl_xor_sync(0xffffffffu, b1 ? a[1] : a[3], 2);
+    a[0] = b1 ? r0 : a[0];
+    a[1] = b1 ? r1 : a[1];
+    a[2] = b1 ? a[2] : r0;
+    a[3] = b1 ? a[3] : r1;
+    r0 = __shfl_xor_sync(0xffffffffu, b0 ? a[0] : a[1], 1);
+    r1 = __shfl_xor_sync(0xffffffffu, b0 ? a[2] : a[3], 1);
+    a[0] = b0 ? r0 : a[0];
+    a[2] = b0 ? r1 : a[2];
+    a[1] = b0 ? a[1] : r0;
+    a[3] = b0 ? a[3] : r1;
+}
+
 // ---- programmatic dependent launch (sm_90+) ----------------------------------------------------
 // The launches: cupyflash/kvcache_pdl.py and cupyflash/families/backward_sm90/pdl_launch.py. A
 // kernel launched as a programmatic dependent waits here until the kernel before it on the stream has completed and
