@@ -1,8 +1,8 @@
 // Epilogue of one consumer warpgroup: dK * softmax_scale and dV (sums over every query head of
 // the GQA group) converted to 16-bit and stored from the accumulator layout, rows past seq_len_k
-// skipped. Each lane quad holds 16 columns of a row per 4 n-tiles; quad_transpose gives every lane
-// 8 consecutive columns, so a warp stores 64 contiguous bytes of each of its 8 rows per 16-byte
-// store. The 4-byte stores of the accumulator layout (four times the store instructions, 16 bytes
+// skipped. A lane quad holds a row's 32 columns of 4 n-tiles, 2 per lane and n-tile;
+// quad_transpose gives every lane 8 consecutive columns, so one 16-byte store instruction of a
+// warp writes 64 contiguous bytes of each of its 8 rows. The 4-byte stores of the accumulator layout (four times the store instructions, 16 bytes
 // per row each) kept the consumers in the epilogue ~6 us per tile (NOTES.md item 153). The
 // validation guarantees 16-byte aligned rows (pointer and strides).
 #pragma once
