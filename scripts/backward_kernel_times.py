@@ -20,10 +20,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from bench_impls import sustain_load  # scripts/: the bench modes' power-cap load
-
-TOKENS = 16384
-HEADS = 16
+from bench_backward import HEADS, TOKENS, backward_flops, sustain_load  # scripts/: the backward bench's grid
+from cupyflash.benchmarking import parse_ints
 
 # Kernel name fragments -> the role reported (the first that matches).
 ROLES = (("dkdv", "dkdv"), ("preprocess", "preprocess"), ("convert", "convert"))
@@ -66,10 +64,6 @@ def summarize(events: Iterable[tuple[str, float, float]], flops: float) -> tuple
     return period, means, flops / period / 1e6, flops / means["dkdv"] / 1e6
 
 
-def parse_seq(text: str) -> int:
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
-
-
 def measure(torch, cupyflash, dtype: str, d_head: int, seq: int, causal: bool, sustain: float, calls: int) -> PointTimes:
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,7 +84,7 @@ def measure(torch, cupyflash, dtype: str, d_head: int, seq: int, causal: bool, s
         torch.cuda.synchronize()
     events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
               if e.device_type.name == "CUDA"]
-    flops = 2.5 * 4 * batch * HEADS * seq * seq * d_head / (2 if causal else 1)
+    flops = backward_flops(batch, HEADS, seq, d_head, causal)
     period, means, tflops, dkdv_tflops = summarize(events, flops)
     return PointTimes(dtype, d_head, seq, causal, period, means, tflops, dkdv_tflops)
 
@@ -120,9 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     masks = {"yes": (True,), "no": (False,), "both": (False, True)}[args.causal]
     rows = []
     for dtype in args.dtypes.split(","):
-        for d_head in (int(x) for x in args.d_heads.split(",")):
+        for d_head in parse_ints(args.d_heads, "--d-heads"):
             for causal in masks:
-                for seq in (parse_seq(s) for s in args.seqs.split(",")):
+                for seq in parse_ints(args.seqs, "--seqs"):
                     r = measure(torch, cupyflash, dtype, d_head, seq, causal, args.sustain, args.calls)
                     rows.append(r)
                     kernels = " ".join(f"{k}={v:.0f}" for k, v in sorted(r.kernels_us.items()))
