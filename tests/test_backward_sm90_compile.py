@@ -21,9 +21,12 @@ _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
 
 
 def _modules():
+    """Each default with the mask cfg=None launches it with (deterministic or not), and the bf16
+    tune set's other configs."""
     defaults = config_sets.get_kernel_configs("defaults")
     tune = [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16 and c not in defaults]
-    return ([(c, v) for c in defaults for v in BACKWARD_SM90.all_variants()]
+    return ([(c, BACKWARD_SM90.variant(causal=causal, deterministic=det))
+             for c, causal in config_sets.default_launches() for det in (False, True)]
             + [(c, BACKWARD_SM90.variant()) for c in tune])
 
 

@@ -30,9 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # ------------------------------------------------------------------------------ config
 
 def _plain(dtype, d_head):
-    """The d_head default with one CTA per tile (the fifth session's, rotate): the grid and
-    launch tests below check that geometry; the persistent knobs have their own tests."""
-    return config_sets.default_config(dtype, d_head).replace(persistent=False, dynamic=False, rotate=True)
+    """The d_head default with one CTA per tile (the fifth session's, rotate, dQ in swizzled
+    panels): the grid and launch tests below check that geometry; the persistent knobs and dq_frag
+    have their own tests."""
+    return config_sets.default_config(dtype, d_head).replace(persistent=False, dynamic=False, rotate=True,
+                                                             dq_frag=False)
 
 def test_short_form_round_trip_every_config():
     configs = config_sets.get_kernel_configs("all")
@@ -46,7 +48,8 @@ def test_short_form_round_trip_every_config():
 
 def test_default_config_text():
     cfg = config_sets.default_config(DType.BF16, 128)
-    assert cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic"
+    assert cfg.short_form() == ("backward_sm90(BF16, 128, 64, 128, 2): "
+                                "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag")
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
@@ -54,7 +57,7 @@ def test_default_config_text():
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
     d64 = config_sets.default_config(DType.FP16, 64)
-    assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic"
+    assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"
     # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
     assert (d64.dq_rows, d64.dq_columns, cfg.dq_rows, cfg.dq_columns) == (64, 64, 64, 64)
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
@@ -139,7 +142,7 @@ def test_dq_tma_short_form_and_smem():
     assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
     plain = cfg.replace(dq_tma=False)
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
-    tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma]
+    tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma and not c.dq_frag]
     assert {(c.d_head, c.B_r, c.B_c, c.n_stages) for c in tma_cfgs} == {
         (d, 64, 128, st) for d in (64, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
     # per d_head with 64-row blocks: 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch
@@ -161,16 +164,32 @@ def test_dq_tma_short_form_and_smem():
             HopperBackwardKernelConfig.parse(f"backward_sm90(BF16, 128, 64, 128, 2): {bad}")
 
 
+def test_dq_frag_short_form_rules_and_set():
+    cfg = config_sets.default_config(DType.BF16, 128)
+    assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    assert cfg.smem_bytes() == cfg.replace(dq_frag=False).smem_bytes()  # the panels' bytes, in another order
+    with pytest.raises(ValueError, match="dq_frag needs dq_tma and pdl"):
+        cfg.replace(pdl=False, dq_early=False, dynamic=False)
+    with pytest.raises(ValueError, match="dq_frag needs dq_tma and pdl"):
+        HopperBackwardKernelConfig(DType.BF16, 128, 64, 128, 2, dq_frag=True)
+    frag = [c for c in config_sets.get_kernel_configs("all") if c.dq_frag]
+    assert sorted(frag) == config_sets.default_configs()  # and their swizzled-panel twins are in the set
+    assert all(c.replace(dq_frag=False) in config_sets.get_kernel_configs("all") for c in frag)
+
+
 def test_config_sets():
     assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
-                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic"]
+                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic",
+                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert [c.short_form().partition("(")[2] for c in config_sets.progression_configs(DType.FP16, 64)] == [
         "FP16, 64, 64, 128, 2)", "FP16, 64, 128, 128, 2)", "FP16, 64, 128, 128, 2): dq_tma",
-        "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic"]
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic",
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -247,7 +266,8 @@ def test_name_expressions(causal, deterministic):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false}>" + flags)
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false}>"
+                             + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:
         assert exprs[role].endswith(f"<StaticBackwardKernelConfig<{comp}>" + flags)
@@ -378,6 +398,8 @@ def test_pack_dkdv_dq_tma_map(monkeypatch):
     assert spec.dims == (128, rows, 8, 3) and spec.box == (32, 64, 1, 1)
     assert spec.byte_strides == (128 * 4, rows * 128 * 4, 8 * rows * 128 * 4)
     assert launch.dq_descriptor(cfg, p, 0) == bytes(128)  # no workspace (deterministic): no map
+    frag = config_sets.default_config(DType.BF16, 128).replace(dq_frag=True)
+    assert launch.dq_descriptor(frag, p, 0x30) == bytes(128)  # dq_frag: 1-D bulk reductions, no map
 
 
 def test_check_sm90_problem():
@@ -567,7 +589,7 @@ def test_persistent_knob_short_form_rule_and_grid():
 
 
 def test_dynamic_knob_rule_smem_and_workspace():
-    cfg = config_sets.default_config(DType.BF16, 128).replace(lpt=True)
+    cfg = config_sets.default_config(DType.BF16, 128).replace(lpt=True, dq_frag=False)
     text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early+persistent+dynamic"
     assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
     with pytest.raises(ValueError, match="dynamic needs persistent and pdl"):

@@ -266,6 +266,26 @@ def test_d64_row_split_default_walks_many_tiles(dtype, rng, monkeypatch):
     repeats_agree(cfg, 2, 1100, 1100, 32, 16, True, rng)  # each call's preprocess resets the tile counter
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_dq_frag_shapes(dtype, d_head, case, rng):
+    """dQ staged and added in fragment order, converted back by the family's convert kernel
+    (dq_frag), on each default tile: query tails inside a block, GQA/MQA, rows without keys."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(default_config(dtype, d_head, causal).replace(dq_frag=True), batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("d_head,rows", [(64, 0), (128, 0), (128, 4096), (128, 8192)], ids=lambda x: str(x))
+def test_dq_frag_walks_many_tiles(d_head, rows, rng, monkeypatch):
+    """dq_frag on every default config (three stages for long causal calls, rotate for long
+    non-causal ones at d_head 128): three CTAs walk all tiles, and repeated calls agree."""
+    for causal in (False, True):
+        cfg = default_config(DType.BF16, d_head, causal, rows).replace(dq_frag=True)
+        walk_on_three_ctas(cfg, rng, monkeypatch)
+        repeats_agree(cfg, 2, 1100, 1100, 32, 16, causal, rng)
+
+
 @pytest.mark.parametrize("d_head", D_HEADS)
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True])

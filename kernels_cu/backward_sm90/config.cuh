@@ -26,6 +26,9 @@ struct StaticHopperBackwardConfig {
     static constexpr bool ROTATE = C.rotate;      // non-causal: each CTA starts at its own query block
     static constexpr bool PERSISTENT = C.persistent;  // one CTA per SM walks tiles t, t + grid, ...
     static constexpr bool DYNAMIC = C.dynamic;        // ... tiles claimed from a counter instead
+    static constexpr bool DQ_FRAG = C.dq_frag;        // dq_tma: dQ staged and added in fragment order
+    // dq_frag's parts of a 64-row dq_accum block (dq_block_counter's comment has the layout)
+    static constexpr int DQ_PART_ROWS = 64, DQ_PART_COLS = 64, DQ_PART_FLOATS = DQ_PART_ROWS * DQ_PART_COLS;
     // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
     static constexpr int LPT_L2_KIB = 16 << 10;
 
@@ -109,6 +112,8 @@ struct StaticHopperBackwardConfig {
     static_assert(!DYNAMIC || (PERSISTENT && PDL), "dynamic: the family's (pdl) preprocess resets the tile counter");
     static_assert(!DQ_EARLY || BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(!DQ_BULK || BR == 64, "dq_bulk: the staged rows are one 64-row block");
+    static_assert(!DQ_FRAG || (DQ_TMA && PDL && DQ_N == 64),
+                  "dq_frag: the family's convert kernel reads 64 x 64 fragment-order parts");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
@@ -303,6 +308,13 @@ CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_hea
     return base + ((long long)batch * n_heads + head) * (seq_len_q_pad / BR) + m;
 }
 
+// dq_frag's dq_accum layout: every 64-row block of a (batch, head) starts where its rows start in
+// the row-major layout and holds D / 64 parts (64 columns each, in column order). A part is one
+// consumer warpgroup's m64n64 fp32 dQ accumulator in the order wgmma leaves it in registers:
+// float4 (j, t) at float (j * 128 + t) * 4, for n-tile j and warpgroup thread t, holds (r, c),
+// (r, c + 1), (r + 8, c), (r + 8, c + 1) with r = 16 (t / 32) + (t % 32) / 4, c = 8 j + 2 (t % 4).
+// The consumers stage it with one conflict-free 16-byte store per n-tile and the writer adds it
+// with one 1-D bulk reduction; the convert kernel undoes the order.
 // dynamic: the tile counter, right behind dq_early's block counters, or without them right behind
 // the dq_accum elements (the family's preprocess zeroes it; the producers claim tiles from it).
 template <class Cfg>
@@ -346,6 +358,9 @@ CF_DEVICE int dq_block_contributors(int m, int seq_len_q, int seq_len_k) {
 
 CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(dst), "f"(a), "f"(b));
+}
+CF_DEVICE void st_shared_f32x4(u32 dst, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "f"(a), "f"(b), "f"(c), "f"(d));
 }
 
 // dst[0..1] += (a, b) in one vector reduction (sm_90).

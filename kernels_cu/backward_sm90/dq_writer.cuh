@@ -2,8 +2,9 @@
 // warpgroup has staged its share of dQ (two 128B-swizzled fp32 panels of 64 rows x 32: at d_head
 // 128 half of the columns over all keys; at d_head 64 with B_r 128 half of the rows over all keys,
 // with B_r 64 every column over its own keys), one lane adds
-// each panel to the fp32 workspace with a TMA tensor reduction (8 KiB per instruction) and frees
-// the panels when the reductions have read them. The consumers only store to shared memory; the
+// each panel to the fp32 workspace with a TMA tensor reduction (8 KiB per instruction), or with
+// dq_frag the warpgroup's fragment-order part (config.cuh) with one 1-D bulk reduction (16 KiB),
+// and frees the panels when the reductions have read them. The consumers only store to shared memory; the
 // reductions to L2 run beside their next iteration.
 //
 // Named barriers per consumer warpgroup w (128 consumer threads + this warp's 32):
@@ -105,7 +106,14 @@ struct BwdDqWriter {
 #pragma unroll
         for (int w = 0; w < Cfg::CONSUMERS; ++w) {
             named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
-            if (lane == 0) {
+            if (Cfg::DQ_FRAG && lane == 0) {
+                // the warpgroup's 64 x 64 part (config.cuh): rows row0 + dq_row0, part dq_col0 / 64
+                const int part_row0 = row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), part = Cfg::DQ_SPLIT ? w : 0;
+                float* dst = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + part_row0) * Cfg::D +
+                             part * Cfg::DQ_PART_FLOATS;
+                bulk_reduce_add_f32(dst, smem.dq_panel(w, 0), Cfg::DQ_PART_FLOATS * 4);
+                bulk_commit_group();
+            } else if (lane == 0) {
 #pragma unroll
                 for (int c = 0; c < Cfg::DQ_PANELS; ++c)
                     tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c),

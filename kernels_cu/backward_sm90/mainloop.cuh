@@ -224,7 +224,9 @@ struct BwdConsumer {
                     fence_registers(dq);
                 }
                 const int row = 16 * warp + (lane >> 2);
-                if constexpr (Cfg::DQ_TMA) {
+                if constexpr (Cfg::DQ_FRAG) {
+                    stage_dq_fragments(dq);
+                } else if constexpr (Cfg::DQ_TMA) {
                     stage_dq_panels(dq, row);
                 } else if constexpr (Cfg::DQ_BULK) {
                     // Stage this half of dQ (the previous block's reductions finished reading the
@@ -326,6 +328,19 @@ struct BwdConsumer {
             st_shared_f32x2(a + 8 * 128, dq[j][2], dq[j][3]);
         }
         fence_proxy_async_shared();  // the TMA reductions read the panels through the async proxy
+        named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+    }
+    // dq_frag: this warpgroup's dQ (one 64 x 64 part, config.cuh) in fragment order: n-tile j's
+    // four values as one 16-byte store at (j * 128 + tid) * 16, a warp's 32 stores contiguous
+    // (conflict-free, no swizzle arithmetic), then handed to the writer warp.
+    CF_DEVICE void stage_dq_fragments(const float (&dq)[DQ_N / 8][4]) const {
+        named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
+        // (from warp and lane, not tid: tid kept live to here serialised the causal kernel's wgmma
+        // chain, C7512)
+        const u32 a0 = smem.dq_panel(wg, 0) + 512 * warp + 16 * lane;  // 16 tid
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) st_shared_f32x4(a0 + j * 128 * 16, dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
+        fence_proxy_async_shared();  // the bulk reduction reads the part through the async proxy
         named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
     }
     // Shared address of fp32 element (row r, column c) of this warpgroup's dQ panel: 128-byte rows,

@@ -10,7 +10,8 @@
 //   dynamic the dK/dV kernel's tile counter. It lets the
 //   dK/dV kernel's grid launch at once (griddepcontrol.launch_dependents); that kernel waits for
 //   this one's writes before reading them.
-// convert: dq = dq_accum * softmax_scale in the input precision. pdl: waits for the dK/dV grid
+// convert: dq = dq_accum * softmax_scale in the input precision (dq_frag: from the fragment
+//   order). pdl: waits for the dK/dV grid
 //   (griddepcontrol.wait) before reading. dq_early: waits only for its own block's counter to
 //   reach the number of key blocks that add to it (the dK/dV writer warps count them), so blocks
 //   finished early are converted while the dK/dV kernel's last wave still runs (after ~1 s of
@@ -31,6 +32,40 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     if constexpr (Cfg::DYNAMIC && !DETERMINISTIC) {
         if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
             *bwd_tile_counter<Cfg>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad) = 0u;
+    }
+}
+
+// dq_frag: dq = dq_accum * softmax_scale read from the fragment order (config.cuh). Thread i takes
+// warpgroup thread t = i % 128 and n-tiles 4 g .. 4 g + 3 (g = i / 128) of every 64-column part:
+// four coalesced 16-byte loads, then quad_transpose gives each lane 8 consecutive columns of its
+// rows r and r + 8, stored 16 bytes at a time.
+template <class Cfg>
+CF_DEVICE void convert_fragments_block(const BackwardParams& p) {
+    static_assert(Cfg::ROW_KERNEL_ROWS == Cfg::DQ_PART_ROWS && Cfg::ROW_KERNEL_THREADS == 256,
+                  "dq_frag: one 64-row block of parts per convert CTA, 128 threads per 4 n-tiles");
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int row0 = blockIdx.x * Cfg::DQ_PART_ROWS;
+    const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
+    u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
+               (long long)row0 * p.dq_seq_stride;
+    const int t = threadIdx.x % 128, g = threadIdx.x / 128, lane = threadIdx.x & 31;
+    const int r = 16 * (t / 32) + (t % 32) / 4;
+    const bool ok0 = row0 + r < p.seq_len_q, ok1 = row0 + r + 8 < p.seq_len_q;  // (every lane shuffles)
+    const float s = p.softmax_scale;
+#pragma unroll
+    for (int part = 0; part < Cfg::D / Cfg::DQ_PART_COLS; ++part) {
+        u32 w0[4], w1[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 v = ld_global_cg_f32x4(src + part * Cfg::DQ_PART_FLOATS + ((4 * g + i) * 128 + t) * 4);
+            w0[i] = pack_pair<Cfg::dtype>(v.x * s, v.y * s);
+            w1[i] = pack_pair<Cfg::dtype>(v.z * s, v.w * s);
+        }
+        quad_transpose(w0, lane);
+        quad_transpose(w1, lane);
+        const int col = part * Cfg::DQ_PART_COLS + 32 * g + 8 * (lane & 3);
+        if (ok0) st_global_16(dst + (long long)r * p.dq_seq_stride + col, make_uint4(w0[0], w0[1], w0[2], w0[3]));
+        if (ok1) st_global_16(dst + (long long)(r + 8) * p.dq_seq_stride + col, make_uint4(w1[0], w1[1], w1[2], w1[3]));
     }
 }
 
@@ -64,7 +99,10 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     } else if constexpr (Cfg::PDL) {
         pdl_wait_for_predecessor();
     }
-    convert_block<Cfg, true>(p);
+    if constexpr (Cfg::DQ_FRAG)
+        convert_fragments_block<Cfg>(p);
+    else
+        convert_block<Cfg, true>(p);
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.

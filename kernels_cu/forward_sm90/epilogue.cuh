@@ -2,7 +2,7 @@
 // warpgroup's own 64 rows of the Q tile (128B-swizzled, so the 4-byte writes of the accumulator
 // layout are bank-conflict free), then written to global memory in 16-byte chunks; plus the
 // log-sum-exp of each row when requested. O_DIRECT configs store O from the accumulator
-// registers instead (4-byte stores of column pairs), leaving the Q tile alone.
+// registers instead (16-byte stores after a quad transpose), leaving the Q tile alone.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
@@ -27,20 +27,29 @@ struct Epilogue {
         }
     }
 
-    // O_DIRECT: each thread writes its two rows' column pairs (8n + 2 * (lane % 4), +1) as 4-byte
-    // stores; a warp instruction covers 16 bytes of each of 8 rows, merged in L2.
+    // O_DIRECT: each thread's two rows, quad-transposed (quad_transpose) so that every lane writes
+    // 8 consecutive columns with one 16-byte store: a warp instruction covers 64 contiguous bytes
+    // of each of 8 rows.
     CF_DEVICE static void store_direct(const Consumer<Cfg, CAUSAL>& c, float inv0, float inv1) {
         const HopperForwardParams& p = c.p;
         u16* o_dst = static_cast<u16*>(p.o) + c.tile.o_offset(p);
         const int rows_valid = c.tile.seq_len_q(p);
         const int row = c.row();
-        u32* dst0 = reinterpret_cast<u32*>(o_dst + (long long)row * p.o_seq_stride + 2 * (c.lane & 3));
-        u32* dst1 = reinterpret_cast<u32*>(o_dst + (long long)(row + 8) * p.o_seq_stride + 2 * (c.lane & 3));
-        const bool ok0 = row < rows_valid, ok1 = row + 8 < rows_valid;
+        const bool ok0 = row < rows_valid, ok1 = row + 8 < rows_valid;  // (every lane shuffles)
 #pragma unroll
-        for (int n = 0; n < Cfg::D / 8; ++n) {
-            if (ok0) dst0[4 * n] = pack_pair<Cfg::dtype>(c.o[n][0] * inv0, c.o[n][1] * inv0);
-            if (ok1) dst1[4 * n] = pack_pair<Cfg::dtype>(c.o[n][2] * inv1, c.o[n][3] * inv1);
+        for (int g = 0; g < Cfg::D / 32; ++g) {
+            u32 w0[4], w1[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                w0[i] = pack_pair<Cfg::dtype>(c.o[4 * g + i][0] * inv0, c.o[4 * g + i][1] * inv0);
+                w1[i] = pack_pair<Cfg::dtype>(c.o[4 * g + i][2] * inv1, c.o[4 * g + i][3] * inv1);
+            }
+            quad_transpose(w0, c.lane);
+            quad_transpose(w1, c.lane);
+            const int col = 32 * g + 8 * (c.lane & 3);
+            if (ok0) st_global_16(o_dst + (long long)row * p.o_seq_stride + col, make_uint4(w0[0], w0[1], w0[2], w0[3]));
+            if (ok1)
+                st_global_16(o_dst + (long long)(row + 8) * p.o_seq_stride + col, make_uint4(w1[0], w1[1], w1[2], w1[3]));
         }
     }
 

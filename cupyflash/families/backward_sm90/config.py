@@ -56,6 +56,12 @@ loads and passes it to the consumers and the writer warp through shared memory (
 preprocess resets the counter); causal tiles, of unequal length, then balance over the CTAs.
 Non-causal calls (tiles all alike) and the deterministic variant (no dQ workspace) keep the
 static walk.
+`dq_frag` (needs dq_tma and pdl) keeps dQ in the order wgmma leaves it in registers: each
+consumer warpgroup stages its 64 x 64 share with one conflict-free 16-byte shared store per
+n-tile (8, against the swizzled panels' 16 8-byte stores), the writer warp adds it with one 1-D
+bulk reduction (16 KiB) to a dq_accum that holds each 64-row block in that order
+(kernels_cu/backward_sm90/config.cuh), and the family's convert kernel undoes the order (no TMA
+map of the workspace).
 """
 from __future__ import annotations
 
@@ -69,7 +75,8 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
            "MAX_SMEM_PER_BLOCK", "ACCUMULATOR_BUDGET", "WG_KEYS", "DQ_TMA_COLS"]
 
 FAMILY = "backward_sm90"
-KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic")  # the boolean fields after n_stages, short-form order
+KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
+         "dq_frag")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -106,6 +113,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     rotate: bool = False
     persistent: bool = False
     dynamic: bool = False
+    dq_frag: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -133,6 +141,8 @@ class HopperBackwardKernelConfig(KernelConfig):
             not self.persistent or self.dq_tma
         yield "dynamic needs persistent and pdl (the family's preprocess resets the tile counter)", \
             not self.dynamic or (self.persistent and self.pdl)
+        yield ("dq_frag needs dq_tma and pdl (the family's own convert kernel reads the fragment order)",
+               not self.dq_frag or (self.dq_tma and self.pdl))
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "

@@ -10,7 +10,7 @@ from ..backward_sm80.config_sets import default_config as sm80_default
 from .config import B_C_VALUES, B_R_VALUES, D_HEADS, STAGE_VALUES, HopperBackwardKernelConfig
 
 __all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "LONG_NONCAUSAL_ROWS", "all_configs", "tune_configs", "progression_configs",
-           "default_config", "default_configs", "get_kernel_configs", "companion_config"]
+           "default_config", "default_configs", "default_launches", "get_kernel_configs", "companion_config"]
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 
@@ -43,10 +43,15 @@ KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 # blocks and at d_head 64 cost 15-20% there): 1.06-1.17x cuDNN and 1.3-1.9x backward_sm80's table
 # (H100, bf16 and fp16, 1k-16k, causal and not; 3 interleaved rounds), against 0.6x cuDNN for the
 # 64-row tile with red.global. One config for both masks, as at d_head 128.
+# Since the thirteenth session (NOTES.md item 158) both d_heads keep dQ in fragment order (dq_frag:
+# 8 conflict-free 16-byte shared stores per warpgroup and block, one 1-D bulk reduction, the convert
+# kernel undoing the order): H100, bf16, three alternating passes of kernel-level call periods
+# against the swizzled panels, d128 +3-5% at 4k and 16k (both masks), +1% causal 1k, level
+# non-causal 1k; d64 +2-4% at 1k and 4k.
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
-                                "dynamic": True}),
+                                "dynamic": True, "dq_frag": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
-                                "dynamic": True})}
+                                "dynamic": True, "dq_frag": True})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
 # ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
@@ -105,6 +110,7 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
                 out += [c for knobs in ORDER_KNOB_SETS for c in _with(cfg, dq_mid=True, pdl=True, dq_early=True, **knobs)]
             if cfg.B_r == 128 and st == 2:  # dq_early needs B_r 64: the launch and order knobs without it
                 out += [c for knobs in B_R128_KNOB_SETS for c in _with(cfg, dq_mid=True, **knobs)]
+    out += default_configs()  # (dq_frag: in no other set; their swizzled-panel twins are above)
     return sorted(set(out))
 
 
@@ -123,10 +129,18 @@ def default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: in
     return HopperBackwardKernelConfig(dtype, d_head, br, bc, stages, **knobs)
 
 
+def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
+    """(config, causal) of every call cfg=None makes: default_config over both masks, short and
+    long calls. (A config is not launched with the other mask: `rotate` orders only non-causal
+    walks, and its causal instance, never run, is the one ptxas serialises, C7512.)"""
+    return sorted({(default_config(dt, d, causal, rows), causal) for dt in DType for d in D_HEADS
+                   for causal in (False, True)
+                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
+
+
 def default_configs() -> list[HopperBackwardKernelConfig]:
     """Every config default_config returns (both masks, short and long calls)."""
-    return sorted({default_config(dt, d, causal, rows) for dt in DType for d in D_HEADS for causal in (False, True)
-                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
+    return sorted({cfg for cfg, _ in default_launches()})
 
 
 def tune_configs() -> list[HopperBackwardKernelConfig]:
@@ -136,17 +150,18 @@ def tune_configs() -> list[HopperBackwardKernelConfig]:
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperBackwardKernelConfig]:
     """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
-    (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic (the default);
-    at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ split by rows), + dq_tma,
-    + dq_mid, + lpt+pdl+persistent+dynamic (the default)."""
+    (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic, + dq_frag
+    (the default); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ split by rows),
+    + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag (the default)."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
-                         rotate=False, persistent=False, dynamic=False)
-    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last]
+                         rotate=False, persistent=False, dynamic=False, dq_frag=False)
+    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), last.replace(dq_frag=False),
+             last]
     if first.B_r != 64:
         steps.insert(0, first.replace(B_r=64))
     return list(dict.fromkeys(steps))

@@ -72,9 +72,9 @@ def dq_tma_spec(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_pt
 
 
 def dq_descriptor(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_ptr: int) -> bytes:
-    """tma_dq's bytes: the workspace map for dq_tma configs with a workspace, zeros otherwise
-    (the kernel does not read it)."""
-    if not cfg.dq_tma or plan.deterministic or not dq_accum_ptr:
+    """tma_dq's bytes: the workspace map for dq_tma configs with a workspace (dq_frag's bulk
+    reductions need none), zeros otherwise (the kernel does not read it)."""
+    if not cfg.dq_tma or cfg.dq_frag or plan.deterministic or not dq_accum_ptr:
         return _NO_DESCRIPTOR
     return tma.encode_cached(dq_tma_spec(cfg, plan, dq_accum_ptr))
 

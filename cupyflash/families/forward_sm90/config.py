@@ -12,7 +12,7 @@ the short form, which names the family:
 The features start with how Q/K/V reach shared memory: `tma` (TMA copies) or `cpasync` (16-byte
 cp.async copies issued by every consumer thread: the progression's first step, wgmma alone);
 `ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
-registers, Q released early), `lazy` (threshold rescaling), `ring` (the ping-pong turn ring runs on
+registers, 16 bytes per lane after a lane-quad transpose, Q released early), `lazy` (threshold rescaling), `ring` (the ping-pong turn ring runs on
 across a persistent CTA's tiles) and `emuN` (exp2 of N quarters of the scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.

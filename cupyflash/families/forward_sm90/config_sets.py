@@ -104,7 +104,10 @@ def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
     """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
     stages, ping-pong and lazy rescaling listed for its d_head, at d64 persistent CTAs only with
     two Q tiles, every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's
-    first step), O staged through shared memory (`oreg`'s 4-byte stores lost 5-8% at d256)."""
+    first step), O staged through shared memory (`oreg` is tried as a same-run twin of the picks
+    instead, scripts/probe_sm90_d64_256.py --twins oreg: with its 16-byte stores it won the d64 and
+    d256 rows at S <= 1k, which the table carries, and lost up to 3.6% at d256 16k, NOTES.md item
+    157)."""
     d = cfg.d_head
     return (cfg.warp_specialized and cfg.intra_wg_overlap
             and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
