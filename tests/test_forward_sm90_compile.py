@@ -38,7 +38,20 @@ def _modules():
     configs = list(dict.fromkeys(configs + cp_async))
     # other causal instantiations: the defaults only (the mask adds code, not structure), and the
     # cp.async loads
-    return [(c, False) for c in configs] + [(c, True) for c in dict.fromkeys(defaults + knobs + cp_async)]
+    out = [(c, False) for c in configs] + [(c, True) for c in dict.fromkeys(defaults + knobs + cp_async)]
+    # every pick of the shipped H100 table, with the mask its row serves (oreg, ring, xtile, lazy
+    # combinations outside the sets above)
+    return list(dict.fromkeys(out + _table_picks()))
+
+
+def _table_picks():
+    import json
+
+    from cupyflash.tuning.tables import default_tables_dir
+
+    path = default_tables_dir() / "default_h100.forward_sm90.json"
+    return [(HopperForwardKernelConfig.parse(e["config"]), bool(e.get("causal", False)))
+            for e in json.loads(path.read_text())["entries"]]
 
 
 @pytest.fixture(scope="module")

@@ -60,9 +60,9 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false}>, true, false>")
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)

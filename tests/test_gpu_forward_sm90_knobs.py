@@ -36,7 +36,13 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 # and two Q tiles (causal tiles without a visible key take no turns)
                 "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+ring",
                 "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring",
-                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring")
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring",
+                # cross-tile overlap: the next tile's first block computed under this tile's last
+                # P V (staged and direct O stores, lazy rescaling, three consumer warpgroups)
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile",
+                "forward_sm90(FP16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring+xtile",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring+xtile",
+                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring+xtile")
 
 if _is_sm90():
     import cupy as cp

@@ -30,7 +30,8 @@ def rng():
 
 def family_config(family: str, dtype: DType, d: int, causal: bool):
     """cfg for forward_varlen: None (the library's pick: forward_sm90 on Hopper), forward_sm80's
-    default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles)."""
+    default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles), or
+    with the cross-tile overlap as well."""
     if family == "auto":
         return None
     if family == "sm80":
@@ -44,6 +45,12 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
 
     if compute_capability(cp.cuda.runtime.getDevice()) != 90 or d == 96:
         pytest.skip("forward_sm90 needs an sm_90 GPU and d_head 64/128/256")
+    if family == "sm90_xtile":  # cross-tile overlap: each tile's next first block under its last P V
+        try:
+            return default_config(dtype, d, causal).replace(persistent=True, double_q=True, turn_ring=True,
+                                                            cross_tile=True)
+        except ValueError:
+            pytest.skip("no second Q tile fits at this d_head")
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
 
 
@@ -84,7 +91,7 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent"])
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile"])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -28,6 +28,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool EARLY_Q_RELEASE = O_DIRECT && PERSISTENT;
     static constexpr bool LAZY_RESCALE = C.lazy_rescale;  // running max moved only when it grows by > 2^8
     static constexpr bool TURN_RING = C.turn_ring;  // ping-pong turns run on across a persistent CTA's tiles
+    static constexpr bool CROSS_TILE = C.cross_tile;  // a tile's last P V behind the next tile's first Q K^T
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -66,6 +67,8 @@ struct StaticHopperForwardConfig {
     static_assert(!PERSISTENT || WARP_SPECIALIZED, "persistent CTAs need the producer warpgroup");
     static_assert(Q_BUFFERS == 1 || PERSISTENT, "a second Q tile serves only a CTA's next tile");
     static_assert(!TURN_RING || (PERSISTENT && PINGPONG), "the turn ring carries ping-pong turns across tiles");
+    static_assert(!CROSS_TILE || (TURN_RING && Q_BUFFERS == 2 && OVERLAP),
+                  "cross_tile: the next tile's Q in the other Q tile, its first turn merged into the ring");
     static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
 };

@@ -61,12 +61,31 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
         using TileConsumer = Consumer<Cfg, CAUSAL>;
         TileConsumer::open_turns(warpgroup - 1);  // TURN_RING: the ping-pong turns run on across tiles
         int ring = 0, iter = 0;
-        for (auto tile = Scheduler::first(params); tile.valid; tile = tile.next(params), ++iter) {
-            const int n_blocks = tile.kv_blocks(params);
-            TileConsumer consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
-            consumer.run(n_blocks, [](int) {});
-            Epilogue<Cfg, CAUSAL>::store(consumer);
-            ring += n_blocks;
+        if constexpr (Cfg::CROSS_TILE) {
+            // Each tile's last P V runs behind the next tile's first Q K^T (run_crossed): that
+            // block's scores and statistics are carried from one tile to the next.
+            typename TileConsumer::Scores s;
+            typename TileConsumer::Softmax carried;
+            bool have_first = false;
+            for (auto tile = Scheduler::first(params); tile.valid; ++iter) {
+                const int n_blocks = tile.kv_blocks(params);
+                const auto next = tile.next(params);
+                TileConsumer consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
+                if (have_first) consumer.softmax = carried;
+                have_first = consumer.run_crossed(n_blocks, s, have_first, next, next.valid ? next.kv_blocks(params) : 0,
+                                                  carried);
+                Epilogue<Cfg, CAUSAL>::store(consumer);
+                ring += n_blocks;
+                tile = next;
+            }
+        } else {
+            for (auto tile = Scheduler::first(params); tile.valid; tile = tile.next(params), ++iter) {
+                const int n_blocks = tile.kv_blocks(params);
+                TileConsumer consumer(params, smem, tile, warpgroup - 1, threadIdx.x % 128, ring, iter);
+                consumer.run(n_blocks, [](int) {});
+                Epilogue<Cfg, CAUSAL>::store(consumer);
+                ring += n_blocks;
+            }
         }
         TileConsumer::close_turns(warpgroup - 1);
     } else {

@@ -51,9 +51,11 @@ struct Consumer {
     // The base descriptors are derived at each issue from an opaque copy of the shared base, not
     // kept live across the loop: the consumers of 3-warpgroup tiles run at 160 registers, where
     // one more live value spills.
-    CF_DEVICE void issue_qk(Scores& s, int stage) const {
+    // `q_iter`: the tile whose Q tile is read (CROSS_TILE issues the next tile's first Q K^T).
+    CF_DEVICE void issue_qk(Scores& s, int stage) const { issue_qk(s, stage, tile_iter); }
+    CF_DEVICE void issue_qk(Scores& s, int stage, int q_iter) const {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
-        const u64 q0 = smem_descriptor_sw128(sm.q(q_buffer<Cfg>(tile_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, 1024);
+        const u64 q0 = smem_descriptor_sw128(sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, 1024);
         const u64 k0 = smem_descriptor_sw128(sm.k(stage), 16, 1024);
         wgmma_fence();
 #pragma unroll
@@ -194,6 +196,88 @@ struct Consumer {
             release_v(stage);
             refill(j);
         }
+    }
+
+    // CROSS_TILE (persistent, two Q tiles, the turn ring): the tile's last P V is issued behind
+    // the next tile's first Q K^T, whose softmax statistics (into `next_softmax`) run while P V
+    // completes; the epilogue then follows, and the next tile starts at its second block. With
+    // `have_first` this tile's first block was computed so by the previous call: `s` holds its
+    // masked scores, the consumer's softmax its statistics (copied from next_softmax). Returns
+    // whether the next tile's first block is in `s` (it has key blocks).
+    CF_DEVICE bool run_crossed(int n_blocks, Scores& s, bool have_first, const TileScheduler<Cfg, CAUSAL>& next,
+                               int next_blocks, Softmax& next_softmax) {
+        float rescale[1][2];
+        if (!have_first) {
+            mbarrier_wait(smem.q_full(q_buffer<Cfg>(tile_iter)), q_phase<Cfg>(tile_iter));
+            if (n_blocks <= 0) {
+                release_q_early();
+                return false;
+            }
+            const int first = ring_stage(ring_base, Cfg::STAGES);
+            mbarrier_wait(smem.k_full(first), ring_phase(ring_base, Cfg::STAGES));
+            wait_turn();
+            issue_qk(s, first);
+            pass_turn(false);
+            wgmma_wait<0>();
+            fence_registers(s[0]);
+            release_k(first);
+            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
+            softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        }
+        if (n_blocks == 1) release_q_early();
+        Softmax::convert(s, pa);
+        for (int j = 1; j < n_blocks; ++j) {
+            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+            const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
+            mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
+            wait_turn();
+            issue_qk(s, stage);
+            if (j > 1) rescale_output(rescale);
+            mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
+            issue_pv(prev);
+            pass_turn(false);
+            wgmma_wait<1>();
+            fence_registers(s[0]);
+            release_k(stage);
+            if (j == n_blocks - 1) release_q_early();
+            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
+            softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+            wgmma_wait<0>();
+            fence_registers(o);
+            release_v(prev);
+            Softmax::convert(s, pa);
+        }
+        const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
+        if (n_blocks > 1) rescale_output(rescale);
+        const bool cross = next.valid && next_blocks > 0;
+        if (cross) {
+            const int next_iter = tile_iter + 1, next_slot = ring_base + n_blocks;
+            const int stage = ring_stage(next_slot, Cfg::STAGES);
+            mbarrier_wait(smem.q_full(q_buffer<Cfg>(next_iter)), q_phase<Cfg>(next_iter));
+            mbarrier_wait(smem.k_full(stage), ring_phase(next_slot, Cfg::STAGES));
+            wait_turn();
+            issue_qk(s, stage, next_iter);
+            mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
+            issue_pv(last);
+            pass_turn(true);
+            wgmma_wait<1>();  // the next tile's S is ready; this tile's last P V may still run
+            fence_registers(s[0]);
+            release_k(stage);
+            const int next_row0 = next.first_row() + wg * Cfg::WG_ROWS;
+            Softmax::mask(s, next.seq_len_q(p), next.seq_len_k(p), 0, next_row0, next_row0 + 16 * warp + (lane >> 2),
+                          lane);
+            next_softmax.init();
+            next_softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        } else {
+            mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
+            wait_turn();
+            issue_pv(last);
+            pass_turn(true);
+        }
+        wgmma_wait<0>();
+        fence_registers(o);
+        release_v(last);
+        return cross;
     }
 
     // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs

@@ -12,8 +12,10 @@ the short form, which names the family:
 The features start with how Q/K/V reach shared memory: `tma` (TMA copies) or `cpasync` (16-byte
 cp.async copies issued by every consumer thread: the progression's first step, wgmma alone);
 `ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
-registers, 16 bytes per lane after a lane-quad transpose, Q released early), `lazy` (threshold rescaling), `ring` (the ping-pong turn ring runs on
-across a persistent CTA's tiles) and `emuN` (exp2 of N quarters of the scores on the FMA units)
+registers, 16 bytes per lane after a lane-quad transpose, Q released early), `lazy` (threshold
+rescaling), `ring` (the ping-pong turn ring runs on across a persistent CTA's tiles), `xtile` (a
+tile's last P V issued behind the next tile's first Q K^T) and `emuN` (exp2 of N quarters of the
+scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
 """
@@ -85,6 +87,11 @@ class HopperForwardKernelConfig(KernelConfig):
     # last warpgroup's epilogue. Short tiles gain (H100: d_head 64 at S 512-1k +2-4%, causal
     # d_head 128 at 512-1k +1-2.5%), d_head 128 non-causal at 1k-2k lost 1-3% (NOTES.md item 133).
     turn_ring: bool = False
+    # Cross-tile overlap (persistent, two Q tiles, turn ring, intra-warpgroup overlap): a tile's
+    # last P V is issued behind the next tile's first Q K^T, whose masking and softmax statistics
+    # run while P V completes; the epilogue follows, and the next tile starts at its second key
+    # block. Meant for short tiles (S 512-1k: 4-8 key blocks), where the per-tile prologue weighs.
+    cross_tile: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -102,6 +109,9 @@ class HopperForwardKernelConfig(KernelConfig):
             not self.double_q or self.persistent
         yield "turn_ring needs persistent and pingpong (it carries the ping-pong turns across tiles)", \
             not self.turn_ring or (self.persistent and self.pingpong)
+        yield ("cross_tile needs turn_ring, double_q and intra_wg_overlap (the next tile's first Q K^T is "
+               "issued with this tile's last P V, from the other Q tile, in the same ping-pong turn)",
+               not self.cross_tile or (self.turn_ring and self.double_q and self.intra_wg_overlap))
         yield f"exp_emulation in {EXP_EMULATION_VALUES}", self.exp_emulation in EXP_EMULATION_VALUES
         yield ("cp_async loads need the plain mainloop (no ws, pingpong, overlap, persistent, qbuf2): "
                "every consumer thread copies between its own GEMMs",
@@ -142,8 +152,8 @@ class HopperForwardKernelConfig(KernelConfig):
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
-                                        "ring": "turn_ring"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring")  # written after emuN
+                                        "ring": "turn_ring", "xtile": "cross_tile"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile")  # written after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
@@ -195,4 +205,5 @@ class HopperForwardKernelConfig(KernelConfig):
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
                    flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
-                   o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"])
+                   o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
+                   cross_tile=flags["cross_tile"])
