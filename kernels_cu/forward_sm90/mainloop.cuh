@@ -198,95 +198,9 @@ struct Consumer {
         }
     }
 
-    // CROSS_TILE (persistent, two Q tiles, the turn ring): the tile's last P V is issued behind
-    // the next tile's first Q K^T, whose softmax statistics (into `next_softmax`) run while P V
-    // completes; the epilogue then follows, and the next tile starts at its second block. With
-    // `have_first` this tile's first block was computed so by the previous call: `s` holds its
-    // masked scores, the consumer's softmax its statistics (copied from next_softmax). Returns
-    // whether the next tile's first block is in `s` (it has key blocks).
-    CF_DEVICE bool run_crossed(int n_blocks, Scores& s, bool have_first, const TileScheduler<Cfg, CAUSAL>& next,
-                               int next_blocks, Softmax& next_softmax) {
-        float rescale[1][2];
-        if (!have_first) {
-            mbarrier_wait(smem.q_full(q_buffer<Cfg>(tile_iter)), q_phase<Cfg>(tile_iter));
-            if (n_blocks <= 0) {
-                release_q_early();
-                return false;
-            }
-            const int first = ring_stage(ring_base, Cfg::STAGES);
-            mbarrier_wait(smem.k_full(first), ring_phase(ring_base, Cfg::STAGES));
-            wait_turn();
-            issue_qk(s, first);
-            pass_turn(false);
-            wgmma_wait<0>();
-            fence_registers(s[0]);
-            release_k(first);
-            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
-            softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-        }
-        if (n_blocks == 1) release_q_early();
-        Softmax::convert(s, pa);
-        for (int j = 1; j < n_blocks; ++j) {
-            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
-            const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
-            mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
-            wait_turn();
-            issue_qk(s, stage);
-            if (j > 1) rescale_output(rescale);
-            mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
-            issue_pv(prev);
-            pass_turn(false);
-            wgmma_wait<1>();
-            fence_registers(s[0]);
-            release_k(stage);
-            if (j == n_blocks - 1) release_q_early();
-            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
-            softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-            wgmma_wait<0>();
-            fence_registers(o);
-            release_v(prev);
-            Softmax::convert(s, pa);
-        }
-        const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
-        if (n_blocks > 1) rescale_output(rescale);
-        const bool cross = next.valid && next_blocks > 0;
-        if (cross) {
-            const int next_iter = tile_iter + 1, next_slot = ring_base + n_blocks;
-            const int stage = ring_stage(next_slot, Cfg::STAGES);
-            mbarrier_wait(smem.q_full(q_buffer<Cfg>(next_iter)), q_phase<Cfg>(next_iter));
-            mbarrier_wait(smem.k_full(stage), ring_phase(next_slot, Cfg::STAGES));
-            wait_turn();
-            issue_qk(s, stage, next_iter);
-            mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
-            issue_pv(last);
-            pass_turn(true);
-            wgmma_wait<1>();  // the next tile's S is ready; this tile's last P V may still run
-            fence_registers(s[0]);
-            release_k(stage);
-            const int next_row0 = next.first_row() + wg * Cfg::WG_ROWS;
-            Softmax::mask(s, next.seq_len_q(p), next.seq_len_k(p), 0, next_row0, next_row0 + 16 * warp + (lane >> 2),
-                          lane);
-            next_softmax.init();
-            next_softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-        } else {
-            mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
-            wait_turn();
-            issue_pv(last);
-            pass_turn(true);
-        }
-        wgmma_wait<0>();
-        fence_registers(o);
-        release_v(last);
-        return cross;
-    }
-
-    // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs
-    // while P V is on the tensor cores. O is rescaled by block j-1's factor between the two
-    // issues (P V_{j-2} has completed, and the Q K^T just issued does not touch O).
-    template <class Refill>
-    CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
-        Scores s;
-        float rescale[1][2];
+    // Block 0 of the tile: S_0 = Q K_0^T, masked, its statistics started; `s` holds its
+    // probabilities.
+    CF_DEVICE void first_block(Scores& s, int n_blocks, float (&rescale)[1][2]) {
         const int first = ring_stage(ring_base, Cfg::STAGES);
         mbarrier_wait(smem.k_full(first), ring_phase(ring_base, Cfg::STAGES));
         wait_turn();
@@ -298,7 +212,14 @@ struct Consumer {
         if (n_blocks == 1) release_q_early();
         Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
         softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-        Softmax::convert(s, pa);
+    }
+
+    // Blocks 1 .. n_blocks - 1, P_0 in `pa`: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
+    // back to back; the softmax of S_j runs while P V is on the tensor cores. O is rescaled by
+    // block j-1's factor between the two issues (P V_{j-2} has completed, and the Q K^T just
+    // issued does not touch O). Leaves P of the last block in `pa`, its factor in `rescale`.
+    template <class Refill>
+    CF_DEVICE void middle_blocks(Scores& s, int n_blocks, float (&rescale)[1][2], Refill& refill) {
         for (int j = 1; j < n_blocks; ++j) {
             const int stage = ring_stage(ring_base + j, Cfg::STAGES);
             const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
@@ -321,15 +242,80 @@ struct Consumer {
             refill(j - 1);
             Softmax::convert(s, pa);
         }
-        const int last = ring_stage(ring_base + n_blocks - 1, Cfg::STAGES);
-        if (n_blocks > 1) rescale_output(rescale);
-        mbarrier_wait(smem.v_full(last), ring_phase(ring_base + n_blocks - 1, Cfg::STAGES));
+    }
+
+    // The last block's P V, issued in its own turn, then completed (O final).
+    CF_DEVICE void last_pv(int n_blocks) {
+        const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
+        mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
         wait_turn();
         issue_pv(last);
         pass_turn(true);
+        complete_pv(last);
+    }
+    CF_DEVICE void complete_pv(int stage) {
         wgmma_wait<0>();
         fence_registers(o);
-        release_v(last);
+        release_v(stage);
+    }
+
+    template <class Refill>
+    CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
+        Scores s;
+        float rescale[1][2];
+        first_block(s, n_blocks, rescale);
+        Softmax::convert(s, pa);
+        middle_blocks(s, n_blocks, rescale, refill);
+        if (n_blocks > 1) rescale_output(rescale);
+        last_pv(n_blocks);
         refill(n_blocks - 1);
+    }
+
+    // CROSS_TILE (persistent, two Q tiles, the turn ring): the tile's last P V is issued behind
+    // the next tile's first Q K^T, whose softmax statistics (into `next_softmax`) run while P V
+    // completes; the epilogue then follows, and the next tile starts at its second block. With
+    // `have_first` this tile's first block was computed so by the previous call: `s` holds its
+    // probabilities, the consumer's softmax its statistics (copied from next_softmax). Returns
+    // whether the next tile's first block is in `s` (it has key blocks).
+    CF_DEVICE bool run_crossed(int n_blocks, Scores& s, bool have_first, const TileScheduler<Cfg, CAUSAL>& next,
+                               int next_blocks, Softmax& next_softmax) {
+        float rescale[1][2];
+        if (!have_first) {
+            mbarrier_wait(smem.q_full(q_buffer<Cfg>(tile_iter)), q_phase<Cfg>(tile_iter));
+            if (n_blocks <= 0) {
+                release_q_early();
+                return false;
+            }
+            first_block(s, n_blocks, rescale);
+        } else if (n_blocks == 1) {
+            release_q_early();
+        }
+        Softmax::convert(s, pa);
+        auto no_refill = [](int) {};
+        middle_blocks(s, n_blocks, rescale, no_refill);
+        if (n_blocks > 1) rescale_output(rescale);
+        if (!next.valid || next_blocks <= 0) {
+            last_pv(n_blocks);
+            return false;
+        }
+        const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
+        const int next_iter = tile_iter + 1, next_slot = ring_base + n_blocks;
+        const int stage = ring_stage(next_slot, Cfg::STAGES);
+        mbarrier_wait(smem.q_full(q_buffer<Cfg>(next_iter)), q_phase<Cfg>(next_iter));
+        mbarrier_wait(smem.k_full(stage), ring_phase(next_slot, Cfg::STAGES));
+        wait_turn();
+        issue_qk(s, stage, next_iter);
+        mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
+        issue_pv(last);
+        pass_turn(true);
+        wgmma_wait<1>();  // the next tile's S is ready; this tile's last P V may still run
+        fence_registers(s[0]);
+        release_k(stage);
+        const int next_row0 = next.first_row() + wg * Cfg::WG_ROWS;
+        Softmax::mask(s, next.seq_len_q(p), next.seq_len_k(p), 0, next_row0, next_row0 + 16 * warp + (lane >> 2), lane);
+        next_softmax.init();
+        next_softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        complete_pv(last);
+        return true;
     }
 };
