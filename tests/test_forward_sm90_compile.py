@@ -45,13 +45,10 @@ def _modules():
 
 
 def _table_picks():
-    import json
+    from cupyflash.tuning.tables import TuningTable, default_table_path
 
-    from cupyflash.tuning.tables import default_tables_dir
-
-    path = default_tables_dir() / "default_h100.forward_sm90.json"
-    return [(HopperForwardKernelConfig.parse(e["config"]), bool(e.get("causal", False)))
-            for e in json.loads(path.read_text())["entries"]]
+    table = TuningTable.load(default_table_path("NVIDIA H100 80GB HBM3", "forward_sm90"))
+    return [(e.config, e.causal) for e in table.entries()]
 
 
 @pytest.fixture(scope="module")
