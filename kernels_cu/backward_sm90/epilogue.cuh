@@ -21,19 +21,12 @@ struct BwdEpilogue {
             const bool inside = key < p.seq_len_k;  // (the shuffles below need every lane)
 #pragma unroll
             for (int g = 0; g < Cfg::D / 32; ++g) {
-                u32 wk[4], wv[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    wk[i] = pack_pair<Cfg::dtype>(c.dk[4 * g + i][2 * h] * p.softmax_scale,
-                                                  c.dk[4 * g + i][2 * h + 1] * p.softmax_scale);
-                    wv[i] = pack_pair<Cfg::dtype>(c.dv[4 * g + i][2 * h], c.dv[4 * g + i][2 * h + 1]);
-                }
-                quad_transpose(wk, c.lane);
-                quad_transpose(wv, c.lane);
+                const uint4 k = quad_row_chunk<Cfg::dtype>(c.dk, g, 2 * h, p.softmax_scale, c.lane);
+                const uint4 v = quad_row_chunk<Cfg::dtype>(c.dv, g, 2 * h, 1.f, c.lane);
                 const int col = 32 * g + 8 * quad_lane;  // n-tile 4 g + quad_lane
                 if (inside) {
-                    st_global_16(dk + key * p.dk_seq_stride + col, make_uint4(wk[0], wk[1], wk[2], wk[3]));
-                    st_global_16(dv + key * p.dv_seq_stride + col, make_uint4(wv[0], wv[1], wv[2], wv[3]));
+                    st_global_16(dk + key * p.dk_seq_stride + col, k);
+                    st_global_16(dv + key * p.dv_seq_stride + col, v);
                 }
             }
         }

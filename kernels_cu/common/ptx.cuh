@@ -149,6 +149,19 @@ CF_DEVICE void quad_transpose(u32 (&a)[4], int lane) {
     a[3] = b0 ? a[3] : r1;
 }
 
+// One row's 16-byte chunk from a lane quad's accumulator fragments: n-tiles 4 g .. 4 g + 3 of
+// `acc` (lane c holding columns 8 i + 2 c, + 1 of n-tile i as elements e, e + 1), times `scale`,
+// packed to 16 bits and quad-transposed, so lane c gets the 8 consecutive columns of n-tile
+// 4 g + c (columns 32 g + 8 c ..). Every lane of the warp must take part.
+template <DType T, int N>
+CF_DEVICE uint4 quad_row_chunk(const float (&acc)[N][4], int g, int e, float scale, int lane) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = pack_pair<T>(acc[4 * g + i][e] * scale, acc[4 * g + i][e + 1] * scale);
+    quad_transpose(w, lane);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // ---- programmatic dependent launch (sm_90+) ----------------------------------------------------
 // The launches: cupyflash/kvcache_pdl.py and cupyflash/families/backward_sm90/pdl_launch.py. A
 // kernel launched as a programmatic dependent waits here until the kernel before it on the stream has completed and

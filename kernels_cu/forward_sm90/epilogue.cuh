@@ -38,18 +38,11 @@ struct Epilogue {
         const bool ok0 = row < rows_valid, ok1 = row + 8 < rows_valid;  // (every lane shuffles)
 #pragma unroll
         for (int g = 0; g < Cfg::D / 32; ++g) {
-            u32 w0[4], w1[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                w0[i] = pack_pair<Cfg::dtype>(c.o[4 * g + i][0] * inv0, c.o[4 * g + i][1] * inv0);
-                w1[i] = pack_pair<Cfg::dtype>(c.o[4 * g + i][2] * inv1, c.o[4 * g + i][3] * inv1);
-            }
-            quad_transpose(w0, c.lane);
-            quad_transpose(w1, c.lane);
+            const uint4 v0 = quad_row_chunk<Cfg::dtype>(c.o, g, 0, inv0, c.lane);
+            const uint4 v1 = quad_row_chunk<Cfg::dtype>(c.o, g, 2, inv1, c.lane);
             const int col = 32 * g + 8 * (c.lane & 3);
-            if (ok0) st_global_16(o_dst + (long long)row * p.o_seq_stride + col, make_uint4(w0[0], w0[1], w0[2], w0[3]));
-            if (ok1)
-                st_global_16(o_dst + (long long)(row + 8) * p.o_seq_stride + col, make_uint4(w1[0], w1[1], w1[2], w1[3]));
+            if (ok0) st_global_16(o_dst + (long long)row * p.o_seq_stride + col, v0);
+            if (ok1) st_global_16(o_dst + (long long)(row + 8) * p.o_seq_stride + col, v1);
         }
     }
 
