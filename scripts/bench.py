@@ -10,7 +10,7 @@ nested tensors and FA3: bench_mode_varlen.py), backward (issue 12's table: bench
 
     python scripts/bench.py [--dtypes bf16,fp16] [--d-heads 128] [--seqs 512,1k,...,16k]
                             [--causal] [--configs SHORT_FORM ...] [--all-tune] [--progression]
-                            [--iters 50] [--sustain S] [--json bench_results.json] [--plot PNG]
+                            [--iters 50] [--sustain S] [--rounds N] [--json bench_results.json] [--plot PNG]
 
 Grid: batch*seq = 16384, heads*d_head = 2048, S_q = S_k = S; FLOPs = 4*B*H*S*S*D, or with --causal
 2*B*H*S*S*D (half the score matrix is masked, and skipped). Implementations: cupyflash
@@ -24,7 +24,10 @@ warm-up (JAX: host clock over batches of back-to-back calls, as its stream is no
 sets rotated when one set is smaller than 3x L2. With --sustain S every column first runs S
 seconds of back-to-back calls, so all are timed at the power-capped clock of continuous work
 (without it, CUDA-event columns start after an idle spin at boost clocks while the host-clocked
-JAX columns run longer batches, which favours the event columns by a few percent). Every
+JAX columns run longer batches, which favours the event columns by a few percent). With
+--rounds N every checked column of a grid point is timed N times in alternating order and the
+round with the median time is reported (the GPU's clock drifts by a few percent over a point;
+one pass favours whichever column ran at the better moment). Every
 implementation's output is checked once against a float64 reference (SPEC §5 relative L2 bound:
 1e-2 bf16, 2e-3 fp16) before it is timed; a result that fails is refused, not reported.
 
@@ -48,7 +51,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX must not take 75% of the GPU
 
@@ -105,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of back-to-back calls before each column's timed calls, so every column "
                         "(peers included) is timed at the GPU's power-capped steady state; 0 (default): "
                         "timed calls start after an idle spin, at boost clocks")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds per grid point: after every column's check and first timing, each is "
+                        "timed rounds - 1 more times in alternating order and the median of its round medians "
+                        "is reported (clock drift over a point then cannot favour whichever column runs first)")
     p.add_argument("--overhead-calls", type=int, default=2000, help="back-to-back calls per overhead round")
     p.add_argument("--json", default="bench_results.json", help="results file (default bench_results.json)")
     p.add_argument("--plot", default=None,
@@ -255,6 +262,35 @@ def _measure(torch: Any, impl: Any, problem: Any, record: dict, args: argparse.N
     return record
 
 
+def _more_rounds(torch: Any, problem: Any, checked: list[tuple[Any, dict]], args: argparse.Namespace) -> None:
+    """--rounds: time each checked column rounds - 1 more times (bench_impls.timed_rounds' order)
+    and report, per column, the round with the median time; every round's median is kept in
+    `ms_rounds`, and ms_min / ms_max / samples cover all rounds."""
+    from bench_impls import timed_rounds
+    from cupyflash.benchmarking import Timing
+
+    def timer(impl: Any) -> Callable[[], Timing]:
+        def again() -> Timing:
+            impl.prepare(problem)
+            with impl.context():
+                timing = impl.time(torch, args.warmup, args.iters, args.sustain)
+            torch.cuda.synchronize()
+            return timing
+        return again
+
+    first = {i: Timing(rec["ms_median"], rec["ms_min"], rec["ms_max"], rec["samples"]) for i, (_, rec) in enumerate(checked)}
+    rounds = timed_rounds(first, {i: timer(impl) for i, (impl, _) in enumerate(checked)}, args.rounds)
+    for i, (impl, rec) in enumerate(checked):
+        times = rounds[i]
+        mid = sorted(times, key=lambda t: t.median_ms)[(len(times) - 1) // 2]  # lower median: an actual round
+        rec.update(tflops=mid.tflops(problem.flops), ms_median=mid.median_ms, ms_min=min(t.min_ms for t in times),
+                   ms_max=max(t.max_ms for t in times), samples=sum(t.samples for t in times),
+                   ms_rounds=[t.median_ms for t in times])
+        print(f"  {rec['dtype']} d{rec['d_head']} S={rec['seq']:<6} {impl.name:<16} {rec['tflops']:7.1f} TFLOP/s, "
+              f"median of {len(times)} rounds ({', '.join(f'{problem.flops / (t.median_ms * 1e9):.1f}' for t in times)})",
+              flush=True)
+
+
 def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls: list, l2: int | None,
                 list_key: str = "grid", extra: dict | None = None) -> list[dict]:
     from bench_impls import make_problem
@@ -278,6 +314,10 @@ def _grid_point(torch: Any, run: Run, dtype: DType, d_head: int, seq: int, impls
               + (f"  {record['config']}" if record.get("config") else ""), flush=True)
         run.data[list_key].append(record)
         out.append(record)
+        run.save()
+    if run.args.rounds > 1:
+        _more_rounds(torch, problem, [(impl, rec) for (impl, _), rec in zip(impls, out) if rec["status"] == "ok"],
+                     run.args)
         run.save()
     del problem
     gc.collect()
@@ -316,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = set(peers) - set(report.PEER_ORDER)
         if unknown:
             raise ValueError(f"--peers: unknown {sorted(unknown)}; expected from {report.PEER_ORDER}")
-        if args.iters < 1 or args.warmup < 0 or args.sustain < 0:
-            raise ValueError("--iters must be >= 1, --warmup and --sustain >= 0")
+        if args.iters < 1 or args.rounds < 1 or args.warmup < 0 or args.sustain < 0:
+            raise ValueError("--iters and --rounds must be >= 1, --warmup and --sustain >= 0")
         if not args.seq_k_factor > 0:
             raise ValueError(f"--seq-k-factor must be > 0, got {args.seq_k_factor}")
     except ValueError as exc:

@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, TypeVar
 
 from cupyflash.benchmarking import (GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize,
                                    visible_pairs)
@@ -22,10 +22,11 @@ from cupyflash.config import DType
 from cupyflash.config import KernelConfig
 
 __all__ = ["Problem", "make_problem", "Impl", "CupyflashImpl", "SdpaImpl", "JaxImpl", "Fa3Impl", "Skip", "rel_l2_error",
-           "time_events", "time_host", "sustain_load", "measure_overhead", "JAX_BATCH"]
+           "time_events", "time_host", "sustain_load", "timed_rounds", "measure_overhead", "JAX_BATCH"]
 
 _SLEEP_CYCLES = 10_000_000  # ~5 ms of GPU spin before timing, so the host can queue ahead of the GPU
 JAX_BATCH = 20              # back-to-back JAX calls per host-clock sample
+T = TypeVar("T")
 
 
 class Skip(Exception):
@@ -120,6 +121,17 @@ def sustain_load(fn: Callable[[], Any], seconds: float, sync: Callable[[], Any])
         for _ in range(8):
             fn()
         sync()
+
+
+def timed_rounds(first: dict[Any, T], timers: dict[Any, Callable[[], T]], rounds: int) -> dict[Any, list[T]]:
+    """Per column, its first timing (`first`, taken right after its check) and rounds - 1 more:
+    round r times the columns in their order when r is even, in reverse when odd, so clock drift
+    over a point falls on every column alike (bench.py --rounds, in every mode)."""
+    samples = {name: [first[name]] for name in timers}
+    for r in range(1, rounds):
+        for name in (reversed(list(timers)) if r % 2 else list(timers)):
+            samples[name].append(timers[name]())
+    return samples
 
 
 def time_events(torch: Any, run: Callable[[int], Any], n_sets: int, warmup: int, iters: int,

@@ -34,6 +34,7 @@ import sys
 from typing import Any, Callable
 
 import bench_backward as bb
+from bench_impls import timed_rounds  # shared with the forward mode's --rounds
 from bench_mode_common import (Skip, bar_plot, check_then_time, collect_failures, finish, fmt, format_table, gpu_host,
                                parse_d_heads, parse_impls, ratio, verdict)
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes, parse_ints
@@ -215,16 +216,6 @@ def measure_point(torch: Any, dtype: DType, d: int, seq: int, batch: int, causal
             if rec["status"] == "ok" else f"{rec['status'].upper()}: {rec['reason']}"
         print(f"  {point['point']:<28} {rec['impl']:<11} {status}", flush=True)
     return records
-
-
-def timed_rounds(first: dict[str, float], timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Per column, its first timing (`first`, taken right after its check) and rounds - 1 more:
-    round r times the columns in their order when r is even, in reverse when odd."""
-    samples = {name: [first[name]] for name in timers}
-    for r in range(1, rounds):
-        for name in (reversed(list(timers)) if r % 2 else list(timers)):
-            samples[name].append(float(timers[name]()))
-    return samples
 
 
 def target_flash(seq: int) -> float | None:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import bench  # noqa: E402
+import bench_impls  # noqa: E402
 import bench_mode_backward  # noqa: E402
 import bench_mode_common as common  # noqa: E402
 import bench_mode_decode  # noqa: E402
@@ -233,10 +234,10 @@ def test_backward_report_targets():
     assert bench_mode_backward.target_flash(1024) == 1.0 and bench_mode_backward.target_flash(512) is None
     calls = []
     timers = {n: (lambda n=n: calls.append(n) or {"a": 1.0, "b": 2.0}[n] + len(calls)) for n in ("a", "b")}
-    samples = bench_mode_backward.timed_rounds({"a": 0.5, "b": 0.25}, timers, 3)
+    samples = bench_impls.timed_rounds({"a": 0.5, "b": 0.25}, timers, 3)
     assert calls == ["b", "a", "a", "b"]  # round 2 reversed, round 3 in order
     assert samples == {"a": [0.5, 3.0, 4.0], "b": [0.25, 3.0, 6.0]}
-    assert bench_mode_backward.timed_rounds({"a": 0.5}, {"a": timers["a"]}, 1) == {"a": [0.5]}
+    assert bench_impls.timed_rounds({"a": 0.5}, {"a": timers["a"]}, 1) == {"a": [0.5]}
     assert bench_mode_backward.grid((1024, 32768)) == [(1024, 16), (32768, 1)]
 
 

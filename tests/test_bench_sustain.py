@@ -1,7 +1,8 @@
 """Sustained timing without a GPU, in scripts/bench_backward.py and bench_impls.py (the forward
 bench's): the load phase runs the call back to back for the given time, then the timed calls run
 back to back between event pairs (stand-ins for torch's events record a fake clock, so the medians
-are exact; test fixtures, not measurements). Also the knob probe's --twins."""
+are exact; test fixtures, not measurements). Also the knob probe's --twins and the forward
+bench's --rounds."""
 from __future__ import annotations
 
 import sys
@@ -132,3 +133,40 @@ def test_probe_twins_add_features_to_the_table_pick():
     assert str(twin).endswith("+qbuf2+emu1+lazy+ring")
     with pytest.raises(ValueError, match="turn_ring needs persistent"):
         probe.with_features(pick.replace(persistent=False, double_q=False), "ring")
+
+
+def test_forward_rounds_report_the_median_round_of_each_checked_column():
+    import contextlib
+
+    import bench
+    from cupyflash.benchmarking import Timing
+
+    order = []
+
+    class FakeImpl:
+        def __init__(self, name, medians):
+            self.name, self.medians = name, list(medians)
+
+        def prepare(self, problem):
+            pass
+
+        def context(self):
+            return contextlib.nullcontext()
+
+        def time(self, torch, warmup, iters, sustain):
+            order.append(self.name)
+            m = self.medians.pop(0)
+            return Timing(m, m - 0.1, m + 0.1, iters)
+
+    torch = SimpleNamespace(cuda=SimpleNamespace(synchronize=lambda: None))
+    problem = SimpleNamespace(flops=2e12)
+    args = SimpleNamespace(warmup=1, iters=5, sustain=0.0, rounds=4)
+    a, b = FakeImpl("a", [3.0, 1.0, 2.0]), FakeImpl("b", [9.0, 9.5, 10.0])
+    rec_a = {"dtype": "bf16", "d_head": 128, "seq": 1024, "ms_median": 4.0, "ms_min": 3.9, "ms_max": 4.1, "samples": 5}
+    rec_b = dict(rec_a, ms_median=8.0, ms_min=7.9, ms_max=8.1)
+    bench._more_rounds(torch, problem, [(a, rec_a), (b, rec_b)], args)
+    assert order == ["b", "a", "a", "b", "b", "a"]  # rounds 2 and 4 reversed, round 3 in order
+    assert rec_a["ms_rounds"] == [4.0, 3.0, 1.0, 2.0] and rec_a["ms_median"] == 2.0  # lower median: a real round
+    assert rec_a["tflops"] == pytest.approx(2e12 / 2e-3 / 1e12)
+    assert (rec_a["ms_min"], rec_a["ms_max"], rec_a["samples"]) == (0.9, 4.1, 20)
+    assert rec_b["ms_rounds"] == [8.0, 9.0, 9.5, 10.0] and rec_b["ms_median"] == 9.0
