@@ -94,7 +94,7 @@ _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
 # three-consumer 192x128 tile but -4..-10% on the two-consumer 128x176 one; so both time both (the
 # defaults keep exact rescaling: forward_varlen has not run lazy configs on a GPU yet); d128 (two
 # consumers) -1..-4%, so d128 keeps exact rescaling here. (Causal d128 differs: the shipped table's
-# bf16 causal 512-2k rows took `lazy` from same-run twins at the power cap, +1-2.6% in two runs,
+# bf16 causal 512-4k rows took `lazy` from same-run twins at the power cap, +1-3.7% in two runs,
 # NOTES.md item 167.)
 # d64's 128x128 tile: causal S <= 2k (no ragged 192-row last block, a smaller diagonal),
 # +16-27% over 192x128 at 512/1k.
