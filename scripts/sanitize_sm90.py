@@ -19,6 +19,7 @@ forward_sm90` runs the same launches (imported from here).
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from pathlib import Path
@@ -120,24 +121,28 @@ def _once(cfg: HopperForwardKernelConfig, shape: tuple, causal: bool, rng: np.ra
 
 def main(argv: list[str] | None = None) -> int:
     """Thin wrapper: the same launches run by `sanitize_check.py --family forward_sm90`."""
-    args = sys.argv[1:] if argv is None else argv
-    quick = "--quick" in args
-    configs = None
-    if "--configs" in args:
-        at = args.index("--configs")
-        if at + 1 >= len(args):
-            print("sanitize_sm90.py: --configs needs 'SHORT|SHORT'", file=sys.stderr)
-            return 2
-        configs = [HopperForwardKernelConfig.parse(t.strip()) for t in args[at + 1].split("|") if t.strip()]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 configs x the first 2 shapes")
+    ap.add_argument("--multi-tile", action="store_true", help="persistent CTAs taking several tiles (MULTI_TILE)")
+    ap.add_argument("--configs", default="", help="only these short forms, '|'-separated")
+    args = ap.parse_args(argv)
+    try:
+        configs = [HopperForwardKernelConfig.parse(t.strip()) for t in args.configs.split("|") if t.strip()] or None
+    except ValueError as exc:
+        ap.error(f"--configs: {exc}")
+    from cupyflash.device import has_gpu
+
+    if not has_gpu():
+        print("sanitize_sm90: no CUDA GPU found", file=sys.stderr)
+        return 2
     import cupy as cp
 
     cp.cuda.set_allocator(None)  # no pool: memcheck sees every allocation's exact bounds
     rng = np.random.default_rng(0)
-    todo = multi_tile_launches(rng, configs) if "--multi-tile" in args else launches(rng, quick, configs)
+    todo = multi_tile_launches(rng, configs) if args.multi_tile else launches(rng, args.quick, configs)
     done = run_launches(todo, lambda line: print(line, flush=True))
     print(f"sanitize_sm90: {len(done.failures)} failure(s) in {done.runs} launches")
     return 1 if done.failures else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

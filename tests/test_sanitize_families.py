@@ -40,9 +40,19 @@ def test_bad_arguments_exit_2(capsys):
     assert "--family" in capsys.readouterr().err
 
 
+def test_sanitize_sm90_rejects_unknown_options_and_bad_configs(capsys):
+    for argv in (["--bogus"], ["--configs", "forward_sm90(BF16, 128, 128, 128, 2): tma+nope"]):
+        with pytest.raises(SystemExit) as exc:
+            sanitize_sm90.main(argv)
+        assert exc.value.code == 2
+    assert "--configs: cannot parse kernel config" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(has_gpu(), reason="with a GPU this would launch kernels")
 def test_without_gpu_exits_2(capsys):
     assert sanitize_check.main(["--family", "all", "--varlen"]) == 2
+    assert "no CUDA GPU found" in capsys.readouterr().err
+    assert sanitize_sm90.main(["--quick"]) == 2 and sanitize_backward.main(["--max-shapes", "1"]) == 2
     assert "no CUDA GPU found" in capsys.readouterr().err
 
 
