@@ -112,6 +112,27 @@ def test_device_matching():
     assert family.lookup(A100, DType.BF16, 128, 512) is None
 
 
+def test_also_match_serves_other_models_after_their_own_tables(isolated_tables, tmp_path):
+    shared = _table([(CFG_A, 512)], match="H100")
+    shared.also_match = ("H200",)
+    assert shared.match_strength(H100) == 2 and shared.match_strength("NVIDIA H200") == 1
+    assert shared.matches("NVIDIA H200 NVL") and not shared.matches("NVIDIA H20") and not shared.matches(A100)
+    again = TuningTable.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert again.also_match == ("H200",) and again.lookup("NVIDIA H200", DType.BF16, 128, 4096) == CFG_A
+    assert "also_match" not in _table([(CFG_A, 512)], match="H100").to_dict()  # older tables read the same
+    for bad in ("H200", [""], [7]):
+        with pytest.raises(TuningTableError, match="also_match"):
+            TuningTable.from_dict({**shared.to_dict(), "also_match": bad})
+    # the H200 takes the H100 table, until a table of its own is shipped: that one comes first
+    shared.save(isolated_tables.shipped / "default_h100.json")
+    assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, "NVIDIA H200")[0] == CFG_A
+    _table([(CFG_B, 512)], match="H200").save(isolated_tables.shipped / "default_h200.json")
+    tuning.clear_caches()
+    assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, "NVIDIA H200") == (
+        CFG_B, f"default table {isolated_tables.shipped / 'default_h200.json'}")
+    assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100)[0] == CFG_A
+
+
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"schema": "other/1", "entries": []}',
                                   '{"schema": "cupyflash-tuning-table/1"}',
                                   '{"schema": "cupyflash-tuning-table/1", "entries": [{"dtype": "BF16"}]}'])
@@ -307,7 +328,9 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
                         lambda name, family=None: isolated_tables.shipped / "default_h100.json")
 
     fp16 = config_sets.default_config(DType.FP16, 128)  # from an earlier run split by dtype: kept
-    _table([(fp16, 512)], match="H100").save(isolated_tables.shipped / "default_h100.json")
+    earlier = _table([(fp16, 512)], match="H100")
+    earlier.also_match = ("H200",)  # and the other models it serves
+    earlier.save(isolated_tables.shipped / "default_h100.json")
     table = autotune_mod.autotune([DType.BF16], [128], [128, 256], candidates=cands, iters=3, warmup=0,
                                   progress=False, write_default=True)
     out = capsys.readouterr()
@@ -321,6 +344,7 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
     assert user.device == H100 and user.lookup(H100, DType.BF16, 128, 200) == fast
     shipped = TuningTable.load(isolated_tables.shipped / "default_h100.json")
     assert shipped.match == "H100" and len(shipped) == 3 and shipped.meta["versions"]["cupyflash"]
+    assert shipped.also_match == ("H200",)
     assert shipped.lookup(H100, DType.FP16, 128, 512) == fp16 and shipped.lookup(H100, DType.BF16, 128, 128) == fast
     assert shipped.meta["complete"] is True and shipped.meta["missing"] == []
     # forward(cfg=None) sees the new table at once

@@ -87,13 +87,17 @@ def _name_tokens(name: str) -> set[str]:
 
 
 class TuningTable:
-    """Tuned configs of one device (exact `device` name) or device family (`match` token)."""
+    """Tuned configs of one device (exact `device` name) or device family (`match` token), and
+    optionally of other models measured to run its picks well (`also_match` tokens: a table that
+    names the device itself comes first)."""
 
     def __init__(self, device: str | None = None, match: str | None = None, comment: str | None = None,
-                 meta: dict[str, Any] | None = None, family: str = DEFAULT_FAMILY) -> None:
+                 meta: dict[str, Any] | None = None, family: str = DEFAULT_FAMILY,
+                 also_match: Iterable[str] = ()) -> None:
         self.family = get_family(family).name
         self.device = device
         self.match = match
+        self.also_match = tuple(t.upper() for t in also_match)
         self.comment = comment
         self.meta: dict[str, Any] = dict(meta or {})
         self._entries: dict[tuple[DType, int, bool, int], TuningEntry] = {}
@@ -132,14 +136,22 @@ class TuningTable:
                 return self._entries[(dtype, d_head, rows_causal, bucket)]
         return None
 
-    def matches(self, device_name: str | None) -> bool:
-        """True when this table applies to `device_name`: the same name (case-insensitive), or
-        `match` is one of its words ('H100' matches 'NVIDIA H100 80GB HBM3', not 'H1000')."""
+    def match_strength(self, device_name: str | None) -> int:
+        """2 when this table is `device_name`'s own: the same name (case-insensitive), or `match`
+        is one of its words ('H100' matches 'NVIDIA H100 80GB HBM3', not 'H1000'); 1 when one of
+        `also_match` is ('H200' matches 'NVIDIA H200', not 'NVIDIA H20'); 0 otherwise."""
         if not device_name:
-            return False
+            return 0
         if self.device and self.device.strip().lower() == device_name.strip().lower():
-            return True
-        return bool(self.match) and self.match.upper() in _name_tokens(device_name)
+            return 2
+        tokens = _name_tokens(device_name)
+        if self.match and self.match.upper() in tokens:
+            return 2
+        return 1 if tokens.intersection(self.also_match) else 0
+
+    def matches(self, device_name: str | None) -> bool:
+        """True when this table applies to `device_name` (match_strength above 0)."""
+        return self.match_strength(device_name) > 0
 
     def lookup(self, device_name: str | None, dtype: DType, d_head: int,
                seq_len: int, causal: bool = False) -> KernelConfig | None:
@@ -152,6 +164,8 @@ class TuningTable:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "match": self.match}
+        if self.also_match:  # absent in older tables: they serve their own device or family only
+            out["also_match"] = list(self.also_match)
         if self.family != DEFAULT_FAMILY:  # absent means the mma.sync forward family: older tables read the same
             out["family"] = self.family
         if self.comment:
@@ -170,6 +184,9 @@ class TuningTable:
         for key, value in (("device", device), ("match", match), ("comment", data.get("comment"))):
             if value is not None and not isinstance(value, str):
                 raise TuningTableError(f"{key}: expected a string or null, got {value!r}")
+        also_match = data.get("also_match", [])
+        if not isinstance(also_match, list) or not all(isinstance(t, str) and t.strip() for t in also_match):
+            raise TuningTableError(f"also_match: expected a list of model names (e.g. ['H200']), got {also_match!r}")
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise TuningTableError(f"meta: expected an object, got {type(meta).__name__}")
@@ -181,7 +198,7 @@ class TuningTable:
             family = get_family(family_name)
         except ValueError as exc:
             raise TuningTableError(str(exc)) from None
-        table = cls(device, match, data.get("comment"), meta, family.name)
+        table = cls(device, match, data.get("comment"), meta, family.name, [t.strip() for t in also_match])
         for i, item in enumerate(entries):
             try:
                 cfg = family.parse(item["config"])
@@ -321,7 +338,9 @@ def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
     if name:
         path = user_table_path(name, family=family)
         candidates = [(f"user table {path}", _load_cached(path))]
-        candidates += [(f"default table {path}", table) for path, table in _default_tables()]
+        # shipped tables of this model before those that only also serve it (sorted is stable)
+        shipped = sorted(_default_tables(), key=lambda item: -item[1].match_strength(name))
+        candidates += [(f"default table {path}", table) for path, table in shipped]
         for source, table in candidates:
             if table is None or table.family != family:
                 continue
