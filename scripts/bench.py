@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "timed calls start after an idle spin, at boost clocks")
     p.add_argument("--rounds", type=int, default=1,
                    help="timing rounds per grid point: after every column's check and first timing, each is "
-                        "timed rounds - 1 more times in alternating order and the median of its round medians "
-                        "is reported (clock drift over a point then cannot favour whichever column runs first)")
+                        "timed rounds - 1 more times in alternating order and its round with the median time "
+                        "(the lower middle one for an even N) is reported, so clock drift over a point cannot "
+                        "favour whichever column runs first")
     p.add_argument("--overhead-calls", type=int, default=2000, help="back-to-back calls per overhead round")
     p.add_argument("--json", default="bench_results.json", help="results file (default bench_results.json)")
     p.add_argument("--plot", default=None,
@@ -264,24 +265,29 @@ def _measure(torch: Any, impl: Any, problem: Any, record: dict, args: argparse.N
 
 def _more_rounds(torch: Any, problem: Any, checked: list[tuple[Any, dict]], args: argparse.Namespace) -> None:
     """--rounds: time each checked column rounds - 1 more times (bench_impls.timed_rounds' order)
-    and report, per column, the round with the median time; every round's median is kept in
-    `ms_rounds`, and ms_min / ms_max / samples cover all rounds."""
+    and report, per column, the round with the median time (the lower middle one for an even
+    count: a round that ran); every round's median is kept in `ms_rounds`, and ms_min / ms_max /
+    samples cover all rounds. A round that raises is left out and named in `round_errors`."""
     from bench_impls import timed_rounds
     from cupyflash.benchmarking import Timing
 
-    def timer(impl: Any) -> Callable[[], Timing]:
-        def again() -> Timing:
-            impl.prepare(problem)
-            with impl.context():
-                timing = impl.time(torch, args.warmup, args.iters, args.sustain)
-            torch.cuda.synchronize()
-            return timing
+    def timer(impl: Any, rec: dict) -> Callable[[], Timing | None]:
+        def again() -> Timing | None:
+            try:
+                impl.prepare(problem)
+                with impl.context():
+                    return impl.time(torch, args.warmup, args.iters, args.sustain)
+            except Exception as exc:  # the first round's figure stands; say why this one is missing
+                rec.setdefault("round_errors", []).append(f"{type(exc).__name__}: {exc}"[:200])
+                return None
+            finally:
+                torch.cuda.synchronize()
         return again
 
     first = {i: Timing(rec["ms_median"], rec["ms_min"], rec["ms_max"], rec["samples"]) for i, (_, rec) in enumerate(checked)}
-    rounds = timed_rounds(first, {i: timer(impl) for i, (impl, _) in enumerate(checked)}, args.rounds)
+    rounds = timed_rounds(first, {i: timer(impl, rec) for i, (impl, rec) in enumerate(checked)}, args.rounds)
     for i, (impl, rec) in enumerate(checked):
-        times = rounds[i]
+        times = [t for t in rounds[i] if t is not None]
         mid = sorted(times, key=lambda t: t.median_ms)[(len(times) - 1) // 2]  # lower median: an actual round
         rec.update(tflops=mid.tflops(problem.flops), ms_median=mid.median_ms, ms_min=min(t.min_ms for t in times),
                    ms_max=max(t.max_ms for t in times), samples=sum(t.samples for t in times),

@@ -170,3 +170,16 @@ def test_forward_rounds_report_the_median_round_of_each_checked_column():
     assert rec_a["tflops"] == pytest.approx(2e12 / 2e-3 / 1e12)
     assert (rec_a["ms_min"], rec_a["ms_max"], rec_a["samples"]) == (0.9, 4.1, 20)
     assert rec_b["ms_rounds"] == [8.0, 9.0, 9.5, 10.0] and rec_b["ms_median"] == 9.0
+    assert "round_errors" not in rec_a
+
+    class Flaky(FakeImpl):  # a later round that raises leaves the others standing
+        def time(self, torch, warmup, iters, sustain):
+            if not self.medians:
+                raise RuntimeError("peer went away")
+            return super().time(torch, warmup, iters, sustain)
+
+    c = Flaky("c", [5.0])
+    rec_c = dict(rec_a, ms_median=6.0, ms_min=5.9, ms_max=6.1)
+    bench._more_rounds(torch, problem, [(c, rec_c)], SimpleNamespace(warmup=1, iters=5, sustain=0.0, rounds=3))
+    assert rec_c["ms_rounds"] == [6.0, 5.0] and rec_c["ms_median"] == 5.0
+    assert rec_c["round_errors"] == ["RuntimeError: peer went away"]
