@@ -1,5 +1,6 @@
 """GPU tests of the Hopper forward family (forward_sm90) against the SPEC §5 rule: every
-progression (its first step's cp.async loads on ragged shapes too) and default config, lengths around and off the tile sizes (TMA zero fill at ragged
+progression (its first step's cp.async loads on ragged shapes too), default config and pick of
+the shipped H100 table, lengths around and off the tile sizes (TMA zero fill at ragged
 edges), seq_q != seq_k, causal (bottom-right), GQA/MQA, LSE, out= and free strides.
 Skipped cleanly without a compute capability 9.0 GPU."""
 from __future__ import annotations
@@ -43,8 +44,14 @@ if _is_sm90():
                                   "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+emu1")]
     EXTRA += KNOBS
     CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
+
+    from cupyflash.tuning.tables import TuningTable, default_table_path
+
+    # every pick of the shipped H100 table, with the mask its row serves (what cfg=None runs there)
+    _TABLE = TuningTable.load(default_table_path("NVIDIA H100 80GB HBM3", "forward_sm90"))
+    TABLE_PICKS = sorted({(e.config, e.causal) for e in _TABLE.entries()})
 else:
-    CONFIGS = []
+    CONFIGS, TABLE_PICKS = [], []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,7 +63,7 @@ def prewarmed(request):
 
     mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     named = {item.callspec.params.get("cfg") if hasattr(item, "callspec") else None for item in mine}
-    configs = [c for c in CONFIGS if c in named]
+    configs = [c for c in CONFIGS + [pick for pick, _ in TABLE_PICKS] if c in named]
     if None in named:
         configs += get_kernel_configs("defaults")
     report = prewarm(sorted(set(configs)), ["sm_90a"], progress=None, causal=(False, True))
@@ -83,6 +90,19 @@ def test_config_matches_reference(cfg, causal, rng):
     out = poisoned(cp, cfg.dtype, q.shape)
     assert forward_sm90(cfg, q, k, v, out=out, causal=causal) is out
     check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, context=str(cfg))
+
+
+@pytest.mark.parametrize("cfg, causal", TABLE_PICKS, ids=lambda x: str(x) if not isinstance(x, bool) else
+                         ("causal" if x else "full"))
+def test_table_picks_match_reference(cfg, causal, rng):
+    """Each config the shipped table hands cfg=None, with its row's mask: a ragged last query
+    block, S_q != S_k, GQA, more tiles than SMs for the persistent ones, LSE."""
+    seq = 2 * cfg.B_r + 37
+    q, k, v = _inputs(rng, cfg.dtype, 2, seq, seq + 29, 36, 6, cfg.d_head)
+    out = poisoned(cp, cfg.dtype, q.shape)
+    lse = cp.full((2, 36, seq), np.nan, dtype=cp.float32)
+    forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+    check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=f"{cfg} causal={causal}")
 
 
 PERSISTENT = [c for c in CONFIGS if c.persistent]
