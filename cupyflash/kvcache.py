@@ -19,7 +19,7 @@ from .config import DType
 from .families.decode import COMBINE_THREADS, DecodeKernelConfig
 from .families.decode import config_sets as decode_sets
 from .families.decode.params import DECODE_PARAMS
-from .families.decode.splits import choose_num_splits, choose_paged_num_splits
+from .families.decode.splits import choose_num_splits, choose_paged_num_splits, streaming_ctas
 from . import kvcache_plans
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
                       resolve_stream, wrap_output)
@@ -40,6 +40,19 @@ def _device_limits(device: int) -> tuple[int, int, int]:
     props = _cupy.cuda.runtime.getDeviceProperties(device)
     return (int(props["multiProcessorCount"]), int(props["sharedMemPerMultiprocessor"]),
             int(props["sharedMemPerBlockOptin"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _dram_bytes_per_s(device: int) -> float | None:
+    """Peak DRAM bandwidth of `device` (memory clock x bus width, double data rate), or None
+    where the driver does not report it."""
+    rt = _cupy.cuda.runtime
+    try:
+        khz = rt.deviceGetAttribute(rt.cudaDevAttrMemoryClockRate, device)
+        bits = rt.deviceGetAttribute(rt.cudaDevAttrGlobalMemoryBusWidth, device)
+    except Exception:  # noqa: BLE001 - an attribute a driver drops must not break decoding
+        return None
+    return 2.0 * khz * 1e3 * bits / 8 if khz > 0 and bits > 0 else None
 
 
 # -------------------------------------------------------------------------------- configs
@@ -123,15 +136,18 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
     return cfg
 
 
-def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int) -> int:
-    """The library's split count for this problem on a GPU of `num_sms` SMs."""
+def plan_num_splits(plan: KVCachePlan, cfg: DecodeKernelConfig, num_sms: int,
+                    dram_bytes_per_s: float | None = None) -> int:
+    """The library's split count for this problem on a GPU of `num_sms` SMs and peak DRAM
+    bandwidth `dram_bytes_per_s` (None: as the H100's; families/decode/splits.py)."""
     row_tiles = -(-plan.rows_total // cfg.rows)
     head_blocks = -(-plan.n_kv_heads // cfg.heads)
     step = cfg.B_c * cfg.team
     if plan.paged:  # see families/decode/splits.py
         return choose_paged_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, num_sms, step,
-                                       4 * plan.d_head)
-    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys, num_sms / 2, step)
+                                       4 * plan.d_head, dram_bytes_per_s)
+    return choose_num_splits(plan.batch, head_blocks, row_tiles, plan.max_keys,
+                             streaming_ctas(num_sms, dram_bytes_per_s), step)
 
 
 def workspace_bytes(batch: int, seq_q: int, n_heads: int, d_head: int, num_splits: int) -> int:
@@ -256,7 +272,7 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
     num_sms, _, smem_limit = _device_limits(plan.device)
     config = resolve_decode_config(cfg, plan, smem_limit, num_sms)
     if splits is None:
-        splits = plan_num_splits(plan, config, num_sms)
+        splits = plan_num_splits(plan, config, num_sms, _dram_bytes_per_s(plan.device))
     if index_check_requested(check_indices):
         check_index_values(plan, host_copy(sv), host_copy(bv) if bv is not None else None)
     stream_ptr = resolve_stream(stream, qv)

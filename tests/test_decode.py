@@ -178,6 +178,38 @@ def test_paged_num_splits_follows_the_bytes_per_cta():
     assert choose_paged_num_splits(64, 8, 1, 8192, 132, 128, 4 * 128) == 1  # wide: one split either way
 
 
+def test_streaming_ctas_follows_the_dram_bandwidth_per_sm():
+    from cupyflash.families.decode.splits import HALF_GRID_MAX_BYTES_PER_SM, streaming_ctas
+
+    assert streaming_ctas(132, None) == 66  # unknown bandwidth: the H100 rule
+    assert streaming_ctas(132, 3.35e12) == 66  # H100 SXM
+    assert streaming_ctas(108, 2.04e12) == 54  # A100 80GB
+    assert streaming_ctas(132, 4.8e12) == 132  # H200: half the SMs cannot reach its copy rate
+    edge = HALF_GRID_MAX_BYTES_PER_SM * 132
+    assert streaming_ctas(132, edge) == 66 and streaming_ctas(132, edge * 1.001) == 132
+    # the contiguous split counts that follow (batch 1 x 131k and batch 8 x 32k, 8 KV heads)
+    assert choose_num_splits(1, 8, 1, 131072, streaming_ctas(132, 4.8e12), 128) == 16
+    assert choose_num_splits(8, 8, 1, 32768, streaming_ctas(132, 4.8e12), 64) == 2
+    assert choose_num_splits(8, 8, 1, 32768, streaming_ctas(132, 3.35e12), 64) == 1
+    # paged: one CTA per SM on such a GPU even where a CTA's share is short
+    assert choose_paged_num_splits(1, 8, 1, 131072, 132, 128, 4 * 64, 4.8e12) == 16
+    assert choose_paged_num_splits(1, 8, 1, 131072, 132, 128, 4 * 64, 3.35e12) == 8
+
+
+def test_plan_num_splits_reads_the_bandwidth():
+    from cupyflash.kvcache import plan_num_splits
+
+    class Plan:  # the fields plan_num_splits reads
+        batch, n_kv_heads, rows_total, max_keys, d_head, paged = 1, 8, 4, 131072, 128, False
+
+    cfg = DecodeKernelConfig.parse("decode (BF16, 128, 16, 16, 8): stages_2")
+    assert plan_num_splits(Plan, cfg, 132) == 8
+    assert plan_num_splits(Plan, cfg, 132, 3.35e12) == 8
+    assert plan_num_splits(Plan, cfg, 132, 4.8e12) == 16
+    Plan.paged = True
+    assert plan_num_splits(Plan, cfg, 132, 4.8e12) == 16
+
+
 def test_tuning_batch_streams_the_same_bytes_per_bucket():
     from cupyflash.families.decode.tuning import TUNING_KV_BYTES, tuning_batch
 
