@@ -17,12 +17,10 @@ from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .launch_plans import _CUPY, _TORCH, _kind, _kinds, cupy_meta, driver_calls, store, torch_meta
+from .launch_plans import _CUPY, _TORCH, PlanTable, _kind, _kinds, cupy_meta, torch_meta
 
 __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 
-_plans: dict[tuple, "BackwardReplay"] = {}
-_get_device: Callable[[], int] | None = None
 _ALIGN = 256  # bytes between the workspace's three arrays (lse2, dvec, dq_accum)
 
 
@@ -139,8 +137,8 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
 def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
     """(dq, dk, dv) through the replay for `key`, or None (no replay, another current device, or
     a pointer that breaks an alignment rule this time: the full path then raises the error)."""
-    replay = _plans.get(key) if key is not None else None
-    if replay is None or _get_device() != replay.device:
+    replay = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    if replay is None or _TABLE.get_device() != replay.device:
         return None
     if replay.is_torch:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr())
@@ -166,11 +164,8 @@ def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
 def remember(key: tuple | None, replay: BackwardReplay) -> None:
     """Keep `replay` (built and launched once by the full path) under `key`, with the allocators
     and the current-stream reader of the key's array type."""
-    global _get_device
     if key is None or not replay.plan.launch:
         return
-    if _get_device is None:
-        _, _get_device = driver_calls()
     device = replay.device
     if _kind(key[0]) == _TORCH:
         import torch
@@ -186,9 +181,9 @@ def remember(key: tuple | None, replay: BackwardReplay) -> None:
         replay.allocate = functools.partial(cupy.empty, dtype=replay.raw_dtype)
         replay.allocate_ws = functools.partial(cupy.empty, dtype=np.float32)
         replay.current_stream = lambda: cupy.cuda.get_current_stream(device).ptr  # noqa: E731
-    store(_plans, key, replay)
+    _TABLE.remember(key, replay)
 
 
-def clear() -> None:
-    """Forget every replay (tests)."""
-    _plans.clear()
+_TABLE = PlanTable()  # backward()'s replays
+_PLANS = _TABLE.plans  # the same dict for the life of the process (clear() empties it in place)
+clear = _TABLE.clear

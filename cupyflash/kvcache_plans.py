@@ -11,15 +11,13 @@ without workspace=, stream= or the index check; everything else takes the full p
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import struct
-import threading
 from typing import Any, Callable
 
 from .families.decode.config import DecodeKernelConfig
-from .launch_plans import (_CUPY, _TORCH, _kind, _kinds, cupy_meta, driver_calls, store,  # shared by every fast path
-                           torch_meta)
+from .launch_plans import (_CUPY, _TORCH, ParamBlock, PlanTable, _kind, _kinds, cupy_meta,  # shared by every fast path
+                           driver_calls, torch_meta)
 from .families.decode.params import DECODE_PARAMS
 
 __all__ = ["KVCacheLaunch", "build_launches", "run", "remember", "clear"]
@@ -28,25 +26,16 @@ __all__ = ["KVCacheLaunch", "build_launches", "run", "remember", "clear"]
 # eleven DecodeParams fields
 _POINTERS = struct.Struct("<11Q")
 
-_plans: dict[tuple, "KVCacheLaunch"] = {}
-_launch_kernel: Callable[..., None] | None = None
-_get_device: Callable[[], int] | None = None
-
-
 def build_launches(heads: list[tuple], pdl: bool) -> list[Callable[[int, int, int], None]]:
     """One callable (stream, kernel_params_address, 0) per kernel from cuLaunchKernel's leading
     arguments (function, grid, block, shared memory). With `pdl`, every kernel after the first
     is launched as a programmatic dependent of the one before it (cupyflash.kvcache_pdl)."""
-    global _launch_kernel
-    if _launch_kernel is None:
-        from cupy_backends.cuda.api.driver import launchKernel
-
-        _launch_kernel = launchKernel
     from .kvcache_pdl import PDLLaunch
 
+    launch_kernel, _ = driver_calls()
     out: list[Callable[[int, int, int], None]] = []
     for i, head in enumerate(heads):
-        plain = functools.partial(_launch_kernel, *head)
+        plain = functools.partial(launch_kernel, *head)
         if pdl and i > 0:
             func, gx, gy, gz, bx, _, _, smem = head
             out.append(PDLLaunch(func, (gx, gy, gz), bx, smem, plain))
@@ -55,18 +44,18 @@ def build_launches(heads: list[tuple], pdl: bool) -> list[Callable[[int, int, in
     return out
 
 
-class KVCacheLaunch:
+class KVCacheLaunch(ParamBlock):
     """The validated launches of one signature, replayable with new pointers."""
 
     __slots__ = ("launches", "device", "out_shape", "lse_shape", "ws_bytes", "ws_lse_offset", "allocate",
-                 "ws_alloc", "ws_free", "allocate_lse", "current_stream", "is_torch", "buf", "_argv", "argv_ptr",
-                 "lock")
+                 "ws_alloc", "ws_free", "allocate_lse", "current_stream")
 
     def __init__(self, launches: list[Callable[[int, int, int], None]], device: int, params: bytes,
                  out_shape: tuple[int, ...], ws_bytes: int, ws_lse_offset: int, allocate: Callable[[], Any] | None,
                  ws_alloc: Callable[[int, int], Any] | None, ws_free: Callable[[Any], None] | None,
                  current_stream: Callable[[], int], lse_shape: tuple[int, ...] | None = None,
                  allocate_lse: Callable[[], Any] | None = None) -> None:
+        super().__init__(params, DECODE_PARAMS.size)
         self.launches = launches            # per kernel: (stream, argv address, 0) -> launch (build_launches)
         self.device = device
         self.out_shape = out_shape
@@ -81,11 +70,6 @@ class KVCacheLaunch:
         self.ws_alloc = ws_alloc
         self.ws_free = ws_free
         self.current_stream = current_stream
-        self.is_torch = False
-        self.buf = ctypes.create_string_buffer(params, DECODE_PARAMS.size)
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
-        self.argv_ptr = ctypes.addressof(self._argv)
-        self.lock = threading.Lock()
 
     def run(self, stream: int) -> None:
         """Launch every kernel on `stream` with the parameters as packed now."""
@@ -128,8 +112,8 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
                None if k_new is None else torch_meta(k_new),
                None if v_new is None else torch_meta(v_new),
                None if out is None else torch_meta(out))
-        plan = _plans.get(key)
-        if plan is None or _get_device() != plan.device:
+        plan = _PLANS.get(key)  # PlanTable.get, inline (no call frame)
+        if plan is None or _TABLE.get_device() != plan.device:
             return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
         t_ptr = block_table.data_ptr() if block_table is not None else 0
@@ -150,8 +134,8 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
                None if k_new is None else cupy_meta(k_new),
                None if v_new is None else cupy_meta(v_new),
                None if out is None else cupy_meta(out))
-        plan = _plans.get(key)
-        if plan is None or _get_device() != plan.device:
+        plan = _PLANS.get(key)  # PlanTable.get, inline (no call frame)
+        if plan is None or _TABLE.get_device() != plan.device:
             return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
         t_ptr = block_table.data.ptr if block_table is not None else 0
@@ -189,14 +173,7 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
 
 
 
-def remember(key: tuple | None, plan: KVCacheLaunch) -> None:
-    global _get_device
-    if key is None:
-        return
-    if _get_device is None:
-        _, _get_device = driver_calls()
-    store(_plans, key, plan)
-
-
-def clear() -> None:
-    _plans.clear()
+_TABLE = PlanTable()  # forward_kvcache()'s plans
+_PLANS = _TABLE.plans  # the same dict for the life of the process (clear() empties it in place)
+remember = _TABLE.remember
+clear = _TABLE.clear

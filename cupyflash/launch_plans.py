@@ -19,37 +19,81 @@ from typing import Any, Callable
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm90.config import HopperForwardKernelConfig
 
-__all__ = ["FastLaunch", "signature", "lookup", "remember", "clear"]
+__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
 
-_plans: dict[tuple, "FastLaunch"] = {}
-_launch_kernel: Callable[..., None] | None = None
-_get_device: Callable[[], int] | None = None
 
 
-class FastLaunch:
+class ParamBlock:
+    """A launch's packed kernel parameters, replayed with new pointers: the bytes, the
+    kernelParams array cuLaunchKernel reads them through, and the lock a pack and its launch hold
+    (the block is shared by every thread replaying the plan; cuLaunchKernel copies the parameters
+    before it returns, so the lock only has to cover the pack and the launch). `is_torch` says
+    which pointer accessor the plan's array type takes (set by PlanTable.remember)."""
+
+    __slots__ = ("buf", "_argv", "argv_ptr", "lock", "is_torch")
+
+    def __init__(self, params: bytes, size: int | None = None) -> None:
+        self.buf = ctypes.create_string_buffer(params, len(params) if size is None else size)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
+        self.argv_ptr = ctypes.addressof(self._argv)
+        self.lock = threading.Lock()
+        self.is_torch = False
+
+
+class PlanTable:
+    """One fast path's plans by signature key, and the driver calls its hot path launches
+    through: bound when the first plan is remembered, so importing a fast path costs nothing.
+    A plan is used only on the device it was made on (`get`)."""
+
+    __slots__ = ("plans", "launch_kernel", "get_device", "max_plans")
+
+    def __init__(self, max_plans: int = _MAX_PLANS) -> None:
+        self.plans: dict[tuple, Any] = {}
+        self.launch_kernel: Callable[..., None] | None = None  # cuLaunchKernel as CuPy binds it
+        self.get_device: Callable[[], int] | None = None       # the current device
+        self.max_plans = max_plans
+
+    def get(self, key: tuple | None) -> Any:
+        """The plan under `key` if it was made on the current device, else None."""
+        plan = self.plans.get(key) if key is not None else None
+        if plan is None or self.get_device() != plan.device:
+            return None
+        return plan
+
+    def remember(self, key: tuple | None, plan: Any) -> None:
+        """Keep `plan` under `key` (None: the arguments cannot take the fast path)."""
+        if key is None:
+            return
+        if self.launch_kernel is None or self.get_device is None:
+            launch_kernel, get_device = driver_calls()
+            self.launch_kernel = self.launch_kernel or launch_kernel
+            self.get_device = self.get_device or get_device
+        store(self.plans, key, plan, self.max_plans)
+
+    def clear(self) -> None:
+        """Forget every plan (tests; or after the tuning table changed)."""
+        self.plans.clear()
+
+
+class FastLaunch(ParamBlock):
     """One validated launch, replayable with new pointers (see `lookup`)."""
 
-    __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "is_torch", "buf",
-                 "_argv", "argv_ptr", "lock", "size", "write_pointers")
+    __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "size", "write_pointers")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
                  current_stream: Callable[[], int]) -> None:
+        super().__init__(params)
         # cuLaunchKernel's arguments up to the stream, as one tuple: fewer attribute reads per call
         self.launch_head = (func_ptr, *grid, block, 1, 1, smem_bytes)
         self.device = device
         self.out_shape = out_shape            # torch outputs: q.new_empty(out_shape)
         self.allocate = allocate              # () -> a new output array (CuPy; None for torch)
         self.current_stream = current_stream  # () -> the caller's current stream handle
-        self.is_torch = False                 # set by remember(): which pointer accessor to use
         self.size = len(params)
-        self.buf = ctypes.create_string_buffer(params, self.size)
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
-        self.argv_ptr = ctypes.addressof(self._argv)
-        self.lock = threading.Lock()  # the buffer is shared by every thread replaying this plan
         # write_pointers(q, k, v, o, lse): one call's pointers into `buf`, set by whoever builds
         # the plan (op_launch's writers: the leading ForwardParams fields, the TMA descriptors'
         # address words, or a re-pack of the whole block); hold `lock` around it and the launch
@@ -123,8 +167,8 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     """Launch through the plan for `key` and return the output, or None if there is no usable plan
     (then the caller takes the full path, which also reports any error)."""
-    plan = _plans.get(key) if key is not None else None
-    if plan is None or _get_device() != plan.device:
+    plan = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    if plan is None or _TABLE.get_device() != plan.device:
         return None
     is_torch = plan.is_torch
     if is_torch:
@@ -142,11 +186,10 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
         return None  # misaligned this time: the full path raises the proper error
     stream = plan.current_stream()
     # Inline rather than a method: on this path every Python call frame is a visible share of
-    # the per-call cost. cuLaunchKernel copies the parameters before it returns, so the lock
-    # only has to cover the pack and the launch.
+    # the per-call cost.
     with plan.lock:
         plan.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, 0)
-        _launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
+        _TABLE.launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
     return result
 
 
@@ -169,15 +212,7 @@ def store(table: dict, key: tuple, plan: Any, max_plans: int = _MAX_PLANS) -> No
     table[key] = plan
 
 
-def remember(key: tuple | None, plan: FastLaunch) -> None:
-    global _launch_kernel, _get_device
-    if key is None:
-        return
-    if _launch_kernel is None:
-        _launch_kernel, _get_device = driver_calls()
-    store(_plans, key, plan)
-
-
-def clear() -> None:
-    """Forget every plan (tests; or after the tuning table changed)."""
-    _plans.clear()
+_TABLE = PlanTable()  # forward()'s plans
+_PLANS = _TABLE.plans  # the same dict for the life of the process (clear() empties it in place)
+remember = _TABLE.remember
+clear = _TABLE.clear

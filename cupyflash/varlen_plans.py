@@ -12,39 +12,27 @@ without return_lse, stream= or the index check; everything else takes the full p
 """
 from __future__ import annotations
 
-import ctypes
-import threading
 from typing import Any, Callable
 
-from .launch_plans import _TORCH, _kind, _kinds, driver_calls, store  # shared by every fast path
+from .launch_plans import _TORCH, ParamBlock, PlanTable, _kind, _kinds  # shared by every fast path
 
 __all__ = ["VarlenLaunch", "signature", "lookup", "remember", "clear"]
 
-_plans: dict[tuple, "VarlenLaunch"] = {}
-_launch_kernel: Callable[..., None] | None = None
-_get_device: Callable[[], int] | None = None
-
-
-class VarlenLaunch:
+class VarlenLaunch(ParamBlock):
     """One validated launch, replayable with new pointers."""
 
-    __slots__ = ("head", "device", "out_shape", "allocate", "current_stream", "pack", "is_torch", "buf",
-                 "_argv", "argv_ptr", "lock")
+    __slots__ = ("head", "device", "out_shape", "allocate", "current_stream", "pack")
 
     def __init__(self, head: tuple, device: int, params: bytes, out_shape: tuple[int, ...],
                  allocate: Callable[[], Any] | None, current_stream: Callable[[], int],
                  writer: Callable[[Any], Callable[[int, int, int, int, int, int], None]]) -> None:
+        super().__init__(params)
         self.head = head                      # cuLaunchKernel's arguments up to the stream
         self.device = device
         self.out_shape = out_shape
         self.allocate = allocate              # CuPy: () -> output; torch: None (q.new_empty)
         self.current_stream = current_stream  # () -> the caller's current stream handle
-        self.is_torch = False
-        self.buf = ctypes.create_string_buffer(params, len(params))
         self.pack = writer(self.buf)          # pack(q, k, v, o, cu_q, cu_k): the pointers into buf
-        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
-        self.argv_ptr = ctypes.addressof(self._argv)
-        self.lock = threading.Lock()
 
 
 def signature(cfg: Any, softmax_scale: Any, causal: Any, max_seqlen_q: Any, max_seqlen_k: Any, q: Any, k: Any,
@@ -76,8 +64,8 @@ def signature(cfg: Any, softmax_scale: Any, causal: Any, max_seqlen_q: Any, max_
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any) -> Any:
     """Launch through the plan for `key` and return the output, or None when there is no usable
     plan (the caller then takes the full path, which also reports any error)."""
-    plan = _plans.get(key) if key is not None else None
-    if plan is None or _get_device() != plan.device:
+    plan = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    if plan is None or _TABLE.get_device() != plan.device:
         return None
     if plan.is_torch:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
@@ -94,18 +82,11 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out:
     stream = plan.current_stream()
     with plan.lock:  # cuLaunchKernel copies the parameters before it returns
         plan.pack(*ptrs, o, cq, ck)
-        _launch_kernel(*plan.head, stream, plan.argv_ptr, 0)
+        _TABLE.launch_kernel(*plan.head, stream, plan.argv_ptr, 0)
     return result
 
 
-def remember(key: tuple | None, plan: VarlenLaunch) -> None:
-    global _launch_kernel, _get_device
-    if key is None:
-        return
-    if _launch_kernel is None:
-        _launch_kernel, _get_device = driver_calls()
-    store(_plans, key, plan)
-
-
-def clear() -> None:
-    _plans.clear()
+_TABLE = PlanTable()  # forward_varlen()'s plans
+_PLANS = _TABLE.plans  # the same dict for the life of the process (clear() empties it in place)
+remember = _TABLE.remember
+clear = _TABLE.clear

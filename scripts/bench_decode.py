@@ -340,7 +340,7 @@ def overhead_us(torch) -> dict:
     # (One split only: a split plan's packed workspace pointer is freed after its call.)
     kvcache_plans.clear()
     cases["cupyflash"]()  # validated once: its plan is the table's only one
-    (plan,) = kvcache_plans._plans.values()
+    (plan,) = kvcache_plans._TABLE.plans.values()
     cases["launch_only"] = functools.partial(plan.run, torch.cuda.current_stream().cuda_stream)
     return host_cost_us(torch, cases)
 

@@ -83,7 +83,7 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
                 call()
     ref = sdpa(qt, kt, vt).transpose(1, 2)
     err = (cft.attention(q, k, v).float() - ref.float()).abs().max().item()
-    plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
+    plan = launch_plans._TABLE.plans[launch_plans.signature(None, q, k, v, None, None, False)]
     out = torch.empty_like(q)
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     plan.store_pointers(*ptrs)

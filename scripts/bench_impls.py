@@ -422,7 +422,7 @@ def measure_overhead(torch: Any, n_calls: int = 2000, warmup: int = 200, rounds:
     from cupy_backends.cuda.api.driver import launchKernel
     from cupyflash import launch_plans
 
-    plan = launch_plans._plans[launch_plans.signature(None, q, k, v, None, None, False)]
+    plan = launch_plans._TABLE.plans[launch_plans.signature(None, q, k, v, None, None, False)]
     plan.store_pointers(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     stream = torch.cuda.current_stream().cuda_stream
     calls["bare_launch"] = (lambda: launchKernel(*plan.launch_head, stream, plan.argv_ptr, 0), contextlib.nullcontext)

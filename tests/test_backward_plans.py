@@ -63,7 +63,6 @@ def test_replay_packs_what_the_full_path_packs(monkeypatch, deterministic):
             calls.append((params, sizes_and_stream))
 
     monkeypatch.setattr(kernels, "get_launcher", lambda *args: Launcher())
-    monkeypatch.setattr(backward_plans, "_get_device", lambda: 0)
 
     def view(x, name):
         return TensorView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), {torch.bfloat16: DType.BF16}.get(x.dtype),
@@ -82,7 +81,8 @@ def test_replay_packs_what_the_full_path_packs(monkeypatch, deterministic):
     key = backward_plans.signature(*args, True, None, deterministic)
     backward_plans.clear()
     backward_plans.remember(key, backward_plans.BackwardReplay(plan, views[1], views[2], views[3], views[0]))
-    monkeypatch.setattr(backward_plans._plans[key], "current_stream", lambda: 77)
+    monkeypatch.setattr(backward_plans._TABLE, "get_device", lambda: 0)  # bound by remember(); no GPU here
+    monkeypatch.setattr(backward_plans._TABLE.plans[key], "current_stream", lambda: 77)
     for _ in range(2):
         args = problem()
         dq, dk, dv = backward_plans.run(key, *args)

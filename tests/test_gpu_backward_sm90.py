@@ -393,13 +393,13 @@ def test_cfg_none_replays_its_plan(causal, rng):
     backward_plans.clear()
     q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 2, 300, 333, 4, 2, causal, rng)
     first = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
-    assert len(backward_plans._plans) == 1
+    assert len(backward_plans._TABLE.plans) == 1
     again = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
     for a, b in zip(first, again):
         assert a is not b and bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
     cupyflash.backward(dout, q, k, v, out, lse, causal=causal)  # a second signature (atomic dQ)
     got = cupyflash.backward(dout, q, k, v, out, lse, causal=causal)
-    assert len(backward_plans._plans) == 2
+    assert len(backward_plans._TABLE.plans) == 2
     check_gradients(cp, DType.BF16, q, k, v, dout, got, None, causal=causal, context=f"replay causal={causal}")
 
     torch = pytest.importorskip("torch")
@@ -407,7 +407,7 @@ def test_cfg_none_replays_its_plan(causal, rng):
     tout, tlse = cupyflash.forward(None, tq, tk, tv, causal=causal, return_lse=True)
     full = cupyflash.backward(tdo, tq, tk, tv, tout, tlse, causal=causal, deterministic=True)
     replayed = cupyflash.backward(tdo, tq, tk, tv, tout, tlse, causal=causal, deterministic=True)
-    assert len(backward_plans._plans) == 3
+    assert len(backward_plans._TABLE.plans) == 3
     for a, b in zip(full, replayed):
         assert isinstance(b, torch.Tensor) and torch.equal(a, b)
 

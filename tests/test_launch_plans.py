@@ -37,8 +37,8 @@ FakeTensor.__module__ = "torch.fake"  # the fast path dispatches on the type's m
 @pytest.fixture
 def launches(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch_plans, "_launch_kernel", lambda *args: calls.append(args))
-    monkeypatch.setattr(launch_plans, "_get_device", lambda: 0)
+    monkeypatch.setattr(launch_plans._TABLE, "launch_kernel", lambda *args: calls.append(args))
+    monkeypatch.setattr(launch_plans._TABLE, "get_device", lambda: 0)
     launch_plans.clear()
     yield calls
     launch_plans.clear()
@@ -121,7 +121,7 @@ def test_misaligned_pointer_or_other_device_falls_back(launches, monkeypatch):
     key = launch_plans.signature(None, q, k, v, None, None)
     launch_plans.remember(key, make_plan(out))
     assert launch_plans.lookup(key, FakeTensor(0x1008), k, v, None) is None
-    monkeypatch.setattr(launch_plans, "_get_device", lambda: 1)
+    monkeypatch.setattr(launch_plans._TABLE, "get_device", lambda: 1)
     assert launch_plans.lookup(key, q, k, v, None) is None
     assert launches == []
 
