@@ -112,7 +112,6 @@ def main(argv: list[str]) -> int:
     plain_path, causal_path = Path(argv[0]), Path(argv[1])
     plain, causal = json.loads(plain_path.read_text()), json.loads(causal_path.read_text())
     text = README.read_text()
-    start, end = text.index(HEADING), text.index(END)
     plot = plain_path.resolve().with_suffix(".png").relative_to(README.parent).as_posix()
     gqa = [(json.loads(path.read_text()), is_causal)
            for path, is_causal in ((plain_path.with_name(plain_path.stem + "_gqa.json"), False),
@@ -120,8 +119,17 @@ def main(argv: list[str]) -> int:
            if path.exists()]
     releases_path = plain_path.with_name("compare_releases_h100.json")
     releases = json.loads(releases_path.read_text()) if releases_path.exists() else None
-    README.write_text(text[:start] + section(plain, causal, plot, gqa, releases) + text[end:])
+    README.write_text(rewrite(text, section(plain, causal, plot, gqa, releases)))
     return 0
+
+
+def rewrite(text: str, new_section: str) -> str:
+    """`text` with the mma.sync subsection (HEADING up to END) replaced by `new_section`; ValueError
+    when either marker is missing. Everything else, the Hopper and H200 tables included, is kept."""
+    start, end = text.index(HEADING), text.index(END)
+    if end < start:
+        raise ValueError(f"{END!r} precedes {HEADING!r}")
+    return text[:start] + new_section + text[end:]
 
 
 if __name__ == "__main__":
