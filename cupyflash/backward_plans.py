@@ -137,7 +137,7 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
 def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
     """(dq, dk, dv) through the replay for `key`, or None (no replay, another current device, or
     a pointer that breaks an alignment rule this time: the full path then raises the error)."""
-    replay = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    replay = _PLANS.get(key) if key is not None else None
     if replay is None or _TABLE.get_device() != replay.device:
         return None
     if replay.is_torch:

@@ -112,7 +112,7 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
                None if k_new is None else torch_meta(k_new),
                None if v_new is None else torch_meta(v_new),
                None if out is None else torch_meta(out))
-        plan = _PLANS.get(key)  # PlanTable.get, inline (no call frame)
+        plan = _PLANS.get(key)
         if plan is None or _TABLE.get_device() != plan.device:
             return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
@@ -134,7 +134,7 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
                None if k_new is None else cupy_meta(k_new),
                None if v_new is None else cupy_meta(v_new),
                None if out is None else cupy_meta(out))
-        plan = _PLANS.get(key)  # PlanTable.get, inline (no call frame)
+        plan = _PLANS.get(key)
         if plan is None or _TABLE.get_device() != plan.device:
             return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr

@@ -25,7 +25,6 @@ _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
 
 
-
 class ParamBlock:
     """A launch's packed kernel parameters, replayed with new pointers: the bytes, the
     kernelParams array cuLaunchKernel reads them through, and the lock a pack and its launch hold
@@ -46,7 +45,8 @@ class ParamBlock:
 class PlanTable:
     """One fast path's plans by signature key, and the driver calls its hot path launches
     through: bound when the first plan is remembered, so importing a fast path costs nothing.
-    A plan is used only on the device it was made on (`get`)."""
+    The hot paths read `plans` and `get_device` inline (a call frame is a visible share of the
+    per-call cost) and use a plan only on the device it was made on."""
 
     __slots__ = ("plans", "launch_kernel", "get_device", "max_plans")
 
@@ -56,22 +56,21 @@ class PlanTable:
         self.get_device: Callable[[], int] | None = None       # the current device
         self.max_plans = max_plans
 
-    def get(self, key: tuple | None) -> Any:
-        """The plan under `key` if it was made on the current device, else None."""
-        plan = self.plans.get(key) if key is not None else None
-        if plan is None or self.get_device() != plan.device:
-            return None
-        return plan
-
     def remember(self, key: tuple | None, plan: Any) -> None:
-        """Keep `plan` under `key` (None: the arguments cannot take the fast path)."""
+        """Keep `plan` under `key` (None: the arguments cannot take the fast path), marking which
+        pointer accessor its array type takes; a table that reached max_plans starts over (a
+        process cycling through more shapes than that just rebuilds them), emptied in place so
+        that the hot paths' references to `plans` stay valid."""
         if key is None:
             return
         if self.launch_kernel is None or self.get_device is None:
             launch_kernel, get_device = driver_calls()
             self.launch_kernel = self.launch_kernel or launch_kernel
             self.get_device = self.get_device or get_device
-        store(self.plans, key, plan, self.max_plans)
+        if len(self.plans) >= self.max_plans:
+            self.plans.clear()
+        plan.is_torch = _kind(key[0]) == _TORCH
+        self.plans[key] = plan
 
     def clear(self) -> None:
         """Forget every plan (tests; or after the tuning table changed)."""
@@ -167,7 +166,7 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     """Launch through the plan for `key` and return the output, or None if there is no usable plan
     (then the caller takes the full path, which also reports any error)."""
-    plan = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    plan = _PLANS.get(key) if key is not None else None
     if plan is None or _TABLE.get_device() != plan.device:
         return None
     is_torch = plan.is_torch
@@ -200,16 +199,6 @@ def driver_calls() -> tuple[Callable[..., None], Callable[[], int]]:
     from cupy.cuda.runtime import getDevice
 
     return launchKernel, getDevice
-
-
-def store(table: dict, key: tuple, plan: Any, max_plans: int = _MAX_PLANS) -> None:
-    """Put `plan` under `key` in a fast-path plan table, marking which pointer accessor its array
-    type takes; a table that reached `max_plans` starts over (a process cycling through more
-    shapes than that just rebuilds them)."""
-    if len(table) >= max_plans:
-        table.clear()
-    plan.is_torch = _kind(key[0]) == _TORCH
-    table[key] = plan
 
 
 _TABLE = PlanTable()  # forward()'s plans

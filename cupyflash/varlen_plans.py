@@ -64,7 +64,7 @@ def signature(cfg: Any, softmax_scale: Any, causal: Any, max_seqlen_q: Any, max_
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any) -> Any:
     """Launch through the plan for `key` and return the output, or None when there is no usable
     plan (the caller then takes the full path, which also reports any error)."""
-    plan = _PLANS.get(key) if key is not None else None  # PlanTable.get, inline (no call frame)
+    plan = _PLANS.get(key) if key is not None else None
     if plan is None or _TABLE.get_device() != plan.device:
         return None
     if plan.is_torch:
