@@ -132,3 +132,19 @@ def test_out_argument_is_written_and_returned(launches):
     launch_plans.remember(key, make_plan(allocated=None))
     assert launch_plans.lookup(key, q, k, v, out) is out
     assert len(launches) == 1
+
+
+def test_plan_table_caps_in_place_and_marks_the_array_type():
+    table = launch_plans.PlanTable(max_plans=2)
+    table.launch_kernel, table.get_device = (lambda *a: None), (lambda: 0)  # no driver binding needed
+    plans = table.plans
+    a, b, c = make_plan(), make_plan(), make_plan()
+    table.remember(None, a)
+    assert plans == {}
+    table.remember((FakeTensor, 1), a)
+    table.remember((object, 2), b)
+    assert a.is_torch and not b.is_torch and len(plans) == 2
+    table.remember((FakeTensor, 3), c)  # at the cap: starts over, in the same dict
+    assert table.plans is plans and list(plans) == [(FakeTensor, 3)]
+    table.clear()
+    assert table.plans is plans and plans == {}
