@@ -168,12 +168,69 @@ struct Consumer {
             return;
         }
         start_tile_turns();
-        if constexpr (Cfg::OVERLAP) run_overlapped(n_blocks, refill);
-        else run_sequential(n_blocks, refill);
+        const int mine = own_blocks(n_blocks);
+        if (mine > 0) {
+            if constexpr (Cfg::OVERLAP) run_overlapped(mine, refill, mine == n_blocks);
+            else run_sequential(mine, refill, mine == n_blocks);
+        } else {
+            release_q_early();
+        }
+        if (mine < n_blocks) idle_blocks(mine, n_blocks);
     }
 
+    // WG_BLOCKS (causal): the key blocks this warpgroup's own rows see, at most the tile's
+    // n_blocks (which its last row decides); 0 for a warpgroup whose rows all lie past the end
+    // of the sequence or before the first visible key. Otherwise every warpgroup visits n_blocks.
+    CF_DEVICE int own_blocks(int n_blocks) const {
+        if constexpr (CAUSAL && Cfg::WG_BLOCKS) {
+            const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
+            const int last_key = last_row + tile.seq_len_k(p) - tile.seq_len_q(p);
+            return last_row < wg_row0() || last_key < 0 ? 0 : min(n_blocks, last_key / Cfg::BC + 1);
+        }
+        return n_blocks;
+    }
+
+    // WG_BLOCKS: blocks mine .. n_blocks - 1, which this warpgroup's mask would empty. It takes
+    // the ping-pong turns it owes the ring without GEMMs (the others wait for its hand-overs) and
+    // releases each block's K and V once loaded (every consumer warp arrives on a stage's empty
+    // barrier; waiting for full first keeps the arrival in the stage's current phase). Turns
+    // first, then the block: a hand-over never waits for a load. Overlapped, a warpgroup takes
+    // n + 1 turns for n blocks (turn t: Q K_t^T and P V_{t-1}), so idle turn t stands for block
+    // t - 1; sequential, two per block (Q K^T, then P V).
+    CF_DEVICE void idle_blocks(int mine, int n_blocks) {
+        if constexpr (Cfg::OVERLAP) {
+            if (mine == 0) {  // the turn of the first Q K^T, which has no block of its own to release
+                wait_turn();
+                pass_turn(false);
+            }
+            for (int j = mine; j < n_blocks; ++j) {
+                wait_turn();
+                pass_turn(j == n_blocks - 1);
+                release_unused(j);
+            }
+        } else {
+            for (int j = mine; j < n_blocks; ++j) {
+                wait_turn();
+                pass_turn(false);
+                wait_turn();
+                pass_turn(j == n_blocks - 1);
+                release_unused(j);
+            }
+        }
+    }
+    CF_DEVICE void release_unused(int j) const {
+        const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+        const u32 phase = ring_phase(ring_base + j, Cfg::STAGES);
+        mbarrier_wait(smem.k_full(stage), phase);
+        release_k(stage);
+        mbarrier_wait(smem.v_full(stage), phase);
+        release_v(stage);
+    }
+
+    // `ends_tile`: this warpgroup's last turn of the tile is its last block's P V (WG_BLOCKS: not
+    // when idle turns follow).
     template <class Refill>
-    CF_DEVICE void run_sequential(int n_blocks, Refill& refill) {
+    CF_DEVICE void run_sequential(int n_blocks, Refill& refill, bool ends_tile = true) {
         Scores s;
         for (int j = 0; j < n_blocks; ++j) {
             const int stage = ring_stage(ring_base + j, Cfg::STAGES);
@@ -190,7 +247,7 @@ struct Consumer {
             mbarrier_wait(smem.v_full(stage), phase);
             wait_turn();
             issue_pv(stage);
-            pass_turn(j == n_blocks - 1);
+            pass_turn(ends_tile && j == n_blocks - 1);
             wgmma_wait<0>();
             fence_registers(o);
             release_v(stage);
@@ -245,12 +302,12 @@ struct Consumer {
     }
 
     // The last block's P V, issued in its own turn, then completed (O final).
-    CF_DEVICE void last_pv(int n_blocks) {
+    CF_DEVICE void last_pv(int n_blocks, bool ends_tile = true) {
         const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
         mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
         wait_turn();
         issue_pv(last);
-        pass_turn(true);
+        pass_turn(ends_tile);
         complete_pv(last);
     }
     CF_DEVICE void complete_pv(int stage) {
@@ -260,14 +317,14 @@ struct Consumer {
     }
 
     template <class Refill>
-    CF_DEVICE void run_overlapped(int n_blocks, Refill& refill) {
+    CF_DEVICE void run_overlapped(int n_blocks, Refill& refill, bool ends_tile = true) {
         Scores s;
         float rescale[1][2];
         first_block(s, n_blocks, rescale);
         Softmax::convert(s, pa);
         middle_blocks(s, n_blocks, rescale, refill);
         if (n_blocks > 1) rescale_output(rescale);
-        last_pv(n_blocks);
+        last_pv(n_blocks, ends_tile);
         refill(n_blocks - 1);
     }
 

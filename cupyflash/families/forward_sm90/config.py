@@ -14,7 +14,8 @@ cp.async copies issued by every consumer thread: the progression's first step, w
 `ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
 registers, 16 bytes per lane after a lane-quad transpose, Q released early), `lazy` (threshold
 rescaling), `ring` (the ping-pong turn ring runs on across a persistent CTA's tiles), `xtile` (a
-tile's last P V issued behind the next tile's first Q K^T) and `emuN` (exp2 of N quarters of the
+tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (causal: each consumer
+warpgroup stops at its own last visible key block) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -92,6 +93,13 @@ class HopperForwardKernelConfig(KernelConfig):
     # run while P V completes; the epilogue follows, and the next tile starts at its second key
     # block. Meant for short tiles (S 512-1k: 4-8 key blocks), where the per-tile prologue weighs.
     cross_tile: bool = False
+    # Causal: each consumer warpgroup stops at the last key block its own 64 rows can see, instead
+    # of at the tile's (its last row's): a lower warpgroup of a 192-row tile skips up to two key
+    # blocks its mask would empty, taking its ping-pong turns without GEMMs and releasing their
+    # K/V stages. The wasted work is large on short causal tiles of three warpgroups (d_head 64
+    # causal 2k: ~6% of the blocks computed) and absent from 64- and 128-row tiles aligned to
+    # B_c (their lower warpgroup needs every block the tile visits).
+    wg_blocks: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -117,6 +125,9 @@ class HopperForwardKernelConfig(KernelConfig):
                "every consumer thread copies between its own GEMMs",
                not self.cp_async or not (self.warp_specialized or self.pingpong or self.intra_wg_overlap
                                          or self.persistent or self.double_q))
+        yield ("wg_blocks needs warp_specialized and no cross_tile (the producer loads every block of the tile; "
+               "the carried first block of xtile assumes every warpgroup visits all of them)",
+               not self.wg_blocks or (self.warp_specialized and not self.cross_tile))
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
@@ -152,8 +163,8 @@ class HopperForwardKernelConfig(KernelConfig):
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
-                                        "ring": "turn_ring", "xtile": "cross_tile"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile")  # written after emuN
+                                        "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks")  # written after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
@@ -206,4 +217,4 @@ class HopperForwardKernelConfig(KernelConfig):
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
                    flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
-                   cross_tile=flags["cross_tile"])
+                   cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"])
