@@ -1,4 +1,4 @@
-"""forward_sm90's `oreg`, `lazy` and `ring` knobs and the 192-column key tile without a GPU: short forms
+"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile` and `wgblocks` knobs and the 192-column key tile without a GPU: short forms
 (the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
 configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
 from __future__ import annotations
@@ -60,9 +60,21 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true, false}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false}>, true, false>")
+    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true}>, true, false>")
+
+
+def test_wg_blocks_needs_a_producer_and_no_cross_tile():
+    ok = H.parse("forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+wgblocks")
+    assert ok.wg_blocks and ok.short_form().endswith("+overlap+wgblocks")
+    assert ok.smem_bytes() == ok.replace(wg_blocks=False).smem_bytes()
+    assert H.parse("forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring+wgblocks")
+    for text in ("forward_sm90(BF16, 128, 128, 128, 2): tma+overlap+wgblocks",
+                 "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile+wgblocks"):
+        with pytest.raises(ValueError, match="wg_blocks needs warp_specialized and no cross_tile"):
+            H.parse(text)
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)

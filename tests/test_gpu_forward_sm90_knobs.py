@@ -1,6 +1,7 @@
 """GPU tests of forward_sm90's `oreg` (O stored from registers; persistent CTAs release their Q
 tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
-a persistent CTA's tiles) and the 192-column key tile, against
+a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
+visible key block) and the 192-column key tile, against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
 several times. Skipped cleanly without a compute capability 9.0 GPU."""
@@ -42,7 +43,15 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile",
                 "forward_sm90(FP16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring+xtile",
                 "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring+xtile",
-                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring+xtile")
+                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring+xtile",
+                # wg_blocks (causal): lower warpgroups stop early and take idle turns; overlapped
+                # and plain loops, per-tile turns and the ring, staged and direct O, and B_c 64,
+                # where a warpgroup skips more blocks than the ring has stages
+                "forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+wgblocks",
+                "forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks",
+                "forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+wgblocks",
+                "forward_sm90(FP16, 64, 192, 64, 2): tma+ws+pingpong+overlap+wgblocks",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring+wgblocks")
 
 if _is_sm90():
     import cupy as cp

@@ -31,7 +31,8 @@ def rng():
 def family_config(family: str, dtype: DType, d: int, causal: bool):
     """cfg for forward_varlen: None (the library's pick: forward_sm90 on Hopper), forward_sm80's
     default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles), or
-    with the cross-tile overlap as well."""
+    with the cross-tile overlap as well, or with each warpgroup stopping at its own last visible
+    key block (wg_blocks: per-sequence lengths decide it)."""
     if family == "auto":
         return None
     if family == "sm80":
@@ -51,6 +52,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
                                                             cross_tile=True)
         except ValueError:
             pytest.skip("no second Q tile fits at this d_head")
+    if family == "sm90_wgblocks":
+        return dataclasses.replace(default_config(dtype, d, causal), persistent=True, wg_blocks=True)
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
 
 
@@ -91,7 +94,7 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile"])
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks"])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
