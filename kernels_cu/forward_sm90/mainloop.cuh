@@ -185,7 +185,10 @@ struct Consumer {
         if constexpr (CAUSAL && Cfg::WG_BLOCKS) {
             const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
             const int last_key = last_row + tile.seq_len_k(p) - tile.seq_len_q(p);
-            return last_row < wg_row0() || last_key < 0 ? 0 : min(n_blocks, last_key / Cfg::BC + 1);
+            // Broadcast: ptxas cannot prove a value built from the warpgroup index warp-uniform,
+            // and a loop bound it cannot prove uniform moves the ring's stage and phase
+            // arithmetic off the uniform datapath for the whole main loop.
+            return warp_uniform(last_row < wg_row0() || last_key < 0 ? 0 : min(n_blocks, last_key / Cfg::BC + 1));
         }
         return n_blocks;
     }
