@@ -12,17 +12,21 @@ relative L2 bound) and dropped if wrong. All candidates are timed in two sweeps,
 reversed (`iters`/2 CUDA-event samples each; the mean of the two medians cancels clock drift);
 the `finalists` fastest are timed again in FINAL_ROUNDS interleaved rounds of `iters` samples,
 and the lowest median of round medians wins (ties: the earlier config in the sorted candidate
-order, so the set and its order are deterministic).
+order, so the set and its order are deterministic). Then the winner meets its knob twins
+(`KernelFamily.knob_twins`: the same config with launch knobs the tune set leaves out, such as
+forward_sm90's `ring`, `oreg`, `xtile`, `wgblocks`), each checked once, in FINAL_ROUNDS more
+interleaved rounds; ties keep the winner.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, Callable, Iterable, Sequence, TextIO
 
 from .families import DEFAULT_FAMILY, FAMILIES, KernelFamily, get_family
 from .families.base import TuningProblem
@@ -92,8 +96,11 @@ def _compile_all(configs: Sequence[KernelConfig], device: int, stream: TextIO | 
 
 
 def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None], problem: TuningProblem,
-                 iters: int, warmup: int, finalists: int, bar: ProgressBar) -> tuple[_Result | None, list[_Result]]:
-    """Time every candidate on one bucket's problem; returns (winner, all)."""
+                 iters: int, warmup: int, finalists: int, bar: ProgressBar,
+                 twins: Callable[[KernelConfig], list[KernelConfig]] | None = None
+                 ) -> tuple[_Result | None, list[_Result]]:
+    """Time every candidate on one bucket's problem; returns (winner, all). `twins(cfg)`: the
+    winner's knob twins, timed against it last (None: none)."""
     n_sets, flops, label = problem.n_sets, problem.flops, problem.label
     sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
@@ -131,7 +138,33 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
                           max(r.timing.max_ms, again.max_ms), r.timing.samples + again.samples)
     timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
     winner = _final_round(timed[:max(1, finalists)], problem, warmup, iters)
+    if winner is not None and twins is not None:
+        winner = _knob_round(winner, twins(winner.cfg), checked, problem, warmup, iters, len(results))
     return winner, results
+
+
+def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[KernelConfig, str | None],
+                problem: TuningProblem, warmup: int, iters: int, first_index: int) -> _Result:
+    """The winner against its knob twins: each twin checked once against the reference (a wrong
+    or failing one is reported with the broken configs and left out), timed once, then all in
+    `_final_round`'s interleaved rounds. Twins rank after every candidate, so ties keep the winner."""
+    entrants = [winner]
+    for i, cfg in enumerate(twins):
+        if problem.skip_reason(cfg) is not None:
+            continue
+        r = _Result(cfg, first_index + i)
+        try:
+            if cfg not in checked:
+                checked[cfg] = problem.check(cfg)
+            if checked[cfg] is None:
+                r.timing = time_cupy(problem.timed_call(cfg), problem.n_sets, warmup, max(1, iters // 2))
+        except Exception as exc:  # a broken twin must not end the run; it is reported
+            checked[cfg] = f"{type(exc).__name__}: {exc}"
+        if r.timing is not None:
+            entrants.append(r)
+    if len(entrants) == 1:
+        return winner
+    return _final_round(entrants, problem, warmup, iters) or winner
 
 
 def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, iters: int) -> _Result | None:
@@ -163,11 +196,12 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
              iters: int = DEFAULT_ITERS, progress: bool = True, table_path: str | Path | None = None, *,
              warmup: int = DEFAULT_WARMUP, finalists: int = DEFAULT_FINALISTS, device: int | None = None,
              write_default: bool = False, stream: TextIO | None = None, causal: bool = False,
-             family: str | KernelFamily = DEFAULT_FAMILY) -> TuningTable:
+             family: str | KernelFamily = DEFAULT_FAMILY, knob_twins: bool = True) -> TuningTable:
     """Benchmark the candidates of kernel family `family` on the current GPU and store the winners.
 
     causal=True times causally masked problems and stores the table's causal rows (which
     forward(causal=True) prefers); the non-causal rows are left as they are, and vice versa.
+    knob_twins=False skips the winners' knob twins (`KernelFamily.knob_twins`).
 
     Writes the table (merged over an existing valid one for this device) to `table_path`
     (default `<cache dir>/tuning/<device slug>.json`), prints it, and returns it. With
@@ -215,6 +249,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
                 "grid": f"batch*seq=16384, heads*d_head=2048, {'causal' if causal else 'non-causal'}, "
                         "seq_q=seq_k=bucket",
                 "missing": missing, "broken_configs": broken, "complete": False}
+        twins = functools.partial(fam.knob_twins, causal=causal) if knob_twins else None
         for dtype, d_head, cfgs in groups:
             checked: dict[KernelConfig, str | None] = {
                 c: f"compile failed: {(failed_compiles[c.short_form()].splitlines() or [''])[0]}"
@@ -224,7 +259,8 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
             for seq in buckets:
                 problem = fam.tuning_problem(dtype, d_head, seq, causal, l2_bytes)
                 try:
-                    winner, results = _tune_bucket(results, checked, problem, iters, warmup, finalists, bar)
+                    winner, results = _tune_bucket(results, checked, problem, iters, warmup, finalists, bar,
+                                                   twins)
                 finally:
                     problem.close()
                 if winner is None:
@@ -332,6 +368,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--device", type=int, default=None, help="CUDA device (default: current)")
     parser.add_argument("--causal", action="store_true",
                         help="tune causally masked problems: the table's causal rows, used by forward(causal=True)")
+    parser.add_argument("--no-knob-twins", dest="knob_twins", action="store_false",
+                        help="do not time each winner's knob twins (configs one launch knob away, "
+                             "e.g. forward_sm90's ring/oreg/xtile/wgblocks)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 
@@ -358,7 +397,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         table = autotune(dtypes, d_heads, seqs, candidates, iters=args.iters, progress=not args.quiet,
                          table_path=args.table, warmup=args.warmup, finalists=args.finalists,
                          device=args.device, write_default=args.write_default, causal=args.causal,
-                         family=family)
+                         family=family, knob_twins=args.knob_twins)
     except ValueError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2

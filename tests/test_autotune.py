@@ -508,3 +508,54 @@ def test_final_round_picks_the_lowest_median_of_interleaved_rounds(monkeypatch):
     assert finals[2].timing is None and "launch failed" in finals[2].error
     assert order[:3] == [a, b, c] and order[3:5] == [b, a]  # alternating; c dropped after failing
     assert autotune_mod.FINAL_ROUNDS == 5 and order.count(a) == 5
+
+
+@pytest.mark.parametrize("knob_twins", [True, False])
+def test_winner_meets_its_knob_twins(isolated_tables, fake_tuner, monkeypatch, capsys, knob_twins):
+    """After the finals, the winner is timed against the family's knob twins of it (each checked
+    against the reference first): a faster correct twin takes the row, a wrong one is reported and
+    never timed, a tie keeps the winner; knob_twins=False leaves the winner alone. Times are
+    fixtures, not measurements."""
+    from cupyflash.families import get_family
+
+    cands, outside = TUNE_BF16_128[:3], TUNE_BF16_128[3:6]
+    faster, wrong, tied = outside
+    speed = {cands[0]: 1.0, cands[1]: 0.9, cands[2]: 1.1, faster: 0.7, wrong: 0.1, tied: 0.9}
+    fake_tuner.time_of = speed.__getitem__
+    asked = []
+    family = get_family("forward_sm80")
+    monkeypatch.setattr(family, "knob_twins", lambda cfg, causal: asked.append((cfg, causal)) or list(outside))
+    real_forward = api.forward
+
+    def forward_with_a_wrong_twin(cfg, q, k, v, out=None, causal=False, **kw):
+        real_forward(cfg, q, k, v, out=out, causal=causal, **kw)
+        if cfg == wrong:
+            out[:, -1] = 0  # the reference check must catch it
+
+    monkeypatch.setattr(api, "forward", forward_with_a_wrong_twin)
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128, 256], candidates=cands, iters=3, warmup=0,
+                                    progress=False, knob_twins=knob_twins)
+    err = capsys.readouterr().err
+    picked = [e.config for e in table.entries()]
+    timed = [cfg for cfg, _ in fake_tuner.launches]
+    if knob_twins:
+        assert picked == [faster, faster] and asked == [(cands[1], False), (cands[1], False)]
+        assert timed.count(wrong) == 1 and "relative L2 error" in err  # checked once, then excluded
+    else:
+        assert picked == [cands[1], cands[1]] and asked == [] and not set(outside) & set(timed)
+
+
+def test_tied_knob_twin_keeps_the_winner(monkeypatch):
+    """A twin exactly as fast as the winner does not replace it (twins rank after every
+    candidate)."""
+    import sys
+
+    from cupyflash import autotune as _  # noqa: F401
+    autotune_mod = sys.modules["cupyflash.autotune"]
+    a, b = TUNE_BF16_128[:2]
+    monkeypatch.setattr(autotune_mod, "time_cupy", lambda run, n_sets, warmup, iters: benchmarking.Timing(1, 1, 1, 1))
+    problem = types.SimpleNamespace(n_sets=1, timed_call=lambda cfg: (lambda i: None),
+                                    skip_reason=lambda cfg: None, check=lambda cfg: None)
+    winner = autotune_mod._Result(a, 7, timing=benchmarking.Timing(1, 1, 1, 1))
+    assert autotune_mod._knob_round(winner, [b], {}, problem, warmup=0, iters=2, first_index=10).cfg == a
+    assert autotune_mod._knob_round(winner, [], {}, problem, warmup=0, iters=2, first_index=10) is winner

@@ -377,3 +377,24 @@ def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, 
         assert auto_config(DType.BF16, 128, 4096, 4096, 0, True) == tuned
     finally:
         tuning.clear_caches()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
+    """autotune's knob twins of a winner (FORWARD_SM90.knob_twins): the winner with ring / oreg
+    and xtile or (causal only) wgblocks added, never both of those two, never the winner itself;
+    every twin is a valid config that keeps the winner's other fields; sorted."""
+    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks"}
+    winners = [c for c in config_sets.autotune_configs() if c.dtype is DType.BF16]
+    seen = set()
+    for cfg in winners:
+        twins = FORWARD_SM90.knob_twins(cfg, causal)
+        assert twins == sorted(set(twins)) and cfg not in twins
+        for t in twins:
+            changed = {f.name for f in dataclasses.fields(cfg) if getattr(t, f.name) != getattr(cfg, f.name)}
+            assert changed and changed <= knobs and all(getattr(t, k) for k in changed)
+            assert not (t.cross_tile and t.wg_blocks)
+            seen |= changed
+    assert seen == (knobs if causal else knobs - {"wg_blocks"})
+    x = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
+    assert len(FORWARD_SM90.knob_twins(x, True)) == 9 and len(FORWARD_SM90.knob_twins(x, False)) == 5

@@ -58,6 +58,9 @@ class ForwardSm90Family(KernelFamily):
     def tune_candidates(self, dtype: DType, d_head: int) -> list[HopperForwardKernelConfig]:
         return config_sets.autotune_configs([dtype], [d_head])
 
+    def knob_twins(self, cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
+        return config_sets.knob_twins(cfg, causal)
+
     def progression_configs(self, dtype: DType, d_head: int) -> list[HopperForwardKernelConfig]:
         return config_sets.progression_configs(dtype, d_head)
 

@@ -8,7 +8,7 @@ import itertools
 from ...config import DType
 from .config import D_HEADS, HopperForwardKernelConfig
 
-__all__ = ["default_config", "varlen_default_config", "should_autotune", "autotune_configs", "progression_configs", "get_kernel_configs",
+__all__ = ["default_config", "varlen_default_config", "should_autotune", "autotune_configs", "knob_twins", "progression_configs", "get_kernel_configs",
            "KERNEL_SET_KEYS"]
 
 KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults")
@@ -131,6 +131,31 @@ def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForward
                 continue  # over the register or shared-memory budget
             if should_autotune(cfg):
                 out.append(cfg)
+    return sorted(out)
+
+
+# Launch knobs the tune set leaves out: each helps some rows and costs others a few percent
+# (NOTES.md items 133, 157, 184), so autotune tries them on each row's winner instead of
+# multiplying the whole set by them. `cross_tile` and `wg_blocks` exclude each other.
+_TWIN_KNOBS = ("turn_ring", "o_direct")
+_TWIN_EXCLUSIVE = ({"turn_ring": True, "cross_tile": True}, {"wg_blocks": True})
+
+
+def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
+    """`cfg` with every combination of `ring` and `oreg` added, each also with `xtile` or (causal
+    rows only; it changes nothing unmasked) `wgblocks`; those the family's rules refuse for this
+    config are left out, as is `cfg` itself. Sorted, so the order never depends on the caller."""
+    out = set()
+    exclusive = [{}, _TWIN_EXCLUSIVE[0]] + ([_TWIN_EXCLUSIVE[1]] if causal else [])
+    for n in range(len(_TWIN_KNOBS) + 1):
+        for knobs in itertools.combinations(_TWIN_KNOBS, n):
+            for extra in exclusive:
+                try:
+                    twin = dataclasses.replace(cfg, **{**{k: True for k in knobs}, **extra})
+                except ValueError:
+                    continue  # a rule refuses the combination for this config
+                if twin != cfg:
+                    out.add(twin)
     return sorted(out)
 
 
