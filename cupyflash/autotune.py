@@ -60,6 +60,7 @@ class _Result:
     index: int                    # position in the candidate order, the tie-breaker
     timing: Timing | None = None
     error: str | None = None
+    twin_of: KernelConfig | None = None  # the finals' winner this knob twin beat (_knob_round)
 
 
 def _now() -> str:
@@ -164,7 +165,10 @@ def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[Kernel
             entrants.append(r)
     if len(entrants) == 1:
         return winner
-    return _final_round(entrants, problem, warmup, iters) or winner
+    best = _final_round(entrants, problem, warmup, iters) or winner
+    if best is not winner:
+        best.twin_of = winner.cfg
+    return best
 
 
 def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, iters: int) -> _Result | None:
@@ -271,6 +275,8 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
                 info = {**problem.info,
                         "candidates": len(cfgs), "correct": sum(r.timing is not None for r in results),
                         "heuristic_tflops": round(base.timing.tflops(flops), 2) if base else None}
+                if winner.twin_of is not None:  # a knob twin took the row: say from which winner
+                    info["twin_of"] = winner.twin_of.short_form()
                 for t in (table, run):
                     t.set(winner.cfg, seq, round(winner.timing.tflops(flops), 2),
                           round(winner.timing.median_ms, 5), causal=causal, **info)

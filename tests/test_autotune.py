@@ -540,9 +540,11 @@ def test_winner_meets_its_knob_twins(isolated_tables, fake_tuner, monkeypatch, c
     timed = [cfg for cfg, _ in fake_tuner.launches]
     if knob_twins:
         assert picked == [faster, faster] and asked == [(cands[1], False), (cands[1], False)]
+        assert table.get(DType.BF16, 128, 128).info["twin_of"] == cands[1].short_form()
         assert timed.count(wrong) == 1 and "relative L2 error" in err  # checked once, then excluded
     else:
         assert picked == [cands[1], cands[1]] and asked == [] and not set(outside) & set(timed)
+        assert "twin_of" not in table.get(DType.BF16, 128, 128).info
 
 
 def test_tied_knob_twin_keeps_the_winner(monkeypatch):
