@@ -56,11 +56,12 @@ class PlanTable:
         self.get_device: Callable[[], int] | None = None       # the current device
         self.max_plans = max_plans
 
-    def remember(self, key: tuple | None, plan: Any) -> None:
+    def remember(self, key: tuple | None, plan: Any, is_torch: bool | None = None) -> None:
         """Keep `plan` under `key` (None: the arguments cannot take the fast path), marking which
-        pointer accessor its array type takes; a table that reached max_plans starts over (a
-        process cycling through more shapes than that just rebuilds them), emptied in place so
-        that the hot paths' references to `plans` stay valid."""
+        pointer accessor its array type takes (`is_torch`, else read off the key's first item, the
+        array type); a table that reached max_plans starts over (a process cycling through more
+        shapes than that just rebuilds them), emptied in place so that the hot paths' references
+        to `plans` stay valid."""
         if key is None:
             return
         if self.launch_kernel is None or self.get_device is None:
@@ -69,7 +70,7 @@ class PlanTable:
             self.get_device = self.get_device or get_device
         if len(self.plans) >= self.max_plans:
             self.plans.clear()
-        plan.is_torch = _kind(key[0]) == _TORCH
+        plan.is_torch = _kind(key[0]) == _TORCH if is_torch is None else is_torch
         self.plans[key] = plan
 
     def clear(self) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from . import op_launch
+from . import launch_plans, op_launch
 from .config import DType
 from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
@@ -94,28 +94,24 @@ def _forward(*args: Any, **kwargs: Any) -> Any:
 # allocate the outputs with torch and launch a pre-packed parameter block on torch's current
 # stream. No CuPy array, view or stream object is made per call. The backward operator calls
 # cupyflash.backward, whose cfg=None calls replay their own plans (cupyflash.backward_plans).
-_MAX_PLANS = 4096                         # a process cycling through more signatures rebuilds them
-_forward_plans: dict[tuple, "_ForwardPlan"] = {}
-_launch_kernel: Any = None                # cuLaunchKernel, bound with the first plan
-_get_device: Any = None                   # the calling thread's current CUDA device (CuPy's runtime)
-_raw_stream: Any = None                   # torch's current stream handle of a device
+# The plans live in a launch_plans.PlanTable of their own (its cap, and cuLaunchKernel and the
+# current-device query bound with the first plan); only torch's stream accessor is bound here.
+_TABLE = launch_plans.PlanTable()
+_PLANS = _TABLE.plans  # the same dict for the life of the process (clear() empties it in place)
+_raw_stream: Any = None  # torch's current stream handle of a device, bound with the first plan
 
 
-def _bind_launch() -> None:
-    global _launch_kernel, _get_device, _raw_stream
-    from cupy.cuda.runtime import getDevice
-    from cupy_backends.cuda.api.driver import launchKernel
-
+def _bind_stream() -> None:
+    global _raw_stream
     from .interop import _torch_current_stream
 
-    _launch_kernel, _get_device = launchKernel, getDevice
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _torch_current_stream
 
 
 class _ForwardPlan:
     """A validated forward signature: its replayable launch and output shapes."""
 
-    __slots__ = ("fast", "device", "out_shape", "lse_shape", "like_q")
+    __slots__ = ("fast", "device", "out_shape", "lse_shape", "like_q", "is_torch")
 
     def __init__(self, fast: Any, device: int, out_shape: tuple[int, ...], lse_shape: tuple[int, ...],
                  like_q: bool) -> None:
@@ -123,6 +119,7 @@ class _ForwardPlan:
         # out is q's shape and q has row-major strides (the key holds them): torch.empty_like(q)
         # allocates the same contiguous tensor as q.new_empty(out_shape) for 60% of its cost
         self.like_q = like_q
+        self.is_torch = True  # torch tensors only (PlanTable.remember sets it)
 
 
 def _forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any) -> tuple:
@@ -144,29 +141,28 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _remember_forward(key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: Any) -> None:
     """Plan the signature of a call that `forward` has just run (so its arguments are valid)."""
-    if key in _forward_plans:  # planned already (this call was misaligned, or on another device)
+    if key in _PLANS:  # planned already (this call was misaligned, or on another device)
         return
-    if _launch_kernel is None:
-        _bind_launch()
+    if _raw_stream is None:
+        _bind_stream()
     views = [as_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"))]
     plan, sm90 = op_launch.plan_views(*views, causal, softmax_scale)
     if not plan.launch:  # empty problems: forward allocates and returns, nothing to replay
         return
-    if len(_forward_plans) >= _MAX_PLANS:
-        _forward_plans.clear()
     fast = op_launch.make_launch(plan, sm90, plan.device)
     out_shape = tuple(plan.out_shape)
-    _forward_plans[key] = _ForwardPlan(fast, plan.device, out_shape, tuple(plan.lse_shape),
-                                       out_shape == tuple(q.shape) and q.stride() == _row_major(out_shape))
+    _TABLE.remember(key, _ForwardPlan(fast, plan.device, out_shape, tuple(plan.lse_shape),
+                                      out_shape == tuple(q.shape) and q.stride() == _row_major(out_shape)),
+                    is_torch=True)  # the key starts with q's shape, not an array type
 
 
 def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any,
                  with_lse: bool) -> Any:
     """The CUDA kernels' body: (out) or (out, lse) for a replayed plan, else None."""
     # _forward_key, inlined: a call frame is a visible share of this path
-    plan = _forward_plans.get((q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
-                               k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale))
-    if plan is None or _get_device() != plan.device:
+    plan = _PLANS.get((q.shape, q.stride(), q.dtype, q.get_device(), k.shape, k.stride(), k.dtype,
+                       k.get_device(), v.shape, v.stride(), v.dtype, v.get_device(), causal, softmax_scale))
+    if plan is None or _TABLE.get_device() != plan.device:
         return None
     out = torch.empty_like(q) if plan.like_q else q.new_empty(plan.out_shape)  # contiguous, q's dtype
     q_ptr, k_ptr, v_ptr, o_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
@@ -181,7 +177,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     fast = plan.fast
     with fast.lock:  # cuLaunchKernel copies the parameters before it returns
         fast.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
-        _launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
+        _TABLE.launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
     return (out, lse) if with_lse else out
 
 
@@ -247,7 +243,7 @@ def _attention_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 def clear_plans() -> None:
     """Forget every replayable launch (tests; or after a tuning table changed)."""
-    _forward_plans.clear()
+    _TABLE.clear()
     from . import backward_plans
 
     backward_plans.clear()

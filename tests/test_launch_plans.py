@@ -148,3 +148,8 @@ def test_plan_table_caps_in_place_and_marks_the_array_type():
     assert table.plans is plans and list(plans) == [(FakeTensor, 3)]
     table.clear()
     assert table.plans is plans and plans == {}
+    shapes = (3, 4)  # a key that does not start with an array type (torch.py's: q's shape first)
+    kinds = dict(launch_plans._kinds)
+    table.remember((shapes, 5), a, is_torch=True)
+    table.remember((shapes, 6), b, is_torch=False)
+    assert a.is_torch and not b.is_torch and launch_plans._kinds == kinds  # nothing cached for it

@@ -182,8 +182,8 @@ def _host_view(x, name):
 def mocked_launch(monkeypatch):
     """The CUDA kernels' replay path on host tensors: device 0 current, stream 77, launches recorded."""
     recorder = LaunchRecorder()
-    monkeypatch.setattr(cft, "_launch_kernel", recorder)
-    monkeypatch.setattr(cft, "_get_device", lambda: 0)
+    monkeypatch.setattr(cft._TABLE, "launch_kernel", recorder)
+    monkeypatch.setattr(cft._TABLE, "get_device", lambda: 0)
     monkeypatch.setattr(cft, "_raw_stream", lambda device: 77)
     monkeypatch.setattr(cft, "as_view", _host_view)
     cft.clear_plans()
@@ -221,11 +221,11 @@ def test_forward_plan_replays_with_each_calls_pointers(mocked_launch, monkeypatc
         assert lse.shape == (2, 4, 40) and lse.dtype == torch.float32
         head = mocked_launch.calls[-1]
         assert head[:7] == (1234, *plan.grid, plan.block, 1, 1) and head[7:9] == (plan.smem_bytes, 77)
-        buf = cft._forward_plans[cft._forward_key(q, k, v, True, 0.25)].fast.buf.raw
+        buf = cft._PLANS[cft._forward_key(q, k, v, True, 0.25)].fast.buf.raw
         assert buf == plan.pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr())
     out = cft._attention_cuda(q, k, v, True, 0.25)  # no lse: the same plan, lse pointer 0
     assert len(full_path) == 1 and out.shape == q.shape
-    assert struct.unpack_from("<5Q", cft._forward_plans[cft._forward_key(q, k, v, True, 0.25)].fast.buf)[4] == 0
+    assert struct.unpack_from("<5Q", cft._PLANS[cft._forward_key(q, k, v, True, 0.25)].fast.buf)[4] == 0
     flat = torch.randn(2 * 40 * 4 * 64 + 1, dtype=torch.bfloat16)
     misaligned = flat[1:].view(2, 40, 4, 64)  # same signature, pointer off by 2 bytes: the full path
     def refuse(*args, **kwargs):
@@ -236,7 +236,7 @@ def test_forward_plan_replays_with_each_calls_pointers(mocked_launch, monkeypatc
         cft._attention_cuda(misaligned, k, v, True, 0.25)
     monkeypatch.setattr(cft, "_forward", lambda *args, **kwargs: "full path")
     calls = len(mocked_launch.calls)
-    monkeypatch.setattr(cft, "_get_device", lambda: 1)  # another device current: the full path
+    monkeypatch.setattr(cft._TABLE, "get_device", lambda: 1)  # another device current: the full path
     assert cft._attention_cuda(q, k, v, True, 0.25) == "full path" and len(mocked_launch.calls) == calls
 
 
