@@ -96,9 +96,11 @@ class HopperForwardKernelConfig(KernelConfig):
     # Causal: each consumer warpgroup stops at the last key block its own 64 rows can see, instead
     # of at the tile's (its last row's): a lower warpgroup of a 192-row tile skips up to two key
     # blocks its mask would empty, taking its ping-pong turns without GEMMs and releasing their
-    # K/V stages. The wasted work is large on short causal tiles of three warpgroups (d_head 64
-    # causal 2k: ~6% of the blocks computed) and absent from 64- and 128-row tiles aligned to
-    # B_c (their lower warpgroup needs every block the tile visits).
+    # K/V stages. The wasted work is large on short causal tiles of three warpgroups (192x128:
+    # 10% of the warpgroup-blocks computed at causal 2k, 25% at 1k), smaller under B_c < 128
+    # (d_head 256's 128x64 / 128x80) and absent from 128-row tiles with B_c = 128 when
+    # seq_q = seq_k (both warpgroups need every block the tile visits). Measured per row: it
+    # costs some long rows 1-4% (NOTES.md items 184-185), so the table takes it row by row.
     wg_blocks: bool = False
 
     # ------------------------------------------------------------------ rules
