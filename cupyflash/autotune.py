@@ -375,8 +375,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--causal", action="store_true",
                         help="tune causally masked problems: the table's causal rows, used by forward(causal=True)")
     parser.add_argument("--no-knob-twins", dest="knob_twins", action="store_false",
-                        help="do not time each winner's knob twins (configs one launch knob away, "
-                             "e.g. forward_sm90's ring/oreg/xtile/wgblocks)")
+                        help="do not time each winner's knob twins (the winner with launch knobs the "
+                             "tune set leaves out, e.g. forward_sm90's ring/oreg/xtile/wgblocks)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 
