@@ -105,25 +105,11 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
     n_sets, flops, label = problem.n_sets, problem.flops, problem.label
     sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
-        r.timing, r.error = None, None
-        cfg = r.cfg
-        known_bad = checked.get(cfg) is not None  # reported as failed at an earlier bucket already
-        skip = problem.skip_reason(cfg)
-        if skip is not None:
-            r.error = skip
-        elif cfg in checked and checked[cfg] is not None:
-            r.error = checked[cfg]
-        else:
-            try:
-                if cfg not in checked:  # once per config: a poisoned output against the float64 reference
-                    checked[cfg] = r.error = problem.check(cfg)
-                if r.error is None:
-                    r.timing = time_cupy(problem.timed_call(cfg), n_sets, warmup, sweep_iters)
-            except Exception as exc:  # one broken config must not end the whole run; it is reported
-                r.error = checked[cfg] = f"{type(exc).__name__}: {exc}"
-        item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {cfg}" if r.timing
-                else f"{label} FAILED {cfg}: {r.error}")
-        bar.advance(item, failed=r.timing is None and not known_bad and skip is None)
+        known_bad = checked.get(r.cfg) is not None  # reported as failed at an earlier bucket already
+        skipped = _check_and_time(r, checked, problem, warmup, sweep_iters)
+        item = (f"{label} {r.timing.tflops(flops):6.1f} TFLOP/s {r.cfg}" if r.timing
+                else f"{label} FAILED {r.cfg}: {r.error}")
+        bar.advance(item, failed=r.timing is None and not known_bad and not skipped)
     # A second sweep in reverse order: drift of the GPU's clocks over the first sweep (tens of
     # seconds) favours whatever was timed in a fast stretch; the mean of the two sweeps cancels
     # linear drift before the finalists are chosen.
@@ -144,6 +130,29 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
     return winner, results
 
 
+def _check_and_time(r: _Result, checked: dict[KernelConfig, str | None], problem: TuningProblem,
+                    warmup: int, iters: int) -> bool:
+    """Set r.timing (one timing of `iters` samples) or r.error: a config the problem skips, one
+    that failed before (`checked` holds each config's check result, so the float64 check runs
+    once per config), or one whose check or launch fails now. True when the problem skips it."""
+    r.timing, r.error = None, None
+    skip = problem.skip_reason(r.cfg)
+    if skip is not None:
+        r.error = skip
+        return True
+    if checked.get(r.cfg) is not None:
+        r.error = checked[r.cfg]
+        return False
+    try:
+        if r.cfg not in checked:  # a poisoned output against the float64 reference
+            checked[r.cfg] = r.error = problem.check(r.cfg)
+        if r.error is None:
+            r.timing = time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters)
+    except Exception as exc:  # one broken config must not end the whole run; it is reported
+        r.error = checked[r.cfg] = f"{type(exc).__name__}: {exc}"
+    return False
+
+
 def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[KernelConfig, str | None],
                 problem: TuningProblem, warmup: int, iters: int, first_index: int) -> _Result:
     """The winner against its knob twins: each twin checked once against the reference (a wrong
@@ -151,16 +160,8 @@ def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[Kernel
     `_final_round`'s interleaved rounds. Twins rank after every candidate, so ties keep the winner."""
     entrants = [winner]
     for i, cfg in enumerate(twins):
-        if problem.skip_reason(cfg) is not None:
-            continue
         r = _Result(cfg, first_index + i)
-        try:
-            if cfg not in checked:
-                checked[cfg] = problem.check(cfg)
-            if checked[cfg] is None:
-                r.timing = time_cupy(problem.timed_call(cfg), problem.n_sets, warmup, max(1, iters // 2))
-        except Exception as exc:  # a broken twin must not end the run; it is reported
-            checked[cfg] = f"{type(exc).__name__}: {exc}"
+        _check_and_time(r, checked, problem, warmup, max(1, iters // 2))
         if r.timing is not None:
             entrants.append(r)
     if len(entrants) == 1:

@@ -111,7 +111,7 @@ def _bind_stream() -> None:
 class _ForwardPlan:
     """A validated forward signature: its replayable launch and output shapes."""
 
-    __slots__ = ("fast", "device", "out_shape", "lse_shape", "like_q", "is_torch")
+    __slots__ = ("fast", "device", "out_shape", "lse_shape", "like_q", "is_torch")  # is_torch: PlanTable.remember
 
     def __init__(self, fast: Any, device: int, out_shape: tuple[int, ...], lse_shape: tuple[int, ...],
                  like_q: bool) -> None:
@@ -119,7 +119,6 @@ class _ForwardPlan:
         # out is q's shape and q has row-major strides (the key holds them): torch.empty_like(q)
         # allocates the same contiguous tensor as q.new_empty(out_shape) for 60% of its cost
         self.like_q = like_q
-        self.is_torch = True  # torch tensors only (PlanTable.remember sets it)
 
 
 def _forward_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: Any) -> tuple:

@@ -138,7 +138,8 @@ def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForward
 # (NOTES.md items 133, 157, 184), so autotune tries them on each row's winner instead of
 # multiplying the whole set by them. `cross_tile` and `wg_blocks` exclude each other.
 _TWIN_KNOBS = ("turn_ring", "o_direct")
-_TWIN_EXCLUSIVE = ({"turn_ring": True, "cross_tile": True}, {"wg_blocks": True})
+_XTILE = {"turn_ring": True, "cross_tile": True}
+_WG_BLOCKS = {"wg_blocks": True}
 
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
@@ -146,7 +147,7 @@ def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwa
     rows only; it changes nothing unmasked) `wgblocks`; those the family's rules refuse for this
     config are left out, as is `cfg` itself. Sorted, so the order never depends on the caller."""
     out = set()
-    exclusive = [{}, _TWIN_EXCLUSIVE[0]] + ([_TWIN_EXCLUSIVE[1]] if causal else [])
+    exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal else [])
     for n in range(len(_TWIN_KNOBS) + 1):
         for knobs in itertools.combinations(_TWIN_KNOBS, n):
             for extra in exclusive:
