@@ -29,7 +29,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool LAZY_RESCALE = C.lazy_rescale;  // running max moved only when it grows by > 2^8
     static constexpr bool TURN_RING = C.turn_ring;  // ping-pong turns run on across a persistent CTA's tiles
     static constexpr bool CROSS_TILE = C.cross_tile;  // a tile's last P V behind the next tile's first Q K^T
-    static constexpr bool WG_BLOCKS = C.wg_blocks;    // causal: a warpgroup stops at its own last visible block
+    static constexpr bool WG_BLOCKS = C.wg_blocks;    // a warpgroup stops at its own last needed block
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup

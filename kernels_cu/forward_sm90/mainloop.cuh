@@ -178,22 +178,29 @@ struct Consumer {
         if (mine < n_blocks) idle_blocks(mine, n_blocks);
     }
 
-    // WG_BLOCKS (causal): the key blocks this warpgroup's own rows see, at most the tile's
-    // n_blocks (which its last row decides); 0 for a warpgroup whose rows all lie past the end
-    // of the sequence or before the first visible key. Otherwise every warpgroup visits n_blocks.
+    // WG_BLOCKS: the key blocks this warpgroup's own rows need. None for a warpgroup whose rows
+    // all lie past the end of the sequence (the last tile of a length that is not a multiple of
+    // B_r: at d_head 64's 192-row tiles, S = 1k and 4k leave two of three warpgroups without a
+    // row, 512 and 2k one) or, causal, before the first visible key; causal, at most the tile's
+    // n_blocks (which its last row decides) but only up to its own last row's diagonal.
+    // Otherwise every warpgroup visits n_blocks.
     CF_DEVICE int own_blocks(int n_blocks) const {
-        if constexpr (CAUSAL && Cfg::WG_BLOCKS) {
+        if constexpr (Cfg::WG_BLOCKS) {
             const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
-            const int last_key = last_row + tile.seq_len_k(p) - tile.seq_len_q(p);
+            int mine = n_blocks;
+            if constexpr (CAUSAL) {
+                const int last_key = last_row + tile.seq_len_k(p) - tile.seq_len_q(p);
+                mine = last_key < 0 ? 0 : min(n_blocks, last_key / Cfg::BC + 1);
+            }
             // Broadcast: ptxas cannot prove a value built from the warpgroup index warp-uniform,
             // and a loop bound it cannot prove uniform moves the ring's stage and phase
             // arithmetic off the uniform datapath for the whole main loop.
-            return warp_uniform(last_row < wg_row0() || last_key < 0 ? 0 : min(n_blocks, last_key / Cfg::BC + 1));
+            return warp_uniform(last_row < wg_row0() ? 0 : mine);
         }
         return n_blocks;
     }
 
-    // WG_BLOCKS: blocks mine .. n_blocks - 1, which this warpgroup's mask would empty. It takes
+    // WG_BLOCKS: blocks mine .. n_blocks - 1, which this warpgroup does not need. It takes
     // the ping-pong turns it owes the ring without GEMMs (the others wait for its hand-overs) and
     // releases each block's K and V once loaded (every consumer warp arrives on a stage's empty
     // barrier; waiting for full first keeps the arrival in the stage's current phase). Turns

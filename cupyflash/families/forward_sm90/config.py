@@ -14,8 +14,9 @@ cp.async copies issued by every consumer thread: the progression's first step, w
 `ws`, `pingpong`, `overlap`, `persistent`, `qbuf2` (two Q tiles), `oreg` (O stored from
 registers, 16 bytes per lane after a lane-quad transpose, Q released early), `lazy` (threshold
 rescaling), `ring` (the ping-pong turn ring runs on across a persistent CTA's tiles), `xtile` (a
-tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (causal: each consumer
-warpgroup stops at its own last visible key block) and `emuN` (exp2 of N quarters of the
+tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (each consumer
+warpgroup stops at its own last needed key block: none past the sequence's end, causal its own
+diagonal) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -93,14 +94,17 @@ class HopperForwardKernelConfig(KernelConfig):
     # run while P V completes; the epilogue follows, and the next tile starts at its second key
     # block. Meant for short tiles (S 512-1k: 4-8 key blocks), where the per-tile prologue weighs.
     cross_tile: bool = False
-    # Causal: each consumer warpgroup stops at the last key block its own 64 rows can see, instead
-    # of at the tile's (its last row's): a lower warpgroup of a 192-row tile skips up to two key
-    # blocks its mask would empty, taking its ping-pong turns without GEMMs and releasing their
-    # K/V stages. The wasted work is large on short causal tiles of three warpgroups (192x128:
-    # 10% of the warpgroup-blocks computed at causal 2k, 25% at 1k), smaller under B_c < 128
-    # (d_head 256's 128x64 / 128x80) and absent from 128-row tiles with B_c = 128 when
-    # seq_q = seq_k (both warpgroups need every block the tile visits). Measured per row: it
-    # costs some long rows 1-4% (NOTES.md items 184-185), so the table takes it row by row.
+    # Each consumer warpgroup stops at the last key block its own 64 rows need, instead of at the
+    # tile's: one whose rows all lie past the end of the sequence computes nothing (the last tile
+    # of a length that is not a multiple of B_r: d_head 64's 192-row tiles at S = 512-4k), and,
+    # causal, a lower warpgroup of a tile skips up to two key blocks its mask would empty. It
+    # takes its ping-pong turns without GEMMs and releases their K/V stages. The wasted work is
+    # large on short causal tiles of three warpgroups (192x128: 10% of the warpgroup-blocks
+    # computed at causal 2k, 25% at 1k) and on 192-row tiles whose sequence ends a warpgroup
+    # or two into the last tile (non-causal d_head 64: 1/33 of the work at 2k, 1/9 at 1k),
+    # smaller under B_c < 128 (d_head 256's 128x64 / 128x80) and absent from 128-row tiles with
+    # B_c = 128 when seq_q = seq_k is a multiple of 128. Measured per row: it costs some long
+    # causal rows 1-4% (NOTES.md items 184-185), so the table takes it row by row.
     wg_blocks: bool = False
 
     # ------------------------------------------------------------------ rules
