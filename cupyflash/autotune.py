@@ -4,6 +4,7 @@ cupyflash.tuning).
 
     python -m cupyflash autotune [--family forward_sm80] [--dtypes bf16,fp16] [--d-heads 64,128]
                                  [--seqs 512,...,16384] [--iters 20] [--table PATH] [--write-default] [--causal]
+                                 [--sustain 0.3]
 
 Each bucket is timed on the family's tuning problem (`KernelFamily.tuning_problem`; for the
 forward families SPEC §6's grid at that length, batch*seq = 16384, heads*d_head = 2048; with
@@ -15,7 +16,11 @@ and the lowest median of round medians wins (ties: the earlier config in the sor
 order, so the set and its order are deterministic). Then the winner meets its knob twins
 (`KernelFamily.knob_twins`: the same config with launch knobs the tune set leaves out, such as
 forward_sm90's `ring`, `oreg`, `xtile`, `wgblocks`), each checked once, in FINAL_ROUNDS more
-interleaved rounds; ties keep the winner.
+interleaved rounds; ties keep the winner. With `sustain` S > 0 each timing of those rounds first
+runs S seconds of back-to-back calls, so the configs that decide a row are compared at the GPU's
+power-capped clock (as in training or a long prefill) instead of the boost clock of a short burst:
+the shipped H100 table's picks were chosen that way, and at the cap `lazy` or `oreg` can win rows
+that burst timing gives to another config (NOTES.md items 157, 191).
 """
 from __future__ import annotations
 
@@ -98,10 +103,11 @@ def _compile_all(configs: Sequence[KernelConfig], device: int, stream: TextIO | 
 
 def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None], problem: TuningProblem,
                  iters: int, warmup: int, finalists: int, bar: ProgressBar,
-                 twins: Callable[[KernelConfig], list[KernelConfig]] | None = None
+                 twins: Callable[[KernelConfig], list[KernelConfig]] | None = None, sustain: float = 0.0
                  ) -> tuple[_Result | None, list[_Result]]:
     """Time every candidate on one bucket's problem; returns (winner, all). `twins(cfg)`: the
-    winner's knob twins, timed against it last (None: none)."""
+    winner's knob twins, timed against it last (None: none). `sustain`: seconds of load before
+    each timing of the final and knob rounds (the sweeps only choose the finalists)."""
     n_sets, flops, label = problem.n_sets, problem.flops, problem.label
     sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
@@ -124,9 +130,9 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
         r.timing = Timing((r.timing.median_ms + again.median_ms) / 2, min(r.timing.min_ms, again.min_ms),
                           max(r.timing.max_ms, again.max_ms), r.timing.samples + again.samples)
     timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
-    winner = _final_round(timed[:max(1, finalists)], problem, warmup, iters)
+    winner = _final_round(timed[:max(1, finalists)], problem, warmup, iters, sustain)
     if winner is not None and twins is not None:
-        winner = _knob_round(winner, twins(winner.cfg), checked, problem, warmup, iters, len(results))
+        winner = _knob_round(winner, twins(winner.cfg), checked, problem, warmup, iters, len(results), sustain)
     return winner, results
 
 
@@ -154,7 +160,7 @@ def _check_and_time(r: _Result, checked: dict[KernelConfig, str | None], problem
 
 
 def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[KernelConfig, str | None],
-                problem: TuningProblem, warmup: int, iters: int, first_index: int) -> _Result:
+                problem: TuningProblem, warmup: int, iters: int, first_index: int, sustain: float = 0.0) -> _Result:
     """The winner against its knob twins: each twin checked once against the reference (a wrong
     or failing one is reported with the broken configs and left out), timed once, then all in
     `_final_round`'s interleaved rounds. Twins rank after every candidate, so ties keep the winner."""
@@ -166,15 +172,17 @@ def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[Kernel
             entrants.append(r)
     if len(entrants) == 1:
         return winner
-    best = _final_round(entrants, problem, warmup, iters) or winner
+    best = _final_round(entrants, problem, warmup, iters, sustain) or winner
     if best is not winner:
         best.twin_of = winner.cfg
     return best
 
 
-def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, iters: int) -> _Result | None:
+def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, iters: int,
+                 sustain: float = 0.0) -> _Result | None:
     """Re-time the fastest candidates in FINAL_ROUNDS interleaved rounds (the order alternates)
-    and pick the lowest median of the per-round medians (ties: candidate order).
+    and pick the lowest median of the per-round medians (ties: candidate order); each timing
+    after `sustain` seconds of load (time_cupy).
 
     The GPU's clocks drift by a few percent over seconds; timing each finalist once, one after
     the other, let that drift choose between configs a few percent apart."""
@@ -184,7 +192,8 @@ def _final_round(finals: list[_Result], problem: TuningProblem, warmup: int, ite
             if r.timing is None:
                 continue
             try:
-                rounds[r.index].append(time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters))
+                rounds[r.index].append(time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters,
+                                                 sustain=sustain))
             except Exception as exc:
                 r.timing, r.error = None, f"{type(exc).__name__}: {exc}"
     finals = [r for r in finals if r.timing and rounds[r.index]]
@@ -201,12 +210,14 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
              iters: int = DEFAULT_ITERS, progress: bool = True, table_path: str | Path | None = None, *,
              warmup: int = DEFAULT_WARMUP, finalists: int = DEFAULT_FINALISTS, device: int | None = None,
              write_default: bool = False, stream: TextIO | None = None, causal: bool = False,
-             family: str | KernelFamily = DEFAULT_FAMILY, knob_twins: bool = True) -> TuningTable:
+             family: str | KernelFamily = DEFAULT_FAMILY, knob_twins: bool = True, sustain: float = 0.0) -> TuningTable:
     """Benchmark the candidates of kernel family `family` on the current GPU and store the winners.
 
     causal=True times causally masked problems and stores the table's causal rows (which
     forward(causal=True) prefers); the non-causal rows are left as they are, and vice versa.
-    knob_twins=False skips the winners' knob twins (`KernelFamily.knob_twins`).
+    knob_twins=False skips the winners' knob twins (`KernelFamily.knob_twins`). sustain > 0
+    (seconds) loads the GPU that long before each timing of the final and knob rounds, so rows
+    are decided at its power-capped clock (see the module docstring).
 
     Writes the table (merged over an existing valid one for this device) to `table_path`
     (default `<cache dir>/tuning/<device slug>.json`), prints it, and returns it. With
@@ -230,6 +241,9 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
         grid_shape(s, max(d_heads, default=128))  # ValueError for a bucket the grid cannot express
     if iters < 1 or warmup < 0 or finalists < 1:
         raise ValueError(f"iters >= 1, warmup >= 0 and finalists >= 1 expected, got {iters}, {warmup}, {finalists}")
+    sustain = float(sustain)
+    if not sustain >= 0:  # also refuses NaN
+        raise ValueError(f"sustain: expected seconds >= 0, got {sustain}")
     candidates = list(candidates) if candidates is not None else None
     device = cupy.cuda.runtime.getDevice() if device is None else int(device)
     props = cupy.cuda.runtime.getDeviceProperties(device)
@@ -250,7 +264,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
         missing: list[str] = []
         broken: list[str] = []
         meta = {"date": _now(), "versions": _versions(), "iters": iters, "warmup": warmup,
-                "finalists": finalists, "causal": causal, "family": fam.name,
+                "finalists": finalists, "sustain": sustain, "causal": causal, "family": fam.name,
                 "grid": f"batch*seq=16384, heads*d_head=2048, {'causal' if causal else 'non-causal'}, "
                         "seq_q=seq_k=bucket",
                 "missing": missing, "broken_configs": broken, "complete": False}
@@ -265,7 +279,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
                 problem = fam.tuning_problem(dtype, d_head, seq, causal, l2_bytes)
                 try:
                     winner, results = _tune_bucket(results, checked, problem, iters, warmup, finalists, bar,
-                                                   twins)
+                                                   twins, sustain)
                 finally:
                     problem.close()
                 if winner is None:
@@ -378,6 +392,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--no-knob-twins", dest="knob_twins", action="store_false",
                         help="do not time each winner's knob twins (the winner with launch knobs the "
                              "tune set leaves out, e.g. forward_sm90's ring/oreg/xtile/wgblocks)")
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                        help="seconds of back-to-back calls before each timing of the final and knob rounds, "
+                             "so rows are decided at the GPU's power-capped clock (training, long prefill) "
+                             "rather than in a short burst; 0.3 suffices on an H100 (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 
@@ -404,7 +422,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         table = autotune(dtypes, d_heads, seqs, candidates, iters=args.iters, progress=not args.quiet,
                          table_path=args.table, warmup=args.warmup, finalists=args.finalists,
                          device=args.device, write_default=args.write_default, causal=args.causal,
-                         family=family, knob_twins=args.knob_twins)
+                         family=family, knob_twins=args.knob_twins, sustain=args.sustain)
     except ValueError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2

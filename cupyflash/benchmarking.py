@@ -6,8 +6,10 @@ imported inside the functions that need it, so the pure helpers work anywhere.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,7 +21,7 @@ __all__ = [
     "GRID_TOKENS", "GRID_WIDTH", "REL_L2_TOLERANCE", "DEFAULT_L2_BYTES", "GridShape", "grid_shape",
     "parse_dtypes", "parse_ints",
     "attention_flops", "visible_pairs", "rotation_sets", "spot_rows", "Timing", "summarize", "random_inputs",
-    "poison", "spot_check_rel_l2", "time_cupy",
+    "poison", "spot_check_rel_l2", "sustain_load", "time_cupy",
 ]
 
 GRID_TOKENS = 16384   # batch * seq of every grid point (FlashAttention papers, SPEC §6)
@@ -223,12 +225,25 @@ def spot_check_rel_l2(q: Any, k: Any, v: Any, out: Any, dtype: DType, scale: flo
     return math.sqrt(num / den) if den > 0 else math.inf
 
 
-def time_cupy(run: Callable[[int], Any], n_sets: int, warmup: int, iters: int) -> Timing:
+def sustain_load(fn: Callable[[], Any], seconds: float, sync: Callable[[], Any]) -> None:
+    """Run fn() back to back for `seconds` (host clock; `sync` every 8 calls keeps the queue short):
+    long enough and the GPU sits at the steady state of its power cap, as in a training loop or a
+    long prefill batch, instead of at the boost clock an idle GPU starts a short burst with."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            fn()
+        sync()
+
+
+def time_cupy(run: Callable[[int], Any], n_sets: int, warmup: int, iters: int, sustain: float = 0.0) -> Timing:
     """Median per-call time of `run(set_index)` with CUDA events on CuPy's current stream.
 
     One call outside the timing (kernel load), then `warmup` calls and `iters` event-bracketed
     calls queued back to back with no synchronisation in between: while the GPU is busy the host
-    runs ahead, so each event pair brackets GPU time, not Python launch overhead.
+    runs ahead, so each event pair brackets GPU time, not Python launch overhead. sustain > 0
+    (seconds): first that long of back-to-back calls (`sustain_load`), so the timed calls run at
+    the power-capped clock.
     """
     import cupy
 
@@ -237,6 +252,9 @@ def time_cupy(run: Callable[[int], Any], n_sets: int, warmup: int, iters: int) -
     stream = cupy.cuda.get_current_stream()
     run(0)
     stream.synchronize()
+    if sustain > 0:
+        calls = itertools.count()
+        sustain_load(lambda: run(next(calls) % n_sets), sustain, stream.synchronize)
     for i in range(warmup):
         run(i % n_sets)
     events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, TypeVar
 
 from cupyflash.benchmarking import (GridShape, Timing, attention_flops, rotation_sets, spot_rows, summarize,
-                                   visible_pairs)
+                                   sustain_load, visible_pairs)
 from cupyflash.config import DType
 from cupyflash.config import KernelConfig
 
@@ -112,17 +112,6 @@ def rel_l2_error(torch: Any, problem: Problem, out: Any) -> float:
 
 
 # ---------------------------------------------------------------------------- timing
-def sustain_load(fn: Callable[[], Any], seconds: float, sync: Callable[[], Any]) -> None:
-    """Run fn() back to back for `seconds` (host clock; `sync` every 8 calls keeps the queue short):
-    long enough and the GPU sits at the steady state of its power cap, as in a training loop or a
-    long prefill batch, instead of at the boost clock an idle GPU starts a short burst with."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        for _ in range(8):
-            fn()
-        sync()
-
-
 def timed_rounds(first: dict[Any, T], timers: dict[Any, Callable[[], T]], rounds: int) -> dict[Any, list[T]]:
     """Per column, its first timing (`first`, taken right after its check) and rounds - 1 more:
     round r times the columns in their order when r is even, in reverse when odd, so clock drift

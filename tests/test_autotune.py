@@ -310,7 +310,7 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
         launches.append(cfg)
         _exact_attention(q, k, v, out, bad=cfg == wrong)
 
-    def fake_time(run, n_sets, warmup, iters):
+    def fake_time(run, n_sets, warmup, iters, sustain=0.0):
         run(0)
         return benchmarking.Timing(speed[launches[-1]], speed[launches[-1]], speed[launches[-1]], iters)
 
@@ -363,14 +363,16 @@ def fake_tuner(isolated_tables, monkeypatch):
     from cupyflash import device
     from cupyflash.compiler import nvrtc_version
 
-    ns = types.SimpleNamespace(mod=sys.modules["cupyflash.autotune"], launches=[], compiled=[], time_of=None)
+    ns = types.SimpleNamespace(mod=sys.modules["cupyflash.autotune"], launches=[], compiled=[], time_of=None,
+                               sustains=[])
 
     def fake_forward(cfg, q, k, v, out=None, causal=False, **kw):
         ns.launches.append((cfg, causal))
         _exact_attention(q, k, v, out, causal=causal)
 
-    def fake_time(run, n_sets, warmup, iters):
+    def fake_time(run, n_sets, warmup, iters, sustain=0.0):
         run(0)
+        ns.sustains.append((ns.launches[-1][0], sustain))
         t = ns.time_of(ns.launches[-1][0])
         return benchmarking.Timing(t, t, t, iters)
 
@@ -490,7 +492,7 @@ def test_final_round_picks_the_lowest_median_of_interleaved_rounds(monkeypatch):
               c: [RuntimeError("launch failed")]}
     order = []
 
-    def fake_time(run, n_sets, warmup, iters):
+    def fake_time(run, n_sets, warmup, iters, sustain=0.0):
         cfg = run.__defaults__[0]  # the lambda binds the finalist's config as a default
         order.append(cfg)
         t = rounds[cfg].pop(0)
@@ -555,9 +557,36 @@ def test_tied_knob_twin_keeps_the_winner(monkeypatch):
     from cupyflash import autotune as _  # noqa: F401
     autotune_mod = sys.modules["cupyflash.autotune"]
     a, b = TUNE_BF16_128[:2]
-    monkeypatch.setattr(autotune_mod, "time_cupy", lambda run, n_sets, warmup, iters: benchmarking.Timing(1, 1, 1, 1))
+    monkeypatch.setattr(autotune_mod, "time_cupy",
+                        lambda run, n_sets, warmup, iters, sustain=0.0: benchmarking.Timing(1, 1, 1, 1))
     problem = types.SimpleNamespace(n_sets=1, timed_call=lambda cfg: (lambda i: None),
                                     skip_reason=lambda cfg: None, check=lambda cfg: None)
     winner = autotune_mod._Result(a, 7, timing=benchmarking.Timing(1, 1, 1, 1))
     assert autotune_mod._knob_round(winner, [b], {}, problem, warmup=0, iters=2, first_index=10).cfg == a
     assert autotune_mod._knob_round(winner, [], {}, problem, warmup=0, iters=2, first_index=10) is winner
+
+
+def test_sustain_loads_the_gpu_before_the_deciding_rounds_only(isolated_tables, fake_tuner, monkeypatch):
+    """sustain > 0: every timing of the final and knob rounds runs after that much load (the
+    configs that decide the row meet at the power-capped clock); the sweeps, which only choose
+    the finalists, run without it; the table's meta records it. Times are fixtures."""
+    from cupyflash.families import get_family
+
+    cands, twin = TUNE_BF16_128[:4], TUNE_BF16_128[4]
+    speed = {c: 1.0 + 0.1 * i for i, c in enumerate(cands)}
+    speed[twin] = 0.5
+    fake_tuner.time_of = speed.__getitem__
+    monkeypatch.setattr(get_family("forward_sm80"), "knob_twins", lambda cfg, causal: [twin])
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=4, warmup=0,
+                                    progress=False, finalists=2, sustain=0.25)
+    assert table.get(DType.BF16, 128, 128).config == twin and table.meta["sustain"] == 0.25
+    sweeps, rest = fake_tuner.sustains[:2 * len(cands)], fake_tuner.sustains[2 * len(cands):]
+    assert {s for _, s in sweeps} == {0.0}
+    finals = [(c, s) for c, s in rest if s]
+    rounds = fake_tuner.mod.FINAL_ROUNDS
+    # the two finalists in the final rounds, then the winner and its twin in the knob round
+    assert len(finals) == 2 * rounds + 2 * rounds and {c for c, _ in finals} == {cands[0], cands[1], twin}
+    assert [c for c, s in rest if not s] == [twin]  # the twin's first (screening) timing, unloaded
+    with pytest.raises(ValueError, match="sustain"):
+        fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, progress=False, sustain=-1.0)
+
