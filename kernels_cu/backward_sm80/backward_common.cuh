@@ -11,12 +11,6 @@
 #pragma once
 
 #define CF_POS_INF (__int_as_float(0x7f800000))
-#ifndef CF_NEG_INF
-#define CF_NEG_INF (-__int_as_float(0x7f800000))
-#endif
-#ifndef CF_LOG2E
-#define CF_LOG2E 1.4426950408889634f
-#endif
 
 template <BackwardKernelConfig C>
 struct StaticBackwardKernelConfig {

@@ -177,22 +177,14 @@ struct BackwardKVCTA {
 
     // Scores that must not count become -inf: keys past seq_len_k and, under causal masking,
     // keys after a query's diagonal (key > query + seq_len_k - seq_len_q).
+    // The tile is S^T: rows are keys, columns queries.
     CF_DEVICE void mask_scores(float (&s)[MK][Cfg::Q_N_TILES][4], int q0, int keys_valid) {
-#pragma unroll
-        for (int m = 0; m < MK; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int key = warp_key0 + 16 * m + 8 * h + (lane >> 2);
-#pragma unroll
-                for (int n = 0; n < Cfg::Q_N_TILES; ++n)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int query = 8 * n + 2 * (lane & 3) + e;
-                        bool masked = key >= keys_valid;
-                        if constexpr (CAUSAL) masked = masked || k0() + key > q0 + query + offset();
-                        if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
-                    }
-            }
+        mask_fragments<true>(s, lane, [&](int m, int h, int query) {
+            const int key = warp_key0 + 16 * m + 8 * h + (lane >> 2);
+            bool masked = key >= keys_valid;
+            if constexpr (CAUSAL) masked |= k0() + key > q0 + query + offset();
+            return masked;
+        });
     }
 
     // One query block of one head. On entry its Q, dO and row statistics are in shared memory.

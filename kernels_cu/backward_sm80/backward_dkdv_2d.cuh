@@ -254,21 +254,12 @@ struct BackwardKVCTA2D {
         if constexpr (CAUSAL)  // warp-uniform: does the tile's last key lie after its first row's diagonal?
             need_mask = need_mask || k0() + a_k0 + 31 > q0 + a_q0 + offset();
         if (need_mask) {
-#pragma unroll
-            for (int m = 0; m < S_M; ++m)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = a_q0 + 16 * m + 8 * h + (lane >> 2);
-#pragma unroll
-                    for (int n = 0; n < S_N; ++n)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = a_k0 + 8 * n + 2 * (lane & 3) + e;
-                            bool masked = key >= keys_valid;
-                            if constexpr (CAUSAL) masked = masked || k0() + key > q0 + row + offset();
-                            if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
-                        }
-                }
+            mask_fragments<true>(s, lane, [&](int m, int h, int col) {
+                const int row = a_q0 + 16 * m + 8 * h + (lane >> 2), key = a_k0 + col;
+                bool masked = key >= keys_valid;
+                if constexpr (CAUSAL) masked = masked || k0() + key > q0 + row + offset();
+                return masked;
+            });
         }
         float lse2[S_M][2], dvec[S_M][2];
 #pragma unroll

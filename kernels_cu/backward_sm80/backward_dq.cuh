@@ -94,18 +94,11 @@ struct BackwardDQCTA {
         bool need_mask = keys_valid < Cfg::BC;
         if constexpr (CAUSAL) need_mask = need_mask || key0 + Cfg::BC - 1 > row0 - (lane >> 2) + offset();
         if (need_mask) {
-#pragma unroll
-            for (int n = 0; n < KEY_N_TILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = 8 * n + 2 * (lane & 3) + e;
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        bool masked = key >= keys_valid;
-                        if constexpr (CAUSAL) masked = masked || key0 + key > row0 + 8 * h + offset();
-                        if (masked) s[n][2 * h + e] = CF_NEG_INF;
-                    }
-                }
+            mask_fragments(s, lane, [&](int, int h, int key) {
+                bool masked = key >= keys_valid;
+                if constexpr (CAUSAL) masked |= key0 + key > row0 + 8 * h + offset();
+                return masked;
+            });
         }
 #pragma unroll
         for (int n = 0; n < KEY_N_TILES; ++n)

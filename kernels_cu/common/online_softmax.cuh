@@ -7,9 +7,6 @@
 // per block.
 #pragma once
 
-#define CF_NEG_INF (-__int_as_float(0x7f800000))
-#define CF_LOG2E 1.4426950408889634f
-
 // 2^x for x <= 0 on the FMA/ALU pipes instead of MUFU.EX2 (16 results per clock per SM): x is
 // split as j + f with j = round(x) (the 1.5 * 2^23 shift puts j in the low mantissa bits, no
 // conversion instruction) and f in [-1/2, 1/2]; 2^f by a degree-3 polynomial (relative error

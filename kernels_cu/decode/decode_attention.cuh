@@ -320,20 +320,11 @@ struct DecodeCTA {
             cut = cut || key + Cfg::BC - 1 > first_diag;
         }
         if (cut) {
-#pragma unroll
-            for (int n = 0; n < Cfg::S_N_TILES; ++n)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = 8 * n + 2 * (lane & 3) + e;
-#pragma unroll
-                    for (int m = 0; m < Cfg::M_TILES; ++m)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            bool masked = col >= keys_valid;
-                            if constexpr (CAUSAL) masked = masked || key + col > diag[m][h];
-                            if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
-                        }
-                }
+            mask_fragments(s, lane, [&](int m, int h, int col) {
+                bool masked = col >= keys_valid;
+                if constexpr (CAUSAL) masked |= key + col > diag[m][h];
+                return masked;
+            });
         }
 
         float rescale[Cfg::M_TILES][2];

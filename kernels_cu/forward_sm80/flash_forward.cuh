@@ -269,19 +269,9 @@ struct ForwardCTA {
     // visible key, relative to the block's first key, for this lane's first row (m = 0, h = 0).
     CF_DEVICE void mask_scores(float (&s)[Cfg::M_TILES][Cfg::S_N_TILES][4], int keys_valid, bool causal,
                                int diagonal) {
-#pragma unroll
-        for (int n = 0; n < Cfg::S_N_TILES; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int key = 8 * n + 2 * (lane & 3) + e;
-#pragma unroll
-                for (int m = 0; m < Cfg::M_TILES; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const bool masked = key >= keys_valid || (causal && key > diagonal + 16 * m + 8 * h);
-                        if (masked) s[m][n][2 * h + e] = CF_NEG_INF;
-                    }
-            }
+        mask_fragments(s, lane, [&](int m, int h, int key) {
+            return (key >= keys_valid) | (causal & (key > diagonal + 16 * m + 8 * h));
+        });
     }
 
     // Probabilities (fp32 C fragments of S) -> A fragments of P, per k-step of 16 keys.

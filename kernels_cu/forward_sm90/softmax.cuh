@@ -30,18 +30,11 @@ struct WarpgroupSoftmax {
             cut = cut || (wg_row0 + shift - key0 < Cfg::BC - 1);
         }
         if (!cut) return;
-#pragma unroll
-        for (int n = 0; n < S_TILES; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int key = 8 * n + 2 * (lane & 3) + e;
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    bool masked = key >= keys_valid;
-                    if constexpr (CAUSAL) masked = masked || key > diagonal + 8 * h;
-                    if (masked) s[0][n][2 * h + e] = CF_NEG_INF;
-                }
-            }
+        mask_fragments(s, lane, [&](int, int h, int key) {
+            bool masked = key >= keys_valid;
+            if constexpr (CAUSAL) masked |= key > diagonal + 8 * h;
+            return masked;
+        });
     }
 
     // Probabilities -> A fragments of P, one per k-step of 16 keys (two adjacent column tiles of

@@ -24,7 +24,7 @@ class DecodeFamily(KernelFamily):
     description = "split-KV decode attention with GQA packing and paged KV caches (sm_80+)"
     config_type = DecodeKernelConfig
     template = "decode.cu.j2"
-    headers = ("common/ptx.cuh", "common/tile_primitives.cuh", "common/online_softmax.cuh",
+    headers = ("common/ptx.cuh", "common/score_mask.cuh", "common/tile_primitives.cuh", "common/online_softmax.cuh",
                "decode/decode_common.cuh", "decode/decode_attention.cuh", "decode/decode_combine.cuh")
     static_wrapper = "StaticDecodeKernelConfig"
     roles = (KernelRole("attention", "decode_attention_kernel", DECODE_PARAMS),
