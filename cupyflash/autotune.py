@@ -241,7 +241,10 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
         grid_shape(s, max(d_heads, default=128))  # ValueError for a bucket the grid cannot express
     if iters < 1 or warmup < 0 or finalists < 1:
         raise ValueError(f"iters >= 1, warmup >= 0 and finalists >= 1 expected, got {iters}, {warmup}, {finalists}")
-    sustain = float(sustain)
+    try:
+        sustain = float(sustain)
+    except (TypeError, ValueError):
+        raise ValueError(f"sustain: expected seconds >= 0, got {sustain!r}") from None
     if not sustain >= 0:  # also refuses NaN
         raise ValueError(f"sustain: expected seconds >= 0, got {sustain}")
     candidates = list(candidates) if candidates is not None else None
@@ -395,7 +398,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--sustain", type=float, default=0.0, metavar="S",
                         help="seconds of back-to-back calls before each timing of the final and knob rounds, "
                              "so rows are decided at the GPU's power-capped clock (training, long prefill) "
-                             "rather than in a short burst; 0.3 suffices on an H100 (default 0)")
+                             "rather than in a short burst; the H100 table's probes used 0.3 (default 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     return parser
 

@@ -587,6 +587,7 @@ def test_sustain_loads_the_gpu_before_the_deciding_rounds_only(isolated_tables, 
     # the two finalists in the final rounds, then the winner and its twin in the knob round
     assert len(finals) == 2 * rounds + 2 * rounds and {c for c, _ in finals} == {cands[0], cands[1], twin}
     assert [c for c, s in rest if not s] == [twin]  # the twin's first (screening) timing, unloaded
-    with pytest.raises(ValueError, match="sustain"):
-        fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, progress=False, sustain=-1.0)
+    for bad in (-1.0, float("nan"), "long"):
+        with pytest.raises(ValueError, match="sustain"):
+            fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, progress=False, sustain=bad)
 
