@@ -13,10 +13,10 @@ relative L2 bound) and dropped if wrong. All candidates are timed in two sweeps,
 reversed (`iters`/2 CUDA-event samples each; the mean of the two medians cancels clock drift);
 the `finalists` fastest are timed again in FINAL_ROUNDS interleaved rounds of `iters` samples,
 and the lowest median of round medians wins (ties: the earlier config in the sorted candidate
-order, so the set and its order are deterministic). Then the winner meets its knob twins
-(`KernelFamily.knob_twins`: the same config with launch knobs the tune set leaves out, such as
-forward_sm90's `ring`, `oreg`, `xtile`, `wgblocks`), each checked once, in FINAL_ROUNDS more
-interleaved rounds; ties keep the winner. With `sustain` S > 0 each timing of those rounds first
+order, so the set and its order are deterministic). Then the winner meets the knob twins of the
+`twin_finalists` fastest finalists (`KernelFamily.knob_twins`: the same config with launch knobs
+the tune set leaves out, such as forward_sm90's `ring`, `oreg`, `xtile`, `wgblocks`), each
+checked once, in FINAL_ROUNDS more interleaved rounds; ties keep the winner. With `sustain` S > 0 each timing of those rounds first
 runs S seconds of back-to-back calls, so the configs that decide a row are compared at the GPU's
 power-capped clock (as in training or a long prefill) instead of the boost clock of a short burst:
 the shipped H100 table's picks were chosen that way, and at the cap `lazy` or `oreg` can win rows
@@ -48,6 +48,10 @@ DEFAULT_ITERS = 20
 DEFAULT_WARMUP = 5
 DEFAULT_FINALISTS = 8
 FINAL_ROUNDS = 5
+# Finalists whose knob twins are timed, fastest first: the best knob combination is not always a
+# twin of the fastest plain config (H100, d_head 64 causal 512/1k at the cap: the finals' winner
+# was 128x128 x3 or x2 without `lazy`, the best config x2 `lazy` + `oreg`, NOTES.md items 191-192).
+DEFAULT_TWIN_FINALISTS = 2
 
 
 def candidate_configs(dtype: DType, d_head: int, candidates: Iterable[KernelConfig] | None = None,
@@ -65,7 +69,7 @@ class _Result:
     index: int                    # position in the candidate order, the tie-breaker
     timing: Timing | None = None
     error: str | None = None
-    twin_of: KernelConfig | None = None  # the finals' winner this knob twin beat (_knob_round)
+    twin_of: KernelConfig | None = None  # the finalist this knob twin was made from (_knob_round)
 
 
 def _now() -> str:
@@ -103,11 +107,15 @@ def _compile_all(configs: Sequence[KernelConfig], device: int, stream: TextIO | 
 
 def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None], problem: TuningProblem,
                  iters: int, warmup: int, finalists: int, bar: ProgressBar,
-                 twins: Callable[[KernelConfig], list[KernelConfig]] | None = None, sustain: float = 0.0
+                 twins: Callable[[KernelConfig], list[KernelConfig]] | None = None, sustain: float = 0.0,
+                 twin_finalists: int = DEFAULT_TWIN_FINALISTS, heuristic: KernelConfig | None = None
                  ) -> tuple[_Result | None, list[_Result]]:
-    """Time every candidate on one bucket's problem; returns (winner, all). `twins(cfg)`: the
-    winner's knob twins, timed against it last (None: none). `sustain`: seconds of load before
-    each timing of the final and knob rounds (the sweeps only choose the finalists)."""
+    """Time every candidate on one bucket's problem; returns (winner, all). `twins(cfg)`: a
+    config's knob twins; those of the `twin_finalists` fastest finalists are timed against the
+    winner last (None: none). `sustain`: seconds of load before each timing of the final and
+    knob rounds (the sweeps only choose the finalists); the `heuristic` config, whose figure the
+    table reports beside the winner's, is then timed once more under load unless it was a
+    finalist, so the two figures come from the same clock regime."""
     n_sets, flops, label = problem.n_sets, problem.flops, problem.label
     sweep_iters = max(1, iters // 2)  # the first pass is two sweeps (in order, then reversed)
     for r in results:
@@ -130,14 +138,25 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
         r.timing = Timing((r.timing.median_ms + again.median_ms) / 2, min(r.timing.min_ms, again.min_ms),
                           max(r.timing.max_ms, again.max_ms), r.timing.samples + again.samples)
     timed = sorted((r for r in results if r.timing), key=lambda r: (r.timing.median_ms, r.index))
-    winner = _final_round(timed[:max(1, finalists)], problem, warmup, iters, sustain)
+    finals = timed[:max(1, finalists)]
+    winner = _final_round(finals, problem, warmup, iters, sustain)
     if winner is not None and twins is not None:
-        winner = _knob_round(winner, twins(winner.cfg), checked, problem, warmup, iters, len(results), sustain)
+        ranked = sorted((r for r in finals if r.timing), key=lambda r: (r.timing.median_ms, r.index))
+        made: dict[KernelConfig, KernelConfig] = {}  # twin -> the finalist it was made from
+        for base in ranked[:max(1, twin_finalists)]:
+            for twin in twins(base.cfg):
+                if twin not in made and all(twin != r.cfg for r in results):
+                    made[twin] = base.cfg
+        winner = _knob_round(winner, made, checked, problem, warmup, iters, len(results), sustain)
+    if sustain > 0:
+        for r in results:
+            if r.cfg == heuristic and r.timing is not None and all(r is not f for f in finals):
+                _check_and_time(r, checked, problem, warmup, iters, sustain)
     return winner, results
 
 
 def _check_and_time(r: _Result, checked: dict[KernelConfig, str | None], problem: TuningProblem,
-                    warmup: int, iters: int) -> bool:
+                    warmup: int, iters: int, sustain: float = 0.0) -> bool:
     """Set r.timing (one timing of `iters` samples) or r.error: a config the problem skips, one
     that failed before (`checked` holds each config's check result, so the float64 check runs
     once per config), or one whose check or launch fails now. True when the problem skips it."""
@@ -153,17 +172,18 @@ def _check_and_time(r: _Result, checked: dict[KernelConfig, str | None], problem
         if r.cfg not in checked:  # a poisoned output against the float64 reference
             checked[r.cfg] = r.error = problem.check(r.cfg)
         if r.error is None:
-            r.timing = time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters)
+            r.timing = time_cupy(problem.timed_call(r.cfg), problem.n_sets, warmup, iters, sustain=sustain)
     except Exception as exc:  # one broken config must not end the whole run; it is reported
         r.error = checked[r.cfg] = f"{type(exc).__name__}: {exc}"
     return False
 
 
-def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[KernelConfig, str | None],
+def _knob_round(winner: _Result, twins: dict[KernelConfig, KernelConfig], checked: dict[KernelConfig, str | None],
                 problem: TuningProblem, warmup: int, iters: int, first_index: int, sustain: float = 0.0) -> _Result:
-    """The winner against its knob twins: each twin checked once against the reference (a wrong
-    or failing one is reported with the broken configs and left out), timed once, then all in
-    `_final_round`'s interleaved rounds. Twins rank after every candidate, so ties keep the winner."""
+    """The winner against knob twins (`twins`: each twin and the finalist it was made from): each
+    twin checked once against the reference (a wrong or failing one is reported with the broken
+    configs and left out), timed once, then all in `_final_round`'s interleaved rounds. Twins
+    rank after every candidate, so ties keep the winner."""
     entrants = [winner]
     for i, cfg in enumerate(twins):
         r = _Result(cfg, first_index + i)
@@ -174,7 +194,7 @@ def _knob_round(winner: _Result, twins: list[KernelConfig], checked: dict[Kernel
         return winner
     best = _final_round(entrants, problem, warmup, iters, sustain) or winner
     if best is not winner:
-        best.twin_of = winner.cfg
+        best.twin_of = twins[best.cfg]
     return best
 
 
@@ -210,12 +230,14 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
              iters: int = DEFAULT_ITERS, progress: bool = True, table_path: str | Path | None = None, *,
              warmup: int = DEFAULT_WARMUP, finalists: int = DEFAULT_FINALISTS, device: int | None = None,
              write_default: bool = False, stream: TextIO | None = None, causal: bool = False,
-             family: str | KernelFamily = DEFAULT_FAMILY, knob_twins: bool = True, sustain: float = 0.0) -> TuningTable:
+             family: str | KernelFamily = DEFAULT_FAMILY, knob_twins: bool = True, sustain: float = 0.0,
+             twin_finalists: int = DEFAULT_TWIN_FINALISTS) -> TuningTable:
     """Benchmark the candidates of kernel family `family` on the current GPU and store the winners.
 
     causal=True times causally masked problems and stores the table's causal rows (which
     forward(causal=True) prefers); the non-causal rows are left as they are, and vice versa.
-    knob_twins=False skips the winners' knob twins (`KernelFamily.knob_twins`). sustain > 0
+    knob_twins=False skips the knob twins (`KernelFamily.knob_twins`) of the `twin_finalists`
+    fastest finalists. sustain > 0
     (seconds) loads the GPU that long before each timing of the final and knob rounds, so rows
     are decided at its power-capped clock (see the module docstring).
 
@@ -241,6 +263,8 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
         grid_shape(s, max(d_heads, default=128))  # ValueError for a bucket the grid cannot express
     if iters < 1 or warmup < 0 or finalists < 1:
         raise ValueError(f"iters >= 1, warmup >= 0 and finalists >= 1 expected, got {iters}, {warmup}, {finalists}")
+    if isinstance(twin_finalists, bool) or not isinstance(twin_finalists, int) or twin_finalists < 1:
+        raise ValueError(f"twin_finalists: expected an int >= 1, got {twin_finalists!r}")
     try:
         sustain = float(sustain)
     except (TypeError, ValueError):
@@ -267,7 +291,8 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
         missing: list[str] = []
         broken: list[str] = []
         meta = {"date": _now(), "versions": _versions(), "iters": iters, "warmup": warmup,
-                "finalists": finalists, "sustain": sustain, "causal": causal, "family": fam.name,
+                "finalists": finalists, "twin_finalists": twin_finalists if knob_twins else 0, "sustain": sustain,
+                "causal": causal, "family": fam.name,
                 "grid": f"batch*seq=16384, heads*d_head=2048, {'causal' if causal else 'non-causal'}, "
                         "seq_q=seq_k=bucket",
                 "missing": missing, "broken_configs": broken, "complete": False}
@@ -282,7 +307,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
                 problem = fam.tuning_problem(dtype, d_head, seq, causal, l2_bytes)
                 try:
                     winner, results = _tune_bucket(results, checked, problem, iters, warmup, finalists, bar,
-                                                   twins, sustain)
+                                                   twins, sustain, twin_finalists, heuristic)
                 finally:
                     problem.close()
                 if winner is None:
@@ -293,7 +318,7 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
                 info = {**problem.info,
                         "candidates": len(cfgs), "correct": sum(r.timing is not None for r in results),
                         "heuristic_tflops": round(base.timing.tflops(flops), 2) if base else None}
-                if winner.twin_of is not None:  # a knob twin took the row: say from which winner
+                if winner.twin_of is not None:  # a knob twin took the row: say from which finalist
                     info["twin_of"] = winner.twin_of.short_form()
                 for t in (table, run):
                     t.set(winner.cfg, seq, round(winner.timing.tflops(flops), 2),
@@ -393,8 +418,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--causal", action="store_true",
                         help="tune causally masked problems: the table's causal rows, used by forward(causal=True)")
     parser.add_argument("--no-knob-twins", dest="knob_twins", action="store_false",
-                        help="do not time each winner's knob twins (the winner with launch knobs the "
+                        help="do not time the finalists' knob twins (a config with launch knobs the "
                              "tune set leaves out, e.g. forward_sm90's ring/oreg/xtile/wgblocks)")
+    parser.add_argument("--twin-finalists", type=int, default=DEFAULT_TWIN_FINALISTS, metavar="N",
+                        help=f"how many of the fastest finalists have their knob twins timed against the "
+                             f"winner (default {DEFAULT_TWIN_FINALISTS})")
     parser.add_argument("--sustain", type=float, default=0.0, metavar="S",
                         help="seconds of back-to-back calls before each timing of the final and knob rounds, "
                              "so rows are decided at the GPU's power-capped clock (training, long prefill) "
@@ -425,7 +453,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         table = autotune(dtypes, d_heads, seqs, candidates, iters=args.iters, progress=not args.quiet,
                          table_path=args.table, warmup=args.warmup, finalists=args.finalists,
                          device=args.device, write_default=args.write_default, causal=args.causal,
-                         family=family, knob_twins=args.knob_twins, sustain=args.sustain)
+                         family=family, knob_twins=args.knob_twins, sustain=args.sustain,
+                         twin_finalists=args.twin_finalists)
     except ValueError as exc:
         print(f"autotune: error: {exc}", file=sys.stderr)
         return 2

@@ -540,8 +540,8 @@ def test_winner_meets_its_knob_twins(isolated_tables, fake_tuner, monkeypatch, c
     err = capsys.readouterr().err
     picked = [e.config for e in table.entries()]
     timed = [cfg for cfg, _ in fake_tuner.launches]
-    if knob_twins:
-        assert picked == [faster, faster] and asked == [(cands[1], False), (cands[1], False)]
+    if knob_twins:  # the two fastest finalists' twins, per bucket
+        assert picked == [faster, faster] and asked == [(cands[1], False), (cands[0], False)] * 2
         assert table.get(DType.BF16, 128, 128).info["twin_of"] == cands[1].short_form()
         assert timed.count(wrong) == 1 and "relative L2 error" in err  # checked once, then excluded
     else:
@@ -587,7 +587,37 @@ def test_sustain_loads_the_gpu_before_the_deciding_rounds_only(isolated_tables, 
     # the two finalists in the final rounds, then the winner and its twin in the knob round
     assert len(finals) == 2 * rounds + 2 * rounds and {c for c, _ in finals} == {cands[0], cands[1], twin}
     assert [c for c, s in rest if not s] == [twin]  # the twin's first (screening) timing, unloaded
+    # the heuristic's figure, reported beside the winner's, comes from the same loaded regime
+    heuristic = config_sets.default_config(DType.BF16, 128)
+    speed[heuristic] = 3.0  # never a finalist
+    fake_tuner.sustains.clear()
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands + [heuristic], iters=4, warmup=0,
+                                    progress=False, finalists=2, sustain=0.25)
+    assert fake_tuner.sustains[-1] == (heuristic, 0.25)
+    assert table.get(DType.BF16, 128, 128).info["heuristic_tflops"] is not None
     for bad in (-1.0, float("nan"), "long"):
         with pytest.raises(ValueError, match="sustain"):
             fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, progress=False, sustain=bad)
 
+
+def test_a_runner_up_twin_can_take_the_row(isolated_tables, fake_tuner, monkeypatch):
+    """The knob twins of the second-fastest finalist are timed too (twin_finalists=2, the
+    default): when one of them beats the winner it takes the row and `twin_of` names the finalist
+    it was made from; twin_finalists=1 times only the winner's. Times are fixtures."""
+    from cupyflash.families import get_family
+
+    cands, (winners_twin, runner_ups_twin) = TUNE_BF16_128[:3], TUNE_BF16_128[3:5]
+    speed = {cands[0]: 1.0, cands[1]: 0.9, cands[2]: 1.2, winners_twin: 0.95, runner_ups_twin: 0.6}
+    fake_tuner.time_of = speed.__getitem__
+    made = {cands[1]: [winners_twin], cands[0]: [runner_ups_twin], cands[2]: []}
+    monkeypatch.setattr(get_family("forward_sm80"), "knob_twins", lambda cfg, causal: made[cfg])
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=3, warmup=0,
+                                    progress=False)
+    row = table.get(DType.BF16, 128, 128)
+    assert row.config == runner_ups_twin and row.info["twin_of"] == cands[0].short_form()
+    assert table.meta["twin_finalists"] == 2
+    table = fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, iters=3, warmup=0,
+                                    progress=False, twin_finalists=1)
+    assert table.get(DType.BF16, 128, 128).config == cands[1]  # its own twin is slower
+    with pytest.raises(ValueError, match="twin_finalists"):
+        fake_tuner.mod.autotune([DType.BF16], [128], [128], candidates=cands, progress=False, twin_finalists=0)
