@@ -185,9 +185,9 @@ class KernelFamily:
         return sorted(c for c in self.config_set("tune") if c.dtype is dtype and c.d_head == d_head)  # type: ignore[attr-defined]
 
     def knob_twins(self, cfg: KernelConfig, causal: bool) -> list[KernelConfig]:
-        """Configs that differ from an autotuned winner `cfg` only by launch knobs the tune set
-        leaves out (their worth depends on the row); autotune times them beside the winner and
-        keeps the fastest. None by default."""
+        """Configs that differ from an autotune finalist `cfg` only by launch knobs the tune set
+        leaves out (their worth depends on the row); autotune times those of its fastest
+        finalists beside the winner and keeps the fastest. None by default."""
         return []
 
     def progression_configs(self, dtype: DType, d_head: int) -> list[KernelConfig]:
