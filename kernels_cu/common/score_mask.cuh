@@ -18,27 +18,20 @@
 // 2-D dK/dV kernel needs the || form to stay within 255 registers.
 template <bool ROWS_OUTER = false, int M, int N, class Masked>
 CF_DEVICE void mask_fragments(float (&s)[M][N][4], int lane, Masked&& masked) {
-    if constexpr (ROWS_OUTER) {
+    // (a, b, c, d) is (m, h, n, e) with ROWS_OUTER, else (n, e, m, h): one nest, two orders
+    constexpr int A = ROWS_OUTER ? M : N, C = ROWS_OUTER ? N : M;
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+    for (int a = 0; a < A; ++a)
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
+        for (int b = 0; b < 2; ++b)
 #pragma unroll
-                for (int n = 0; n < N; ++n)
+            for (int c = 0; c < C; ++c)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        if (masked(m, h, 8 * n + 2 * (lane & 3) + e)) s[m][n][2 * h + e] = CF_NEG_INF;
-    } else {
-#pragma unroll
-        for (int n = 0; n < N; ++n)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-#pragma unroll
-                for (int m = 0; m < M; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        if (masked(m, h, 8 * n + 2 * (lane & 3) + e)) s[m][n][2 * h + e] = CF_NEG_INF;
-    }
+                for (int d = 0; d < 2; ++d) {
+                    const int m = ROWS_OUTER ? a : c, h = ROWS_OUTER ? b : d;
+                    const int n = ROWS_OUTER ? c : a, e = ROWS_OUTER ? d : b;
+                    if (masked(m, h, 8 * n + 2 * (lane & 3) + e)) s[m][n][2 * h + e] = CF_NEG_INF;
+                }
 }
 
 // One m-tile held without its m index (s[n][4]).
