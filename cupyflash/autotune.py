@@ -16,11 +16,12 @@ and the lowest median of round medians wins (ties: the earlier config in the sor
 order, so the set and its order are deterministic). Then the winner meets the knob twins of the
 `twin_finalists` fastest finalists (`KernelFamily.knob_twins`: the same config with launch knobs
 the tune set leaves out, such as forward_sm90's `ring`, `oreg`, `xtile`, `wgblocks`), each
-checked once, in FINAL_ROUNDS more interleaved rounds; ties keep the winner. With `sustain` S > 0 each timing of those rounds first
-runs S seconds of back-to-back calls, so the configs that decide a row are compared at the GPU's
-power-capped clock (as in training or a long prefill) instead of the boost clock of a short burst:
-the shipped H100 table's picks were chosen that way, and at the cap `lazy` or `oreg` can win rows
-that burst timing gives to another config (NOTES.md items 157, 191).
+checked once, in FINAL_ROUNDS more interleaved rounds; ties keep the winner. With `sustain` S > 0
+each timing of those rounds first runs S seconds of back-to-back calls, so the configs that
+decide a row are compared at the GPU's power-capped clock (as in training or a long prefill)
+instead of the boost clock of a short burst: the shipped H100 table's picks were chosen that
+way, and at the cap `lazy` or `oreg` can win rows that burst timing gives to another config
+(NOTES.md items 157, 191).
 """
 from __future__ import annotations
 
@@ -143,9 +144,10 @@ def _tune_bucket(results: list[_Result], checked: dict[KernelConfig, str | None]
     if winner is not None and twins is not None:
         ranked = sorted((r for r in finals if r.timing), key=lambda r: (r.timing.median_ms, r.index))
         made: dict[KernelConfig, KernelConfig] = {}  # twin -> the finalist it was made from
+        timed_already = {r.cfg for r in results}  # a twin that is a candidate has had its chance
         for base in ranked[:max(1, twin_finalists)]:
             for twin in twins(base.cfg):
-                if twin not in made and all(twin != r.cfg for r in results):
+                if twin not in made and twin not in timed_already:
                     made[twin] = base.cfg
         winner = _knob_round(winner, made, checked, problem, warmup, iters, len(results), sustain)
     if sustain > 0:
@@ -237,9 +239,9 @@ def autotune(dtypes: Iterable[DType | str] = tuple(DType), d_heads: Iterable[int
     causal=True times causally masked problems and stores the table's causal rows (which
     forward(causal=True) prefers); the non-causal rows are left as they are, and vice versa.
     knob_twins=False skips the knob twins (`KernelFamily.knob_twins`) of the `twin_finalists`
-    fastest finalists. sustain > 0
-    (seconds) loads the GPU that long before each timing of the final and knob rounds, so rows
-    are decided at its power-capped clock (see the module docstring).
+    fastest finalists. sustain > 0 (seconds) loads the GPU that long before each timing of the
+    final and knob rounds, so rows are decided at its power-capped clock (see the module
+    docstring).
 
     Writes the table (merged over an existing valid one for this device) to `table_path`
     (default `<cache dir>/tuning/<device slug>.json`), prints it, and returns it. With

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """forward_sm90 at d_head 64 and 256 (issue 11's rows; d_head 128 rows too) beside SDPA cuDNN,
-one process: per grid point, the shipped table's pick (what cfg=None runs), candidate configs derived from it (the
-`lazy` and `oreg` knobs, the 192-column key tile at d64, persistent CTAs with the early Q release
-at d256; see _fixed for the current list) and cuDNN, each checked once against float64 (bench.py's spot-row check), then timed
-in --rounds interleaved rounds (order rotated per round; median of round medians), so clock
-drift falls on all alike.
+one process: per grid point, the shipped table's pick (what cfg=None runs), candidate configs
+derived from it (the `lazy` and `oreg` knobs, the 192-column key tile at d64, persistent CTAs
+with the early Q release at d256; see _fixed for the current list) and cuDNN, each checked once
+against float64 (bench.py's spot-row check), then timed in --rounds interleaved rounds (order
+rotated per round; median of round medians), so clock drift falls on all alike.
 
     python scripts/probe_sm90_d64_256.py [--rows d64,d64c,d256] [--seqs 2k,4k,16k] [--rounds 2]
                                          [--iters 20] [--sustain S] [--twins 'lazy|ring+lazy'] [--json probe.json]
