@@ -363,6 +363,7 @@ def _store(table: TuningTable, run: TuningTable, path: Path, name: str, meta: di
     previous = _existing_table(target, name, run.family) if target.is_file() else None
     if previous is not None:  # the other models it was measured to serve stay served
         shipped.also_match = previous.also_match
+        shipped.fallback_arch = previous.fallback_arch
     for e in (previous.entries() if previous is not None else []) + run.entries():
         shipped.set(e.config, e.seq, e.tflops, e.ms, causal=e.causal, **e.info)
     return shipped.save(target)

@@ -203,15 +203,17 @@ def _auto_choice(dtype: DType, d_head: int, seq: int, device: int,
     """What forward(cfg=None) runs here and why; cross-checked with the library's own resolver."""
     from cupyflash.api import resolve_config
     from cupyflash.families import family_of
-    from cupyflash.tuning import device_name, explain_choice
+    from cupyflash.tuning import device_arch_name, device_name, explain_choice
 
     keys = seq if seq_k is None else seq_k
     used = resolve_config(None, dtype, d_head, seq, keys, device, causal)
     family = family_of(used).name
     if family != DEFAULT_FAMILY:  # the Hopper family on Hopper: its tuning table, else its default config
-        tuned, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal, family=family)
+        tuned, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal, family,
+                                       device_arch_name(device))
         return used, (f"{family} {source}" if tuned == used else f"{family} default")
-    cfg, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal)
+    cfg, source = explain_choice(dtype, d_head, seq, keys, device_name(device), causal, DEFAULT_FAMILY,
+                                 device_arch_name(device))
     if cfg is None:
         cfg, source = get_family(DEFAULT_FAMILY).default_config(dtype, d_head), "heuristic"
     if used != cfg:

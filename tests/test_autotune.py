@@ -133,6 +133,80 @@ def test_also_match_serves_other_models_after_their_own_tables(isolated_tables, 
     assert tuning.explain_choice(DType.BF16, 128, 4096, 4096, H100)[0] == CFG_A
 
 
+def test_fallback_arch_serves_unnamed_models_of_that_arch_last(isolated_tables):
+    shared = _table([(CFG_A, 512), (CFG_B, 4096)], match="H100")
+    shared.fallback_arch = "sm_90"
+    assert shared.serves_arch("sm_90") and not shared.serves_arch("sm_80") and not shared.serves_arch(None)
+    again = TuningTable.from_dict(json.loads(json.dumps(shared.to_dict())))
+    assert again.fallback_arch == "sm_90"
+    assert "fallback_arch" not in _table([(CFG_A, 512)], match="H100").to_dict()  # older tables read the same
+    for bad in (90, "90", "SM_90", "sm_9", ""):
+        with pytest.raises(TuningTableError, match="fallback_arch"):
+            TuningTable.from_dict({**shared.to_dict(), "fallback_arch": bad})
+    with pytest.raises(TuningTableError, match="fallback_arch"):
+        TuningTable(match="H100", fallback_arch="hopper")
+    path = shared.save(isolated_tables.shipped / "default_h100.json")
+    # another sm_90 model no table names takes the table, seq-aware, and says why ...
+    for name in ("NVIDIA H800", "NVIDIA GH200 480GB", "NVIDIA H20"):
+        assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, name, arch="sm_90") == (
+            CFG_B, f"default table {path} (fallback for sm_90)")
+        assert tuning.explain_choice(DType.BF16, 128, 512, 512, name, arch="sm_90")[0] == CFG_A
+        # ... a model of another arch, or a call without the arch, does not ...
+        assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, name, arch="sm_89") == (None, "heuristic")
+        assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, name) == (None, "heuristic")
+    assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, None, arch="sm_90")[0] == CFG_B
+    # ... the model's own table comes first, its user table before that, and a table that names the
+    # model without the problem's row leaves it to the fallback
+    own = _table([(DEFAULT, 512)], match="H800")
+    own.save(isolated_tables.shipped / "default_h800.json")
+    tuning.clear_caches()
+    assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, "NVIDIA H800", arch="sm_90") == (
+        DEFAULT, f"default table {isolated_tables.shipped / 'default_h800.json'}")
+    assert tuning.explain_choice(DType.FP16, 128, 8192, 8192, "NVIDIA H800", arch="sm_90") == (None, "heuristic")
+    fp16 = config_sets.default_config(DType.FP16, 128)
+    shared.set(fp16, 512)
+    shared.save(path)
+    tuning.clear_caches()
+    assert tuning.explain_choice(DType.FP16, 128, 8192, 8192, "NVIDIA H800", arch="sm_90") == (
+        fp16, f"default table {path} (fallback for sm_90)")
+    user = tuning.user_table_path("NVIDIA H800")
+    _table([(CFG_B, 512)], device="NVIDIA H800").save(user)
+    tuning.clear_caches()
+    assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, "NVIDIA H800", arch="sm_90") == (
+        CFG_B, f"user table {user}")
+    # the H100 itself reads it as its own table, not as a fallback
+    assert tuning.explain_choice(DType.BF16, 128, 8192, 8192, H100, arch="sm_90") == (CFG_B, f"default table {path}")
+
+
+def test_tuned_config_passes_the_device_arch(isolated_tables, monkeypatch):
+    shared = _table([(CFG_A, 512)], match="H100")
+    shared.fallback_arch = "sm_90"
+    shared.save(isolated_tables.shipped / "default_h100.json")
+    monkeypatch.setattr(tuning, "device_name", lambda device: "NVIDIA H800")
+    monkeypatch.setitem(tuning._device_archs, 0, "sm_90")
+    monkeypatch.setitem(tuning._device_archs, 1, "sm_80")
+    assert tuning.tuned_config(DType.BF16, 128, 4096, 4096, 0) == CFG_A
+    assert tuning.tuned_config(DType.BF16, 128, 4096, 4096, 1) is None
+
+
+def test_shipped_hopper_forward_table_is_the_sm90_fallback():
+    from cupyflash.families.forward_sm90.config_sets import default_config
+
+    from pathlib import Path
+
+    # the file in the package (the autouse fixture points default_tables_dir elsewhere)
+    table = TuningTable.load(Path(tuning.__file__).parent / "default_h100.forward_sm90.json")
+    assert table.family == "forward_sm90" and table.fallback_arch == "sm_90" and table.match == "H100"
+    # an unnamed Hopper model gets the table's seq-aware rows, not the seq-blind default
+    cfg = table.lookup("NVIDIA H800", DType.BF16, 128, 512, False, "sm_90")
+    assert cfg is not None and cfg == table.get(DType.BF16, 128, 512).config
+    assert table.lookup("NVIDIA H800", DType.BF16, 128, 512) is None  # without the arch: not named
+    assert {e.config for e in table.entries() if e.config.d_head == 128 and not e.causal
+            and e.config.dtype is DType.BF16} != {default_config(DType.BF16, 128)}
+    for name in ("NVIDIA A100-SXM4-80GB", "NVIDIA L40S"):
+        assert table.lookup(name, DType.BF16, 128, 512, False, "sm_80") is None
+
+
 @pytest.mark.parametrize("text", ["{not json", "[]", '{"schema": "other/1", "entries": []}',
                                   '{"schema": "cupyflash-tuning-table/1"}',
                                   '{"schema": "cupyflash-tuning-table/1", "entries": [{"dtype": "BF16"}]}'])
@@ -330,6 +404,7 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
     fp16 = config_sets.default_config(DType.FP16, 128)  # from an earlier run split by dtype: kept
     earlier = _table([(fp16, 512)], match="H100")
     earlier.also_match = ("H200",)  # and the other models it serves
+    earlier.fallback_arch = "sm_90"
     earlier.save(isolated_tables.shipped / "default_h100.json")
     table = autotune_mod.autotune([DType.BF16], [128], [128, 256], candidates=cands, iters=3, warmup=0,
                                   progress=False, write_default=True)
@@ -344,7 +419,7 @@ def test_autotune_loop_picks_fastest_correct_and_writes_tables(isolated_tables, 
     assert user.device == H100 and user.lookup(H100, DType.BF16, 128, 200) == fast
     shipped = TuningTable.load(isolated_tables.shipped / "default_h100.json")
     assert shipped.match == "H100" and len(shipped) == 3 and shipped.meta["versions"]["cupyflash"]
-    assert shipped.also_match == ("H200",)
+    assert shipped.also_match == ("H200",) and shipped.fallback_arch == "sm_90"
     assert shipped.lookup(H100, DType.FP16, 128, 512) == fp16 and shipped.lookup(H100, DType.BF16, 128, 128) == fast
     assert shipped.meta["complete"] is True and shipped.meta["missing"] == []
     # forward(cfg=None) sees the new table at once

@@ -8,8 +8,11 @@ one GPU model. `cupyflash.autotune` writes them; `tuned_config` reads them for `
    (cache dir: $CUPYFLASH_CACHE_DIR or ~/.cache/cupyflash), written by `cupyflash autotune`;
 2. a table shipped in this package (`default_<gpu>.json` for the mma.sync forward family,
    `default_<gpu>.<family>.json` for the others) whose `match` token is one of the device name's
-   words (e.g. 'H100' in 'NVIDIA H100 80GB HBM3');
-3. otherwise None, and the caller uses the family's heuristic default (`KernelFamily.default_config`).
+   words (e.g. 'H100' in 'NVIDIA H100 80GB HBM3'), then one that lists a word of it in
+   `also_match` (another model it was measured on);
+3. a shipped table whose `fallback_arch` is the device's arch ('sm_90'): the nearest measured
+   model of that architecture serves those no table names (H800, GH200, H20);
+4. otherwise None, and the caller uses the family's heuristic default (`KernelFamily.default_config`).
 
 A tuned config serves any problem of its (dtype, d_head): the kernel masks sequence tails, so
 lengths need not be multiples of the config's B_r/B_c. Causal calls use the table's causal rows
@@ -43,7 +46,7 @@ from ..families import DEFAULT_FAMILY, get_family
 __all__ = [
     "SEQ_BUCKETS", "SCHEMA", "TuningEntry", "TuningTable", "TuningTableError", "pick_bucket",
     "device_slug", "device_family", "user_table_path", "default_tables_dir", "default_table_path",
-    "tuned_config", "explain_choice", "device_name", "clear_caches",
+    "tuned_config", "explain_choice", "device_name", "device_arch_name", "clear_caches",
 ]
 
 SEQ_BUCKETS: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384)
@@ -82,6 +85,9 @@ def pick_bucket(buckets: Iterable[int], seq_len: int) -> int | None:
     return below[-1] if below else buckets[0]
 
 
+_ARCH_RE = re.compile(r"^sm_\d{2,3}[a-z]?$")
+
+
 def _name_tokens(name: str) -> set[str]:
     return {t for t in re.split(r"[^A-Z0-9]+", name.upper()) if t}
 
@@ -89,15 +95,19 @@ def _name_tokens(name: str) -> set[str]:
 class TuningTable:
     """Tuned configs of one device (exact `device` name) or device family (`match` token), and
     optionally of other models measured to run its picks well (`also_match` tokens: a table that
-    names the device itself comes first)."""
+    names the device itself comes first) and of the unnamed models of one architecture
+    (`fallback_arch`, e.g. 'sm_90': used only where no table names the device)."""
 
     def __init__(self, device: str | None = None, match: str | None = None, comment: str | None = None,
                  meta: dict[str, Any] | None = None, family: str = DEFAULT_FAMILY,
-                 also_match: Iterable[str] = ()) -> None:
+                 also_match: Iterable[str] = (), fallback_arch: str | None = None) -> None:
         self.family = get_family(family).name
         self.device = device
         self.match = match
         self.also_match = tuple(t.upper() for t in also_match)
+        if fallback_arch is not None and not _ARCH_RE.match(fallback_arch):
+            raise TuningTableError(f"fallback_arch: expected an arch like 'sm_90', got {fallback_arch!r}")
+        self.fallback_arch = fallback_arch
         self.comment = comment
         self.meta: dict[str, Any] = dict(meta or {})
         self._entries: dict[tuple[DType, int, bool, int], TuningEntry] = {}
@@ -153,10 +163,16 @@ class TuningTable:
         """True when this table applies to `device_name` (match_strength above 0)."""
         return self.match_strength(device_name) > 0
 
+    def serves_arch(self, arch: str | None) -> bool:
+        """True when this table is the fallback of devices of `arch` ('sm_90') that no table names."""
+        return arch is not None and self.fallback_arch == arch
+
     def lookup(self, device_name: str | None, dtype: DType, d_head: int,
-               seq_len: int, causal: bool = False) -> KernelConfig | None:
-        """The tuned config for this device and problem, or None (other device, or no entry)."""
-        if not self.matches(device_name):
+               seq_len: int, causal: bool = False, arch: str | None = None) -> KernelConfig | None:
+        """The tuned config for this device and problem, or None (other device, or no entry). With
+        `arch`, a table whose `fallback_arch` it is serves any device name; the caller tries the
+        tables that name the device first (`explain_choice`)."""
+        if not (self.matches(device_name) or self.serves_arch(arch)):
             return None
         entry = self.get(dtype, d_head, seq_len, causal)
         return entry.config if entry is not None else None
@@ -166,6 +182,8 @@ class TuningTable:
         out: dict[str, Any] = {"schema": SCHEMA, "device": self.device, "match": self.match}
         if self.also_match:  # absent in older tables: they serve their own device or family only
             out["also_match"] = list(self.also_match)
+        if self.fallback_arch:  # absent: the table serves only the models it names
+            out["fallback_arch"] = self.fallback_arch
         if self.family != DEFAULT_FAMILY:  # absent means the mma.sync forward family: older tables read the same
             out["family"] = self.family
         if self.comment:
@@ -187,6 +205,9 @@ class TuningTable:
         also_match = data.get("also_match", [])
         if not isinstance(also_match, list) or not all(isinstance(t, str) and t.strip() for t in also_match):
             raise TuningTableError(f"also_match: expected a list of model names (e.g. ['H200']), got {also_match!r}")
+        fallback_arch = data.get("fallback_arch")
+        if fallback_arch is not None and not (isinstance(fallback_arch, str) and _ARCH_RE.match(fallback_arch)):
+            raise TuningTableError(f"fallback_arch: expected an arch like 'sm_90' or null, got {fallback_arch!r}")
         meta = data.get("meta", {})
         if not isinstance(meta, dict):
             raise TuningTableError(f"meta: expected an object, got {type(meta).__name__}")
@@ -198,7 +219,8 @@ class TuningTable:
             family = get_family(family_name)
         except ValueError as exc:
             raise TuningTableError(str(exc)) from None
-        table = cls(device, match, data.get("comment"), meta, family.name, [t.strip() for t in also_match])
+        table = cls(device, match, data.get("comment"), meta, family.name, [t.strip() for t in also_match],
+                    fallback_arch)
         for i, item in enumerate(entries):
             try:
                 cfg = family.parse(item["config"])
@@ -282,6 +304,7 @@ def default_table_path(name: str, family: str = DEFAULT_FAMILY) -> Path:
 _lock = threading.Lock()
 _tables: dict[Path, TuningTable | None] = {}  # path -> table, None when missing or invalid
 _device_names: dict[int, str | None] = {}
+_device_archs: dict[int, str | None] = {}
 
 
 def _load_cached(path: Path) -> TuningTable | None:
@@ -326,27 +349,50 @@ def device_name(device: int) -> str | None:
     return name
 
 
+def device_arch_name(device: int) -> str | None:
+    """'sm_XY' of `device`'s compute capability, or None when it cannot be read (no GPU). Cached."""
+    if device in _device_archs:
+        return _device_archs[device]
+    arch: str | None
+    try:
+        from ..device import compute_capability
+
+        arch = f"sm_{compute_capability(device)}"
+    except Exception:  # no driver / no device: no fallback table applies
+        arch = None
+    _device_archs[device] = arch
+    return arch
+
+
 @functools.lru_cache(maxsize=4096)
 def explain_choice(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
                    name: str | None, causal: bool = False,
-                   family: str = DEFAULT_FAMILY) -> tuple[KernelConfig | None, str]:
-    """(tuned config of `family` or None, where it came from) for a device called `name`.
+                   family: str = DEFAULT_FAMILY, arch: str | None = None) -> tuple[KernelConfig | None, str]:
+    """(tuned config of `family` or None, where it came from) for a device called `name` of
+    architecture `arch` ('sm_90'; None: no fallback tables).
 
-    Sources: 'user table <path>', 'default table <path>', or 'heuristic' (config None: the caller
-    uses the family's default config).
+    Sources: 'user table <path>', 'default table <path>' (a table naming the device),
+    'default table <path> (fallback for sm_XY)' (the nearest measured model of the arch), or
+    'heuristic' (config None: the caller uses the family's default config).
     """
+    candidates: list[tuple[str, TuningTable | None]] = []
+    shipped = _default_tables()
     if name:
         path = user_table_path(name, family=family)
-        candidates = [(f"user table {path}", _load_cached(path))]
+        candidates.append((f"user table {path}", _load_cached(path)))
         # shipped tables of this model before those that only also serve it (sorted is stable)
-        shipped = sorted(_default_tables(), key=lambda item: -item[1].match_strength(name))
-        candidates += [(f"default table {path}", table) for path, table in shipped]
-        for source, table in candidates:
-            if table is None or table.family != family:
-                continue
-            cfg = table.lookup(name, dtype, d_head, seq_len_k, causal)
-            if cfg is not None:
-                return cfg, source
+        named = sorted((item for item in shipped if item[1].matches(name)),
+                       key=lambda item: -item[1].match_strength(name))
+        candidates += [(f"default table {path}", table) for path, table in named]
+    if arch:
+        candidates += [(f"default table {path} (fallback for {arch})", table) for path, table in shipped
+                       if table.serves_arch(arch) and not (name and table.matches(name))]
+    for source, table in candidates:
+        if table is None or table.family != family:
+            continue
+        cfg = table.lookup(name, dtype, d_head, seq_len_k, causal, arch)
+        if cfg is not None:
+            return cfg, source
     return None, "heuristic"
 
 
@@ -355,7 +401,8 @@ def tuned_config(dtype: DType, d_head: int, seq_len_q: int, seq_len_k: int,
                  device: int, causal: bool = False, family: str = DEFAULT_FAMILY) -> KernelConfig | None:
     """The tuned config of `family` for this problem on CUDA device `device`, or None (use the
     family's heuristic). Cached per argument tuple, so a forward call pays one dict lookup."""
-    return explain_choice(dtype, d_head, seq_len_q, seq_len_k, device_name(device), causal, family)[0]
+    return explain_choice(dtype, d_head, seq_len_q, seq_len_k, device_name(device), causal, family,
+                          device_arch_name(device))[0]
 
 
 def clear_caches() -> None:
@@ -363,5 +410,6 @@ def clear_caches() -> None:
     with _lock:
         _tables.clear()
         _device_names.clear()
+        _device_archs.clear()
     explain_choice.cache_clear()
     tuned_config.cache_clear()
