@@ -4,6 +4,7 @@ from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.config_sets import get_kernel_configs
 from .api import forward
 from .backward_api import backward
+from .backward_varlen import backward_varlen
 from .families.backward_sm80 import BackwardKernelConfig
 from .families.decode.config import DecodeKernelConfig
 from .kvcache import forward_kvcache
@@ -16,4 +17,4 @@ from .autotune import autotune
 __version__ = "0.1.0"
 
 __all__ = ["BackwardKernelConfig", "DType", "DecodeKernelConfig", "FlashForwardKernelConfig", "TuningTable",
-           "autotune", "backward", "forward", "forward_kvcache", "forward_varlen", "get_kernel_configs", "__version__"]
+           "autotune", "backward", "backward_varlen", "forward", "forward_kvcache", "forward_varlen", "get_kernel_configs", "__version__"]

@@ -23,6 +23,14 @@ buffer_callback on XLA's buffers and stream (not command-buffer compatible: the 
 its fp32 scratch from CuPy's stream-ordered allocator). `jax.grad`, `jax.jit(jax.grad(...))` and
 `jax.vmap(jax.grad(...))` work: the backward is a `custom_vmap` operation too, folding the mapped
 axis into the batch as the forward does.
+
+Packed ragged batches: `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, ...)` runs `cupyflash.forward_varlen` in a buffer_callback on XLA's buffers and
+stream, and its `jax.custom_vjp` backward `cupyflash.backward_varlen`; the max lengths and options
+are static, the offsets are device arrays. Both callbacks call the library's Python entry point
+on every run (not command-buffer compatible) and zero their outputs first on XLA's stream, so
+tokens past cu_seqlens[-1] come back as 0 (out, lse and gradients) rather than as whatever XLA's
+buffer held.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from .config import DType
 from .interop import JAX, TensorView, contiguous_strides
 from .validation import ALIGN_BYTES, LaunchPlan, check_flag, check_forward_args, check_softmax_scale
 
-__all__ = ["attention", "plan_attention"]
+__all__ = ["attention", "attention_varlen", "plan_attention"]
 
 _DTYPES = {np.dtype(jnp.float16): DType.FP16, np.dtype(jnp.bfloat16): DType.BF16}
 _Tracer = jax.core.Tracer  # inputs inside jit/grad/vmap; concrete arrays are not
@@ -339,3 +347,168 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, softmax_scale: fl
     # Concrete arrays: no transformation can differentiate this call, and an eager custom_vjp
     # call costs ~250 us more than the jitted operation (measured on the H100 host).
     return _operation(causal, softmax_scale, False)(q, k, v)[0]
+
+
+# ------------------------------------------------------------------ packed ragged batches
+class _VarlenOptions(NamedTuple):
+    """The static part of an attention_varlen call (hashable: the key of the caches)."""
+
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    softmax_scale: float | None
+
+
+def _check_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, options: _VarlenOptions) -> Any:
+    """forward_varlen's argument rules on shapes and dtypes (the TypeError/ValueError it raises)."""
+    from .varlen_checks import check_varlen_args
+
+    device = _trace_device()
+    views = [_view(_spec(x, name), device) for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_q, "cu_seqlens_q"),
+                                                             (cu_k, "cu_seqlens_k"))]
+    return check_varlen_args(*views, options.max_seqlen_q, options.max_seqlen_k, None, options.softmax_scale,
+                             options.causal)
+
+
+def _zero(buf: Any, stream: int) -> None:
+    """Zero an XLA output buffer on XLA's stream (stream-ordered before the kernels)."""
+    import cupy
+
+    cai = buf.__cuda_array_interface__
+    nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
+    if nbytes:
+        cupy.cuda.runtime.memsetAsync(cai["data"][0], 0, nbytes, stream)
+
+
+def _stream_of(ctx: Any) -> int:
+    stream = ctx.stream
+    return int(stream() if callable(stream) else stream)  # a method in jaxlib 0.10/0.11
+
+
+class _VarlenForwardCallback:
+    """buffer_callback body of the varlen forward: XLA's buffers as CuPy arrays (zero copy),
+    forward_varlen into the out (and lse) buffers on XLA's stream."""
+
+    def __init__(self, dtype: np.dtype, options: _VarlenOptions, with_lse: bool) -> None:
+        self.dtype, self.options, self.with_lse = dtype, options, with_lse
+
+    def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> None:
+        import cupy
+
+        from .varlen import forward_varlen
+
+        stream, o = _stream_of(ctx), self.options
+        with cupy.cuda.Device(q.__dlpack_device__()[1]):
+            for buf in outs:
+                _zero(buf, stream)
+            qa, ka, va = (_cupy_array(b, self.dtype) for b in (q, k, v))
+            cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
+            out = _cupy_array(outs[0], self.dtype)
+            lse = _cupy_array(outs[1], np.dtype(np.float32)) if self.with_lse else None
+            forward_varlen(qa, ka, va, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, causal=o.causal,
+                           softmax_scale=o.softmax_scale, out=out, return_lse=self.with_lse, lse=lse, stream=stream)
+
+
+class _VarlenBackwardCallback:
+    """buffer_callback body of the varlen backward: backward_varlen into the dq/dk/dv buffers."""
+
+    def __init__(self, dtype: np.dtype, options: _VarlenOptions) -> None:
+        self.dtype, self.options = dtype, options
+
+    def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
+                 cu_k: Any) -> None:
+        import cupy
+
+        from .backward_varlen import backward_varlen
+
+        stream, o, dt = _stream_of(ctx), self.options, self.dtype
+        with cupy.cuda.Device(q.__dlpack_device__()[1]):
+            for buf in outs:
+                _zero(buf, stream)
+            arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, np.dtype(np.float32))]
+            cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
+            dq, dk, dv = (_cupy_array(b, dt) for b in outs)
+            backward_varlen(*arrays, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, causal=o.causal,
+                            softmax_scale=o.softmax_scale, dq=dq, dk=dk, dv=dv, stream=stream)
+
+
+def _varlen_forward(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array,
+                    options: _VarlenOptions, with_lse: bool) -> tuple[jax.Array, ...]:
+    problem = _check_varlen(q, k, v, cu_q, cu_k, options)
+    results = (jax.ShapeDtypeStruct(problem.out_shape, q.dtype),)
+    if with_lse:
+        results += (jax.ShapeDtypeStruct(problem.lse_shape, np.float32),)
+    run = buffer_callback(_VarlenForwardCallback(np.dtype(q.dtype), options, with_lse), results)
+    return tuple(run(q, k, v, cu_q, cu_k))
+
+
+def _varlen_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
+                     cu_q: jax.Array, cu_k: jax.Array, options: _VarlenOptions) -> tuple[jax.Array, ...]:
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    run = buffer_callback(_VarlenBackwardCallback(np.dtype(q.dtype), options), results)
+    return tuple(run(dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k))
+
+
+def _no_vmap(axis_size: int, in_batched: Any, *args: Any) -> Any:
+    raise NotImplementedError("attention_varlen: jax.vmap is not supported (a packed batch has no batch axis to "
+                              "fold into); concatenate the mapped problems into one packed batch instead")
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_operation(options: _VarlenOptions, with_lse: bool) -> Any:
+    @jax.custom_batching.custom_vmap
+    def op(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array) -> tuple[jax.Array, ...]:
+        return _varlen_forward(q, k, v, cu_q, cu_k, options, with_lse)
+
+    op.def_vmap(_no_vmap)
+    return op
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_differentiable(options: _VarlenOptions) -> Any:
+    """attention_varlen(q, k, v, cu_q, cu_k) -> out with a custom VJP through backward_varlen."""
+
+    @jax.custom_vjp
+    def f(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array) -> jax.Array:
+        return _varlen_operation(options, False)(q, k, v, cu_q, cu_k)[0]
+
+    def f_fwd(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array) -> tuple[jax.Array, tuple]:
+        out, lse = _varlen_operation(options, True)(q, k, v, cu_q, cu_k)
+        return out, (q, k, v, out, lse, cu_q, cu_k)
+
+    def f_bwd(residuals: tuple, dout: jax.Array) -> tuple[Any, ...]:
+        q, k, v, out, lse, cu_q, cu_k = residuals
+        dq, dk, dv = _varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, options)
+        # the offsets are integers: their cotangent type is float0
+        zero = tuple(np.zeros(x.shape, dtype=jax.dtypes.float0) for x in (cu_q, cu_k))
+        return (dq, dk, dv) + zero
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def attention_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
+                     return_lse: bool = False) -> Any:
+    """`cupyflash.forward_varlen` on JAX arrays, inside or outside `jax.jit`: packed ragged batches.
+
+    q (total_q, heads, d_head), k/v (total_k, kv_heads, d_head), fp16 or bf16; cu_seqlens_q/k
+    int32 (batch + 1,) device arrays of token offsets; max_seqlen_q/k, `causal`, `softmax_scale`
+    and `return_lse` static (Python values). Returns the output, or (out, lse) with
+    return_lse=True (lse float32 (heads, total_q)). Tokens past cu_seqlens[-1] get 0. With
+    return_lse=False the result is differentiable in q, k and v (`jax.grad`, through
+    `cupyflash.backward_varlen`). Not vmappable (NotImplementedError).
+    """
+    if causal is not True and causal is not False:
+        causal = check_flag(causal, "causal")
+    if return_lse is not True and return_lse is not False:
+        return_lse = check_flag(return_lse, "return_lse")
+    if softmax_scale is not None:
+        softmax_scale = check_softmax_scale(softmax_scale, 1)
+    from .varlen_checks import check_max_seqlen
+
+    options = _VarlenOptions(check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+                             check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)
+    if return_lse:
+        return _varlen_operation(options, True)(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _varlen_differentiable(options)(q, k, v, cu_seqlens_q, cu_seqlens_k)

@@ -31,8 +31,11 @@ output itself is not differentiable (as in FlashAttention). `attention_forward` 
 has no autograd formula (it saves no lse).
 
 Packed ragged batches: `cupyflash::attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int
-max_seqlen_q, int max_seqlen_k, causal, softmax_scale) -> Tensor` runs `cupyflash.forward_varlen`
-(inference only: no varlen backward yet); `cupyflash::attention_kvcache(q, k_cache!, v_cache!,
+max_seqlen_q, int max_seqlen_k, causal, softmax_scale) -> Tensor` runs `cupyflash.forward_varlen`;
+`attention_varlen_lse` (same arguments, -> (out, lse)) carries an autograd formula over
+`attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+max_seqlen_k, causal, softmax_scale, deterministic) -> (dq, dk, dv)` (`cupyflash.backward_varlen`),
+and `attention_varlen()` routes calls that need a gradient through it; `cupyflash::attention_kvcache(q, k_cache!, v_cache!,
 cache_seqlens, block_table?, k_new?, v_new?, causal, softmax_scale, num_splits?) -> Tensor` runs
 `cupyflash.forward_kvcache`, with the caches declared mutated (k_new/v_new are appended in place).
 """
@@ -48,17 +51,23 @@ from .interop import TORCH, TensorView, as_view
 from .validation import LaunchPlan, check_flag, check_forward_args, check_softmax_scale
 
 __all__ = ["attention", "attention_varlen", "attention_kvcache", "attention_forward", "attention_forward_lse", "attention_backward",
-           "NAMESPACE"]
+           "attention_varlen_backward", "NAMESPACE"]
 
 NAMESPACE = "cupyflash"
 _ARGS = "(Tensor q, Tensor k, Tensor v, bool causal=False, float? softmax_scale=None)"
+_VARLEN_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+                "int max_seqlen_k, bool causal=False, float? softmax_scale=None)")
 SCHEMAS = {
     "attention_forward": _ARGS + " -> Tensor",
     "attention_forward_lse": _ARGS + " -> (Tensor out, Tensor lse)",
     "attention_backward": ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal=False, "
                            "float? softmax_scale=None, bool deterministic=False) -> (Tensor dq, Tensor dk, Tensor dv)"),
-    "attention_varlen": ("(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-                         "int max_seqlen_k, bool causal=False, float? softmax_scale=None) -> Tensor"),
+    "attention_varlen": _VARLEN_ARGS + " -> Tensor",
+    "attention_varlen_lse": _VARLEN_ARGS + " -> (Tensor out, Tensor lse)",
+    "attention_varlen_backward": ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                                  "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+                                  "bool causal=False, float? softmax_scale=None, bool deterministic=False) "
+                                  "-> (Tensor dq, Tensor dk, Tensor dv)"),
     # k_cache/v_cache are written in place (k_new/v_new appended at cache_seqlens) when k_new is given
     "attention_kvcache": ("(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
                           "Tensor? block_table=None, Tensor? k_new=None, Tensor? v_new=None, bool causal=True, "
@@ -274,8 +283,37 @@ def _attention_varlen_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                           softmax_scale=softmax_scale)
 
 
+def _attention_varlen_lse_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                              softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .varlen import forward_varlen
+
+    return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                          softmax_scale=softmax_scale, return_lse=True)
+
+
+def _attention_varlen_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    causal: bool = False, softmax_scale: float | None = None,
+                                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .backward_varlen import backward_varlen
+
+    return backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+
+
 # As _host_kernel, for the varlen operator's CPU kernel (tests put a reference here).
 _host_varlen_kernel = _refuse_host_tensors
+
+
+def _attention_varlen_lse_host(q: torch.Tensor, *args: Any) -> Any:
+    _refuse_host_tensors(q, *args[:2], False, None, False)
+
+
+def _attention_varlen_backward_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    *_: Any) -> Any:
+    _refuse_host_backward(dout, q, k, v)
 
 
 def _attention_varlen_host(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -310,6 +348,10 @@ _LIB.impl("attention_kvcache", _attention_kvcache_cuda, "CUDA")
 _LIB.impl("attention_kvcache", _attention_kvcache_host, "CPU")
 _LIB.impl("attention_varlen", _attention_varlen_cuda, "CUDA")
 _LIB.impl("attention_varlen", _attention_varlen_host, "CPU")
+_LIB.impl("attention_varlen_lse", _attention_varlen_lse_cuda, "CUDA")
+_LIB.impl("attention_varlen_lse", _attention_varlen_lse_host, "CPU")
+_LIB.impl("attention_varlen_backward", _attention_varlen_backward_cuda, "CUDA")
+_LIB.impl("attention_varlen_backward", _attention_varlen_backward_host, "CPU")
 _LIB.impl("attention_backward", _attention_backward_cuda, "CUDA")
 _LIB.impl("attention_backward", _attention_backward_host, "CPU")
 _LIB.impl("attention_forward", _attention_cuda, "CUDA")
@@ -373,18 +415,44 @@ def _attention_backward_fake(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@torch.library.register_fake(f"{NAMESPACE}::attention_varlen", lib=_LIB)
-def _attention_varlen_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
-                           softmax_scale: float | None = None) -> torch.Tensor:
+def _varlen_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: Any) -> Any:
+    """forward_varlen's argument rules on tensor metadata (the varlen fake kernels)."""
     from .varlen_checks import check_varlen_args
 
     views = [_meta_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"),
                                                  (cu_seqlens_k, "cu_seqlens_k"))]
     if softmax_scale is not None and not isinstance(softmax_scale, (int, float)):
         softmax_scale = None  # a symbolic float while tracing: the CUDA kernel checks the value
-    problem = check_varlen_args(*views, max_seqlen_q, max_seqlen_k, None, softmax_scale, causal)
+    return check_varlen_args(*views, max_seqlen_q, max_seqlen_k, None, softmax_scale, causal)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attention_varlen", lib=_LIB)
+def _attention_varlen_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                           softmax_scale: float | None = None) -> torch.Tensor:
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
     return q.new_empty(problem.out_shape)  # contiguous (total_q, heads, d), as forward_varlen allocates
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attention_varlen_lse", lib=_LIB)
+def _attention_varlen_lse_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
+                               softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    return q.new_empty(problem.out_shape), q.new_empty(problem.lse_shape, dtype=torch.float32)
+
+
+@torch.library.register_fake(f"{NAMESPACE}::attention_varlen_backward", lib=_LIB)
+def _attention_varlen_backward_fake(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                    causal: bool = False, softmax_scale: float | None = None,
+                                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+    # contiguous, of the shapes and dtype of q, k, v, as cupyflash.backward_varlen allocates them
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake(f"{NAMESPACE}::attention_kvcache", lib=_LIB)
@@ -429,6 +497,26 @@ torch.library.register_autograd(f"{NAMESPACE}::attention_forward_lse", _attentio
                                 setup_context=_setup_context, lib=_LIB)
 
 
+def _setup_varlen_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens, ctx.causal, ctx.softmax_scale = (max_seqlen_q, max_seqlen_k), causal, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_varlen_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    dq, dk, dv = torch.ops.cupyflash.attention_varlen_backward.default(
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal,
+        ctx.softmax_scale, deterministic_backward)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{NAMESPACE}::attention_varlen_lse", _attention_varlen_lse_backward,
+                                setup_context=_setup_varlen_context, lib=_LIB)
+
+
 class _AttentionFunction(torch.autograd.Function):
     """The same formula as the operator's registered autograd, for eager calls: the registered
     one runs a Python autograd kernel inside the dispatcher and then re-dispatches, ~2.5x the
@@ -452,6 +540,8 @@ attention_forward = torch.ops.cupyflash.attention_forward.default
 attention_forward_lse = torch.ops.cupyflash.attention_forward_lse.default
 attention_backward = torch.ops.cupyflash.attention_backward.default
 attention_varlen_op = torch.ops.cupyflash.attention_varlen.default
+attention_varlen_lse_op = torch.ops.cupyflash.attention_varlen_lse.default
+attention_varlen_backward = torch.ops.cupyflash.attention_varlen_backward.default
 attention_kvcache_op = torch.ops.cupyflash.attention_kvcache.default
 
 
@@ -493,19 +583,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
-                     softmax_scale: float | None = None) -> torch.Tensor:
-    """`cupyflash.forward_varlen` through the `cupyflash::attention_varlen` operator: packed ragged
+                     softmax_scale: float | None = None, return_lse: bool = False) -> Any:
+    """`cupyflash.forward_varlen` through the `cupyflash::attention_varlen` operators: packed ragged
     batches (q (total_q, heads, d), k/v (total_k, kv_heads, d), int32 cu_seqlens of batch + 1
     offsets, host-int max lengths), eagerly, under torch.compile(fullgraph=True) and in CUDA graphs.
-    Inference only for now: there is no varlen backward, so it has no autograd formula."""
+    Differentiable in q, k and v (`cupyflash.backward_varlen`; tokens past cu_seqlens[-1] get zero
+    gradients; `cupyflash.torch.deterministic_backward = True` for bit-identical gradients); the
+    lse is not. Returns the output, or (out, lse) with return_lse=True (lse float32 (heads, total_q))."""
     if causal is not True and causal is not False:
         causal = check_flag(causal, "causal")
+    if return_lse is not True and return_lse is not False:
+        return_lse = check_flag(return_lse, "return_lse")
     if softmax_scale is not None and type(softmax_scale) is not float:
         softmax_scale = check_softmax_scale(softmax_scale, 1)
     from .varlen_checks import check_max_seqlen
 
-    return attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
-                               check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+            check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)
+    if return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        result = attention_varlen_lse_op(*args)  # the lse variant saves what the backward needs
+        return result if return_lse else result[0]
+    return attention_varlen_op(*args)
 
 
 def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -343,13 +343,13 @@ def _is_float32(view: TensorView) -> bool:
         return False
 
 
-def check_lse_out(lse: TensorView, plan: LaunchPlan) -> None:
-    """A caller-provided `lse=` buffer: fp32, shape plan.lse_shape = (batch, n_heads, seq_len_q),
-    C-contiguous (the kernel writes lse[b, h, i] at (b * n_heads + h) * seq_len_q + i), 4-byte
-    aligned, on q's device."""
+def check_lse_out(lse: TensorView, plan: Any, layout: str = "(batch, n_heads, seq_len_q)") -> None:
+    """A caller-provided `lse=` buffer: fp32, shape plan.lse_shape (`layout`: (batch, n_heads,
+    seq_len_q) for forward, (n_heads, total_q) for forward_varlen), C-contiguous (the kernels
+    write it densely in that order), 4-byte aligned, on q's device (plan.device)."""
     shape = plan.lse_shape
     if tuple(lse.shape) != shape:
-        raise ValueError(f"lse: expected shape {shape} (batch, n_heads, seq_len_q), got {tuple(lse.shape)}")
+        raise ValueError(f"lse: expected shape {shape} {layout}, got {tuple(lse.shape)}")
     if not _is_float32(lse):
         raise TypeError(f"lse: expected dtype float32, got {lse.raw_dtype}")
     if lse.device != plan.device:

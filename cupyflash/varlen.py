@@ -22,7 +22,8 @@ from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
 from . import op_launch, varlen_plans
 from .interop import (TORCH, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view, resolve_stream,
                       wrap_output)
-from .validation import CHECKED_DEVICES, check_device_once, check_flag, index_check_requested
+from .validation import (CHECKED_DEVICES, check_device_once, check_lse_out, check_lse_request,
+                         index_check_requested)
 from .varlen_checks import VarlenProblem, check_index_values, check_varlen_args
 
 __all__ = ["forward_varlen", "pack_varlen_sm80", "pack_varlen_sm90"]
@@ -106,8 +107,8 @@ def pack_varlen_sm80(problem: VarlenProblem, q: int, k: int, v: int, o: int, lse
 
 def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                    max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
-                   return_lse: bool = False, out: Any = None, stream: Any = None, cfg: Any = None,
-                   check_indices: bool | None = None) -> Any:
+                   return_lse: bool = False, out: Any = None, lse: Any = None, stream: Any = None,
+                   cfg: Any = None, check_indices: bool | None = None) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
     Sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and its keys/values
@@ -130,6 +131,8 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
             natural-log log-sum-exp of each row (FlashAttention's varlen layout). Tokens past
             cu_seqlens_q[-1] belong to no sequence: their out and lse rows are not written.
         out: optional (total_q, n_heads, d_head) array of q's dtype to write into (not a JAX array).
+        lse: optional C-contiguous float32 (n_heads, total_q) array to write the log-sum-exp into
+            (needs return_lse=True; not a JAX array); returned as given.
         stream: default the caller's current stream (PyTorch's for torch tensors, CuPy's
             otherwise); or a cupy/torch stream or an int handle.
         cfg: a config of a forward family (forward_sm80: mma.sync, sm_80+; forward_sm90:
@@ -146,7 +149,7 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and return_lse is False and check_indices is None
+    if (stream is None and return_lse is False and lse is None and check_indices is None
             and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
         key = varlen_plans.signature(cfg, softmax_scale, causal, max_seqlen_q, max_seqlen_k, q, k, v,
                                      cu_seqlens_q, cu_seqlens_k, out)
@@ -162,21 +165,27 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     ckv = as_view(cu_seqlens_k, "cu_seqlens_k")
     ov = output_view(out) if out is not None else None
     problem = check_varlen_args(qv, kv, vv, cqv, ckv, max_seqlen_q, max_seqlen_k, ov, softmax_scale, causal)
-    want_lse = check_flag(return_lse, "return_lse")
+    want_lse = check_lse_request(return_lse, lse is not None)
     config = _resolve_config(cfg, problem, qv, kv, vv)
     if index_check_requested(check_indices):
         check_index_values(problem, host_copy(cqv), host_copy(ckv))
     stream_ptr = resolve_stream(stream, qv)
     if ov is None:
         ov = allocate_output(qv, problem.out_shape)
-    lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
+    if lse is not None:
+        lv = output_view(lse, "lse")
+        check_lse_out(lv, problem, "(n_heads, total_q)")
+    else:
+        lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
     if not problem.empty:
         launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
         head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
         if key is not None:
             varlen_plans.remember(key, _fast_launch(problem, qv, head, params, writer))
     result = out if out is not None else wrap_output(ov)
-    return (result, wrap_output(lv)) if want_lse else result
+    if want_lse:
+        return result, (lse if lse is not None else wrap_output(lv))
+    return result
 
 
 def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,

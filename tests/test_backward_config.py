@@ -173,7 +173,7 @@ def test_smem_and_threads():
 def test_family_is_registered():
     assert get_family("backward_sm80") is BACKWARD_SM80 and family_of(CFG) is BACKWARD_SM80
     assert parse_config(CFG.short_form()) == CFG
-    assert BACKWARD_SM80.kind == "backward" and BACKWARD_SM80.variant_flags == ("causal", "deterministic")
+    assert BACKWARD_SM80.kind == "backward" and BACKWARD_SM80.variant_flags == ("causal", "deterministic", "varlen")
     assert BACKWARD_SM80.config_set("tune") == get_kernel_configs("tune")
     assert BACKWARD_SM80.default_config(DType.FP16, 64) == default_config(DType.FP16, 64)
     assert BACKWARD_SM80.tune_candidates(DType.BF16, 128)
@@ -203,8 +203,11 @@ def test_name_expressions_per_variant():
     assert sorted(det) == ["dkdv", "dq", "preprocess"]
     literal = ("BackwardKernelConfig{DType::BF16, 128, 64, 128, 8, 1, true, false, false, false, false, false, false, "
                "false, false, false, false}")
-    assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false>"
-    assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true>"
+    assert plain["dkdv"] == f"backward_dkdv_kernel<StaticBackwardKernelConfig<{literal}>, false, false, false>"
+    assert det["dq"] == f"backward_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, true, false>"
+    varlen = BACKWARD_SM80.name_expressions(CFG, BACKWARD_SM80.variant(causal=True, varlen=True))
+    assert sorted(varlen) == ["convert", "dkdv", "preprocess"]
+    assert varlen["convert"] == f"backward_convert_dq_kernel<StaticBackwardKernelConfig<{literal}>, true, false, true>"
 
 
 def test_rendered_source_has_the_structs_and_shared_headers():

@@ -77,9 +77,10 @@ def prewarmed_cache():
     arch, _ = device_arch(cp.cuda.runtime.getDevice())
     jobs = max(1, min(16, os.cpu_count() or 1))
     reports = [
-        prewarm(TUNE, [arch], jobs=jobs, progress=None, variants=[(False, False)]),
+        prewarm(TUNE, [arch], jobs=jobs, progress=None, variants=[(False, False, False)]),
         prewarm(DEFAULTS, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
-        prewarm(DBUF, [arch], jobs=jobs, progress=None, variants=[(False, False), (True, False), (True, True)]),
+        prewarm(DBUF, [arch], jobs=jobs, progress=None,
+                variants=[(False, False, False), (True, False, False), (True, True, False)]),
         prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
                 causal=(False, True)),
     ]

@@ -225,3 +225,20 @@ def test_batch_without_keys(rng, causal):
     assert k.shape[0] == 0
     out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 40, 0, causal=causal, return_lse=True)
     check_per_sequence(dtype, q, k, v, out, hq, hk, causal, lse)
+
+
+def test_lse_into_a_given_array(rng):
+    """lse= takes a C-contiguous float32 (n_heads, total_q) array (what the JAX operation hands
+    over from XLA), fills it and returns it as given; wrong ones are refused naming lse."""
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [40, 0, 130], [40, 9, 200], 4, 2, 64)
+    lse = cp.full((4, q.shape[0]), cp.nan, dtype=cp.float32)
+    out, got = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 130, 200, causal=True, return_lse=True, lse=lse)
+    assert got is lse
+    check_per_sequence(DType.BF16, q, k, v, out, hq, hk, True, lse)
+    with pytest.raises(ValueError, match="^lse: expected shape"):
+        cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 130, 200, return_lse=True, lse=lse[:, :-1])
+    with pytest.raises(ValueError, match="^lse: an lse buffer was given"):
+        cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 130, 200, lse=lse)
+    with pytest.raises(ValueError, match="^lse: must be C-contiguous"):
+        cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 130, 200, return_lse=True,
+                                 lse=cp.empty((q.shape[0], 4), cp.float32).T)

@@ -377,3 +377,55 @@ def test_grad_on_the_gpu_matches_the_reference(causal):
         got = np.asarray(got, np.float64)
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert rel <= 1e-2, (name, rel)
+
+
+# ----------------------------------------------------------------------------- packed ragged batches
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_and_grad_on_the_gpu(causal):
+    """attention_varlen under jax.jit (with its lse) and jax.jit(jax.grad(...)) through
+    backward_varlen, per sequence against float64 (a sequence without keys: out 0, dq 0; without
+    queries: dk = dv = 0; three pad tokens past the last sequence: out 0, dq 0)."""
+    lens_q, lens_k = [37, 0, 128, 5], [50, 9, 128, 0]
+    cq, ck = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    cu_q, cu_k = jnp.asarray(cq), jnp.asarray(ck)
+    keys = jax.random.split(jax.random.PRNGKey(21), 4)
+    q = jax.random.normal(keys[0], (int(cq[-1]) + 3, 8, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (int(ck[-1]), 2, 128), jnp.bfloat16) for key in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape, jnp.float32)
+    out, lse = jax.jit(lambda *a: cfj.attention_varlen(*a, 128, 128, causal=causal, return_lse=True))(
+        q, k, v, cu_q, cu_k)
+    loss = lambda q, k, v: (cfj.attention_varlen(q, k, v, cu_q, cu_k, 128, 128,  # noqa: E731
+                                                 causal=causal).astype(jnp.float32) * w).sum()
+    dq, dk, dv = (np.asarray(g, np.float64) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    out, lse = np.asarray(out, np.float64), np.asarray(lse)
+    qn, kn, vn, wn = (np.asarray(x, np.float32) for x in (q, k, v, w))
+    for b in range(len(lens_q)):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            assert (out[q0:q1] == 0).all() and (dq[q0:q1] == 0).all(), b
+            assert (dk[k0:k1] == 0).all() and (dv[k0:k1] == 0).all(), b
+            continue
+        want, want_lse = numpy_attention(qn[None, q0:q1], kn[None, k0:k1], vn[None, k0:k1], None, causal)
+        _assert_close(out[q0:q1], want[0])
+        np.testing.assert_allclose(lse[:, q0:q1], want_lse[0], atol=1e-2)
+        ref = _numpy_grads(wn[None, q0:q1], qn[None, q0:q1], kn[None, k0:k1], vn[None, k0:k1], None, causal)
+        for got, r, name in zip((dq[q0:q1], dk[k0:k1], dv[k0:k1]), ref, ("dq", "dk", "dv")):
+            rel = np.linalg.norm(got - r[0]) / np.linalg.norm(r[0])
+            assert rel <= 1e-2, (b, name, rel)
+    assert (out[cq[-1]:] == 0).all() and (dq[cq[-1]:] == 0).all()  # the pad tokens
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_varlen_refuses_vmap_and_bad_arguments():
+    cu = jnp.asarray(np.array([0, 10], np.int32))
+    q = jnp.zeros((10, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="^k: d_head"):
+        cfj.attention_varlen(q, jnp.zeros((10, 2, 32), jnp.bfloat16), jnp.zeros((10, 2, 32), jnp.bfloat16),
+                             cu, cu, 10, 10)
+    with pytest.raises(TypeError, match="^max_seqlen_q"):
+        cfj.attention_varlen(q, q, q, cu, cu, 10.0, 10)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        jax.vmap(lambda q: cfj.attention_varlen(q, q, q, cu, cu, 10, 10))(q[None])

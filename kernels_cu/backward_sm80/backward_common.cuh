@@ -122,6 +122,37 @@ struct StaticBackwardKernelConfig {
     static_assert(BR / 2 <= N_THREADS, "one 16-byte row-statistics copy per thread");
 };
 
+// ---- varlen: one CTA's sequence ------------------------------------------------------------
+// VARLEN kernels (backward_varlen): q, k, v, o, dO, dq, dk, dv are packed (total_tokens, heads,
+// d_head), sequence b holding tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1, and the forward's
+// lse is (n_heads, total_q). The workspaces are (n_heads, seq_len_q_pad) rows in which sequence
+// b's start at row floor((cu_seqlens_q[b] + b B_r) / B_r) B_r: a B_r multiple, and the next
+// sequence's start lies at or past this one's rows rounded up to B_r, so every sequence has whole,
+// disjoint blocks (seq_len_q_pad >= total_q + batch B_r covers the last). A VARLEN kernel makes
+// sequence b's parameters here (pointers at its first token and workspace row, its own lengths)
+// and runs the dense code on them with batch index 0.
+template <class Cfg>
+CF_DEVICE BackwardParams sequence_params(const BackwardParams& p, int b) {
+    BackwardParams s = p;
+    const int tq = p.cu_seqlens_q[b], tk = p.cu_seqlens_k[b];
+    s.seq_len_q = p.cu_seqlens_q[b + 1] - tq;
+    s.seq_len_k = p.cu_seqlens_k[b + 1] - tk;
+    s.q = static_cast<const u16*>(p.q) + (long long)tq * p.q_seq_stride;
+    s.o = static_cast<const u16*>(p.o) + (long long)tq * p.o_seq_stride;
+    s.dout = static_cast<const u16*>(p.dout) + (long long)tq * p.do_seq_stride;
+    s.dq = static_cast<u16*>(p.dq) + (long long)tq * p.dq_seq_stride;
+    s.lse = p.lse + (long long)tq * p.lse_seq_stride;
+    s.k = static_cast<const u16*>(p.k) + (long long)tk * p.k_seq_stride;
+    s.v = static_cast<const u16*>(p.v) + (long long)tk * p.v_seq_stride;
+    s.dk = static_cast<u16*>(p.dk) + (long long)tk * p.dk_seq_stride;
+    s.dv = static_cast<u16*>(p.dv) + (long long)tk * p.dv_seq_stride;
+    const long long ws_row0 = ((long long)tq + (long long)b * Cfg::BR) / Cfg::BR * Cfg::BR;
+    s.lse2 = p.lse2 + ws_row0;
+    s.dvec = p.dvec + ws_row0;
+    if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + ws_row0 * Cfg::D;
+    return s;
+}
+
 // ---- which key block a dK/dV CTA owns -------------------------------------------------------
 // Returns (key block, k/v head, batch) of this CTA of a dK/dV grid (n_key_blocks, n_kv_heads, batch).
 // Without causal masking every CTA does the same work: the grid's own coordinates (consecutive

@@ -21,7 +21,7 @@
 // of all into the same block's rows, which serialised their atomics in L2.
 #pragma once
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BackwardKVCTA {
     static constexpr int MK = Cfg::MK;
     using KVTile = typename Cfg::KVTile;
@@ -100,7 +100,8 @@ struct BackwardKVCTA {
     // heavy-first order of kv_block_coords, decoded once (it divides) into causal_kb/batch.
     int causal_kb, causal_batch;
     CF_DEVICE int key_block() const { return CAUSAL ? causal_kb : (int)blockIdx.x; }
-    CF_DEVICE int batch_index() const { return CAUSAL ? causal_batch : (int)blockIdx.z; }
+    // (VARLEN: 0, since `p` then points at the CTA's sequence; see sequence_params)
+    CF_DEVICE int batch_index() const { return VARLEN ? 0 : CAUSAL ? causal_batch : (int)blockIdx.z; }
     CF_DEVICE static int kv_head_index() { return kv_block_coords<CAUSAL>().y; }
     CF_DEVICE int k0() const { return key_block() * Cfg::BC; }
     CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }  // causal diagonal shift

@@ -44,7 +44,7 @@ struct NoStep {
     CF_DEVICE void operator()(int) const {}
 };
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BackwardKVCTA2D {
     using KVTile = typename Cfg::KVTile;
     using QTile = typename Cfg::QTile;
@@ -138,7 +138,8 @@ struct BackwardKVCTA2D {
     // heavy-first order of kv_block_coords, decoded once (it divides) into causal_kb/batch.
     int causal_kb, causal_batch;
     CF_DEVICE int key_block() const { return CAUSAL ? causal_kb : (int)blockIdx.x; }
-    CF_DEVICE int batch_index() const { return CAUSAL ? causal_batch : (int)blockIdx.z; }
+    // (VARLEN: 0, since `p` then points at the CTA's sequence; see sequence_params)
+    CF_DEVICE int batch_index() const { return VARLEN ? 0 : CAUSAL ? causal_batch : (int)blockIdx.z; }
     CF_DEVICE static int kv_head_index() { return kv_block_coords<CAUSAL>().y; }
     CF_DEVICE int k0() const { return key_block() * Cfg::BC; }
     CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }
@@ -629,15 +630,27 @@ struct BackwardKVCTA2D {
     }
 };
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN>
+CF_DEVICE void run_dkdv(const BackwardParams& params, unsigned char* smem) {
+    if constexpr (Cfg::PDS_SMEM) {
+        BackwardKVCTA2D<Cfg, CAUSAL, DETERMINISTIC, VARLEN> cta(params, smem);
+        cta.run();
+    } else {
+        BackwardKVCTA<Cfg, CAUSAL, DETERMINISTIC, VARLEN> cta(params, smem);
+        cta.run();
+    }
+}
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::N_THREADS)
     backward_dkdv_kernel(const __grid_constant__ BackwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    if constexpr (Cfg::PDS_SMEM) {
-        BackwardKVCTA2D<Cfg, CAUSAL, DETERMINISTIC> cta(params, smem);
-        cta.run();
+    if constexpr (VARLEN) {
+        // The grid covers the longest sequence: key blocks past this one's keys have nothing to do.
+        const int3 c = kv_block_coords<CAUSAL>();
+        const BackwardParams s = sequence_params<Cfg>(params, c.z);
+        if (c.x * Cfg::BC < s.seq_len_k) run_dkdv<Cfg, CAUSAL, DETERMINISTIC, true>(s, smem);
     } else {
-        BackwardKVCTA<Cfg, CAUSAL, DETERMINISTIC> cta(params, smem);
-        cta.run();
+        run_dkdv<Cfg, CAUSAL, DETERMINISTIC, false>(params, smem);
     }
 }

@@ -6,7 +6,7 @@
 // (S and dP are computed twice: here and in the dK/dV kernel). Writes dq * scale directly.
 #pragma once
 
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool VARLEN = false>
 struct BackwardDQCTA {
     static constexpr int KEY_N_TILES = Cfg::BC / 8;   // n-tiles of S over keys
     static constexpr int D_N_TILES = Cfg::D / 8;
@@ -39,6 +39,8 @@ struct BackwardDQCTA {
             for (int e = 0; e < 4; ++e) dq[n][e] = 0.f;
     }
 
+    // (VARLEN: 0, since `p` then points at the CTA's sequence; see sequence_params)
+    CF_DEVICE static int batch_index() { return VARLEN ? 0 : (int)blockIdx.z; }
     // Later query blocks see more keys under causal masking: start them first.
     CF_DEVICE static int q_block() { return CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x; }
     CF_DEVICE int offset() const { return p.seq_len_k - p.seq_len_q; }
@@ -75,7 +77,7 @@ struct BackwardDQCTA {
     }
 
     CF_DEVICE void process_kv_block(int kb) {
-        const int batch = blockIdx.z, kv_head = blockIdx.y / p.kv_group_size;
+        const int batch = batch_index(), kv_head = blockIdx.y / p.kv_group_size;
         const int key0 = kb * Cfg::BC;
         const u16* k_src = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                            (long long)key0 * p.k_seq_stride;
@@ -128,7 +130,7 @@ struct BackwardDQCTA {
     }
 
     CF_DEVICE void run() {
-        const int head = blockIdx.y, batch = blockIdx.z;
+        const int head = blockIdx.y, batch = batch_index();
         const int q0 = q_block() * Cfg::BR;
         const int rows_valid = p.seq_len_q - q0;
         const u16* q_src = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
@@ -162,9 +164,18 @@ struct BackwardDQCTA {
     }
 };
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::DQK_THREADS) backward_dq_kernel(const __grid_constant__ BackwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    BackwardDQCTA<Cfg, CAUSAL> cta(params, smem);
-    cta.run();
+    if constexpr (VARLEN) {
+        // The grid covers the longest sequence: query blocks past this one's rows have nothing to do.
+        const BackwardParams s = sequence_params<Cfg>(params, blockIdx.z);
+        if (BackwardDQCTA<Cfg, CAUSAL, true>::q_block() * Cfg::BR < s.seq_len_q) {
+            BackwardDQCTA<Cfg, CAUSAL, true> cta(s, smem);
+            cta.run();
+        }
+    } else {
+        BackwardDQCTA<Cfg, CAUSAL> cta(params, smem);
+        cta.run();
+    }
 }

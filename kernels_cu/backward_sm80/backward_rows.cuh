@@ -4,17 +4,18 @@
 //   key, and on padding rows), and, unless DETERMINISTIC, zeroes the dq_accum rows of its block.
 // convert: dq = dq_accum * softmax_scale in the input precision (not used when DETERMINISTIC:
 //   the dQ kernel then writes dq itself).
-// Both: 64 rows per CTA, 4 threads per row; grid (seq_len_q_pad / 64, n_heads, batch).
+// Both: 64 rows per CTA, 4 threads per row; grid (seq_len_q_pad / 64, n_heads, batch), or with
+// VARLEN (the longest sequence's rows rounded up to B_r, / 64, n_heads, batch).
 #pragma once
 
 // The preprocess body, shared with the Hopper family's own preprocess kernel
 // (kernels_cu/backward_sm90/rows.cuh), which wraps it in a launch trigger and a dQ counter reset.
 template <class Cfg, bool DETERMINISTIC>
-CF_DEVICE void preprocess_block(const BackwardParams& p) {
+CF_DEVICE void preprocess_block(const BackwardParams& p, int batch) {
     constexpr int CHUNKS = Cfg::D / 8;
     const int tid = threadIdx.x, part = tid & 3;
     const int row = blockIdx.x * Cfg::ROW_KERNEL_ROWS + (tid >> 2);
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y;
     float acc = 0.f;
     if (row < p.seq_len_q) {
         const u16* o = static_cast<const u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
@@ -56,20 +57,27 @@ CF_DEVICE void preprocess_block(const BackwardParams& p) {
     }
 }
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
-    preprocess_block<Cfg, DETERMINISTIC>(p);
+    if constexpr (VARLEN) {
+        // Only the sequence's own whole B_r blocks: the rows past them belong to the next one.
+        const BackwardParams s = sequence_params<Cfg>(p, blockIdx.z);
+        if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS < (s.seq_len_q + Cfg::BR - 1) / Cfg::BR * Cfg::BR)
+            preprocess_block<Cfg, DETERMINISTIC>(s, 0);
+    } else {
+        preprocess_block<Cfg, DETERMINISTIC>(p, blockIdx.z);
+    }
 }
 
 // The convert body, shared with the Hopper family's own convert kernel (rows.cuh there), which
 // waits for its dQ block first. FROM_L2: read dq_accum with ld.global.cg (L2 only), for a kernel
 // that may run while other CTAs' reductions into it land in L2.
 template <class Cfg, bool FROM_L2>
-CF_DEVICE void convert_block(const BackwardParams& p) {
+CF_DEVICE void convert_block(const BackwardParams& p, int batch) {
     constexpr int CHUNKS = Cfg::D / 8;
     constexpr int TOTAL = Cfg::ROW_KERNEL_ROWS * CHUNKS;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y;
     const int row0 = blockIdx.x * Cfg::ROW_KERNEL_ROWS;
     const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
     u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
@@ -97,8 +105,13 @@ CF_DEVICE void convert_block(const BackwardParams& p) {
     }
 }
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_convert_dq_kernel(const __grid_constant__ BackwardParams p) {
-    convert_block<Cfg, false>(p);
+    if constexpr (VARLEN) {
+        const BackwardParams s = sequence_params<Cfg>(p, blockIdx.z);
+        if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS < s.seq_len_q) convert_block<Cfg, false>(s, 0);
+    } else {
+        convert_block<Cfg, false>(p, blockIdx.z);
+    }
 }

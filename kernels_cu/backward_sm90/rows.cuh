@@ -23,7 +23,7 @@ template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     if constexpr (Cfg::PDL) pdl_launch_dependents();
-    preprocess_block<Cfg, DETERMINISTIC>(p);
+    preprocess_block<Cfg, DETERMINISTIC>(p, blockIdx.z);
     if constexpr (Cfg::DQ_EARLY && !DETERMINISTIC) {
         if (threadIdx.x == 0)
             *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, blockIdx.z, blockIdx.y,
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     if constexpr (Cfg::DQ_FRAG)
         convert_fragments_block<Cfg>(p);
     else
-        convert_block<Cfg, true>(p);
+        convert_block<Cfg, true>(p, blockIdx.z);
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.

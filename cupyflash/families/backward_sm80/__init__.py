@@ -7,8 +7,10 @@ ldmatrix and cp.async. Four kernels (roles) per config, one module per variant:
 - dq (deterministic variant): one CTA per query block, dQ in registers in key order, no atomics;
 - convert (atomic variant): dQ fp32 -> the input precision, scaled.
 
-Variants are the template flags (causal, deterministic). A variant's module holds only the roles it
-launches: preprocess, dkdv, then dq or convert. The Hopper backward family is meant to be the next
+Variants are the template flags (causal, deterministic, varlen). A variant's module holds only the
+roles it launches: preprocess, dkdv, then dq or convert. varlen kernels (`backward_varlen`) take
+packed (total_tokens, heads, d_head) operands with cu_seqlens offsets: each CTA moves the
+parameters to its sequence (backward_common.cuh's sequence_params) and runs the dense code. The Hopper backward family is meant to be the next
 member of this kind ("backward"): same config-family interface, roles and parameter struct shape.
 """
 from __future__ import annotations
@@ -51,7 +53,7 @@ class BackwardSm80Family(KernelFamily):
         KernelRole("dq", "backward_dq_kernel", BACKWARD_PARAMS),
         KernelRole("convert", "backward_convert_dq_kernel", BACKWARD_PARAMS),
     )
-    variant_flags = ("causal", "deterministic")
+    variant_flags = ("causal", "deterministic", "varlen")
     min_compute_capability = 80
     set_keys = config_sets.KERNEL_SET_KEYS
 
@@ -88,7 +90,8 @@ class BackwardSm80Family(KernelFamily):
 
     def grid(self, cfg: BackwardKernelConfig, role: str, batch: int, n_heads: int, n_kv_heads: int,
              seq_len_q: int, seq_len_k: int) -> tuple[int, int, int]:
-        """Launch grid of `role` for one problem (x may be 0: nothing to launch)."""
+        """Launch grid of `role` for one problem (x may be 0: nothing to launch). For varlen calls
+        seq_len_q/k are the longest sequence's lengths (max_seqlen_q/k)."""
         if role == "dkdv":
             return (-(-seq_len_k // cfg.B_c), n_kv_heads, batch)
         if role == "dq":

@@ -17,14 +17,15 @@ __all__ = ["BackwardLauncher", "get_launcher", "clear"]
 
 
 class BackwardLauncher:
-    """The loaded kernels of one (config, causal, deterministic) on one device."""
+    """The loaded kernels of one (config, causal, deterministic, varlen) on one device."""
 
-    def __init__(self, cfg: BackwardKernelConfig, device_id: int, causal: bool, deterministic: bool) -> None:
+    def __init__(self, cfg: BackwardKernelConfig, device_id: int, causal: bool, deterministic: bool,
+                 varlen: bool = False) -> None:
         from ...registry import get_registry
 
         self.cfg = cfg
         self.device_id = device_id
-        self.variant = BACKWARD_SM80.variant(causal=causal, deterministic=deterministic)
+        self.variant = BACKWARD_SM80.variant(causal=causal, deterministic=deterministic, varlen=varlen)
         kernels = get_registry().get_all(cfg, device_id, variant=self.variant)
         self.kernels = kernels  # role -> LoadedKernel (keeps the module alive)
         self._steps = [(role, kernels[role].func_ptr, BACKWARD_SM80.block_threads(cfg, role),
@@ -36,7 +37,8 @@ class BackwardLauncher:
 
     def launch(self, params: bytes, batch: int, n_heads: int, n_kv_heads: int, seq_len_q: int, seq_len_k: int,
                stream: int) -> None:
-        """Launch the variant's kernels in order on `stream` (skipping empty grids)."""
+        """Launch the variant's kernels in order on `stream` (skipping empty grids). varlen:
+        seq_len_q/k are max_seqlen_q/k, which size the grids."""
         from cupy_backends.cuda.api.driver import launchKernel
 
         if len(params) != PARAMS_STRUCT.size:
@@ -53,12 +55,13 @@ _lock = threading.Lock()
 _launchers: dict[tuple, BackwardLauncher] = {}
 
 
-def get_launcher(cfg: BackwardKernelConfig, device_id: int, causal: bool, deterministic: bool) -> BackwardLauncher:
-    key = (device_id, cfg, causal, deterministic)
+def get_launcher(cfg: BackwardKernelConfig, device_id: int, causal: bool, deterministic: bool,
+                 varlen: bool = False) -> BackwardLauncher:
+    key = (device_id, cfg, causal, deterministic, varlen)
     launcher = _launchers.get(key)
     if launcher is None:
         _check_smem(cfg, device_id)
-        launcher = BackwardLauncher(cfg, device_id, causal, deterministic)  # the registry serialises loads
+        launcher = BackwardLauncher(cfg, device_id, causal, deterministic, varlen)  # the registry serialises loads
         with _lock:
             _launchers[key] = launcher
     return launcher

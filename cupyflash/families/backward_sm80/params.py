@@ -7,7 +7,8 @@ from ..base import ParamStruct, stride_fields
 
 __all__ = ["BACKWARD_PARAMS", "PARAM_FIELDS", "PARAMS_STRUCT", "pack_params", "param_names", "POINTER_FIELDS"]
 
-POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "dvec")
+POINTER_FIELDS = ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv", "dq_accum", "lse2", "dvec", "cu_seqlens_q",
+                  "cu_seqlens_k")
 
 # (name, C++ type, struct format char): pointers and 64-bit strides first, then 32-bit values
 # (an even count, so the struct has no padding).
@@ -24,6 +25,11 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("dq_accum", "float*", "Q"),    # fp32 workspace (batch, n_heads, seq_len_q_pad, d_head); 0 if deterministic
     ("lse2", "float*", "Q"),        # fp32 workspace (batch, n_heads, seq_len_q_pad)
     ("dvec", "float*", "Q"),        # fp32 workspace (batch, n_heads, seq_len_q_pad)
+    # varlen only (0 otherwise): int32 (batch + 1) token offsets of the packed sequences; then the
+    # workspaces are (n_heads, seq_len_q_pad) with sequence b's rows from a B_r multiple (see
+    # backward_common.cuh's sequence_params) and the lse (n_heads, total_q)
+    ("cu_seqlens_q", "const int*", "Q"),
+    ("cu_seqlens_k", "const int*", "Q"),
 ) + stride_fields("q", "k", "v", "o", "do", "dq", "dk", "dv") + (
     ("lse_batch_stride", "long long", "q"),
     ("lse_head_stride", "long long", "q"),

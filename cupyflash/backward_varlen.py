@@ -1,0 +1,200 @@
+"""`cupyflash.backward_varlen`: gradients of `forward_varlen` (packed ragged batches).
+
+The mma.sync backward family's varlen kernels run it on every GPU (sm_80+, Hopper included):
+each CTA reads its sequence's offsets from cu_seqlens_q/k, moves the kernel parameters to that
+sequence's first token and workspace rows, and runs the dense backward's code on it
+(kernels_cu/backward_sm80/backward_common.cuh, sequence_params). The grids are sized by
+max_seqlen_q/k; blocks past a sequence's end exit at once.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .backward_validation import BackwardPlan, resolve_backward_config
+from .config import DType
+from .families.backward_sm80.config import BackwardKernelConfig
+from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
+from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
+from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_varlen_args
+
+__all__ = ["backward_varlen", "check_backward_varlen_args", "VarlenBackwardPlan", "workspace_rows"]
+
+
+class VarlenBackwardPlan(NamedTuple):
+    """A validated backward_varlen call: the forward's problem, the dense-shaped plan the kernels
+    are packed from (seq_len_q/k = max_seqlen_q/k, batch strides 0) and the workspace rows per head."""
+
+    problem: VarlenProblem
+    plan: BackwardPlan
+
+
+def workspace_rows(total_q: int, batch: int, b_r: int) -> int:
+    """Rows per head of the fp32 workspaces (lse2, dvec, dq_accum): sequence b's rows start at
+    floor((cu_seqlens_q[b] + b B_r) / B_r) B_r, so whole B_r blocks per sequence need
+    total_q + batch B_r rows, rounded up to B_r (at least one block)."""
+    return max(1, -(-(total_q + batch * b_r) // b_r)) * b_r
+
+
+def _check_like(view: TensorView, name: str, like: TensorView, like_name: str) -> tuple[int, int]:
+    if tuple(view.shape) != tuple(like.shape):
+        raise ValueError(f"{name}: expected shape {tuple(like.shape)} ({like_name}'s shape), got {tuple(view.shape)}")
+    if view.dtype is not like.dtype:
+        raise TypeError(f"{name}: dtype {_dtype_name(view)} does not match {like_name}'s dtype {_dtype_name(like)}")
+    if view.device != like.device:
+        raise ValueError(f"{name}: is on CUDA device {view.device} but q is on device {like.device}; "
+                         "all arrays must be on one device")
+    return _check_packed(view, name)
+
+
+def _check_output(view: TensorView, name: str, like: TensorView, like_name: str) -> tuple[int, int]:
+    strides = _check_like(view, name, like, like_name)
+    for dim in range(2):
+        if view.shape[dim] > 1 and strides[dim] == 0:
+            raise ValueError(f"{name}: has a zero stride in dimension {dim} (a broadcast view); expected a "
+                             "writable array whose elements do not overlap")
+    return strides
+
+
+def check_backward_varlen_args(cfg: BackwardKernelConfig | None, dout: TensorView, q: TensorView, k: TensorView,
+                               v: TensorView, out: TensorView, lse: TensorView, cu_q: TensorView, cu_k: TensorView,
+                               max_seqlen_q: Any, max_seqlen_k: Any, dq: TensorView | None = None,
+                               dk: TensorView | None = None, dv: TensorView | None = None, softmax_scale: Any = None,
+                               causal: Any = False, deterministic: Any = False, *,
+                               select: Any) -> VarlenBackwardPlan:
+    """Every rule that needs no GPU (TypeError/ValueError naming the argument) and the plan.
+    `select(dtype, d_head, seq_len_q, seq_len_k, device, causal)` picks the config for cfg=None."""
+    deterministic = check_flag(deterministic, "deterministic")
+    problem = check_varlen_args(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, None, softmax_scale, causal)
+    o_strides = _check_like(out, "out", q, "q")
+    do_strides = _check_like(dout, "dout", q, "q")
+    if len(lse.shape) != 2 or tuple(lse.shape) != problem.lse_shape:
+        raise ValueError(f"lse: expected shape {problem.lse_shape} (n_heads, total_q), the layout "
+                         f"forward_varlen(..., return_lse=True) returns, got {tuple(lse.shape)}")
+    if not _is_float32(lse):
+        raise TypeError(f"lse: expected dtype float32 (forward_varlen(..., return_lse=True) gives it), "
+                        f"got {lse.raw_dtype}")
+    if lse.device != q.device:
+        raise ValueError(f"lse: is on CUDA device {lse.device} but q is on device {q.device}")
+    if lse.ptr % 4:
+        raise ValueError(f"lse: data pointer 0x{lse.ptr:x} is not 4-byte aligned")
+    if cfg is None:
+        cfg = select(problem.dtype, problem.d_head, problem.max_seqlen_q, problem.max_seqlen_k, problem.device,
+                     problem.causal)
+    if not isinstance(cfg, BackwardKernelConfig):
+        raise ValueError(f"cfg: backward_varlen runs the backward_sm80 family (mma.sync, every GPU); "
+                         f"got a {type(cfg).__name__}")
+    if cfg.dtype is not problem.dtype:
+        raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {problem.dtype.name}")
+    if cfg.d_head != problem.d_head:
+        raise ValueError(f"cfg: config d_head {cfg.d_head} does not match the inputs' d_head {problem.d_head}")
+    total_q, total_k, d_head = problem.total_q, problem.total_k, problem.d_head
+    strides = [problem.q_strides, problem.k_strides, problem.v_strides, o_strides, do_strides]
+    for view, name, shape, like, like_name in ((dq, "dq", (total_q, problem.n_heads, d_head), q, "q"),
+                                               (dk, "dk", (total_k, problem.n_kv_heads, d_head), k, "k"),
+                                               (dv, "dv", (total_k, problem.n_kv_heads, d_head), v, "v")):
+        strides.append((shape[1] * shape[2], shape[2]) if view is None else _check_output(view, name, like, like_name))
+    rows = workspace_rows(total_q, problem.batch, cfg.B_r)
+    # (batch, seq, head) strides of the dense plan: batch strides 0 (each CTA moves to its sequence)
+    plan = BackwardPlan(cfg, problem.batch, problem.max_seqlen_q, problem.max_seqlen_k, rows, problem.n_heads,
+                        problem.n_kv_heads, d_head, tuple((0, t, h) for t, h in strides),
+                        (0, lse.strides[0], lse.strides[1]), problem.softmax_scale, problem.causal,
+                        deterministic, problem.device,
+                        # a key of a sequence with no queries still gets dk = dv = 0 written
+                        bool(problem.n_heads and problem.batch and (problem.max_seqlen_q or problem.max_seqlen_k)))
+    return VarlenBackwardPlan(problem, plan)
+
+
+def _zeroed(like: TensorView, shape: tuple[int, int, int], stream_ptr: int) -> TensorView:
+    """A new contiguous array of `shape`, zeroed on the launch stream: tokens past cu_seqlens[-1]
+    belong to no sequence and get a zero gradient rather than whatever the allocator held."""
+    view = allocate_output(like, shape)
+    nbytes = int(np.prod(shape)) * 2
+    if nbytes:
+        _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
+    return view
+
+
+def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                    max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                    softmax_scale: float | None = None, dq: Any = None, dk: Any = None, dv: Any = None,
+                    deterministic: bool = False, stream: Any = None, cfg: Any = None,
+                    check_indices: bool | None = None) -> tuple[Any, Any, Any]:
+    """Gradients of `forward_varlen`: (dq, dk, dv) for a packed batch of sequences.
+
+    Args:
+        dout: gradient of the loss w.r.t. out, (total_q, n_heads, d_head), q's dtype.
+        q, k, v, out: the forward's packed inputs and output (q, out: (total_q, n_heads, d_head);
+            k, v: (total_k, n_kv_heads, d_head)); same layout rules as forward_varlen.
+        lse: the forward's float32 (n_heads, total_q) log-sum-exp,
+            `forward_varlen(..., return_lse=True)[1]`.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+            check_indices: as given to forward_varlen.
+        dq, dk, dv: optional outputs (shapes and dtype of q, k, v; not JAX arrays): only the
+            tokens of the sequences are written. New outputs (the default) are zeroed first, so
+            tokens past cu_seqlens[-1] get a zero gradient. With GQA/MQA, dk and dv hold the sum
+            over the query heads of each group.
+        deterministic: True computes dQ in a separate pass per query block instead of fp32
+            atomics (the same bits on every run).
+        stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
+        cfg: None/'auto' (backward_sm80's tuned or default config for max_seqlen_q/k), or a
+            BackwardKernelConfig or its short form.
+
+    Returns:
+        (dq, dk, dv) in the framework of q.
+    """
+    from . import api as _api
+
+    if not _api._gpu_ready:
+        _api._ensure_gpu()
+    config = resolve_backward_config(cfg)
+    qv = as_view(q, "q")
+    if qv.device not in CHECKED_DEVICES:
+        check_device_once(qv.device)
+    views = [as_view(x, name) for x, name in ((dout, "dout"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"),
+                                              (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
+    dov, kv, vv, ov, lv, cqv, ckv = views
+    dqv = output_view(dq, "dq") if dq is not None else None
+    dkv = output_view(dk, "dk") if dk is not None else None
+    dvv = output_view(dv, "dv") if dv is not None else None
+    from .backward_api import _select
+
+    checked = check_backward_varlen_args(config, dov, qv, kv, vv, ov, lv, cqv, ckv, max_seqlen_q, max_seqlen_k,
+                                         dqv, dkv, dvv, softmax_scale, causal, deterministic, select=_select)
+    problem, plan = checked
+    if index_check_requested(check_indices):
+        check_index_values(problem, host_copy(cqv), host_copy(ckv))
+    stream_ptr = resolve_stream(stream, qv)
+    with _cupy.cuda.Device(plan.device):
+        if dqv is None:
+            dqv = _zeroed(qv, (problem.total_q, problem.n_heads, problem.d_head), stream_ptr)
+        if dkv is None:
+            dkv = _zeroed(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr)
+        if dvv is None:
+            dvv = _zeroed(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr)
+        if plan.launch:
+            _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), cqv.ptr, ckv.ptr, stream_ptr)
+    return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
+            dv if dv is not None else wrap_output(dvv))
+
+
+def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int) -> None:
+    """Workspaces (lse2, dvec: (n_heads, rows); dq_accum: (n_heads, rows, d_head) unless
+    deterministic) from the pool of q's framework on the launch stream, then the varlen variant's
+    kernels."""
+    from .backward_api import _workspace
+    from .families.backward_sm80.kernels import get_launcher
+
+    q = views[0]
+    stats = (plan.n_heads, plan.seq_len_q_pad)
+    lse2, lse2_ptr = _workspace(q, stats, stream_ptr)
+    dvec, dvec_ptr = _workspace(q, stats, stream_ptr)
+    acc, acc_ptr = ((None, 0) if plan.deterministic
+                    else _workspace(q, stats + (plan.d_head,), stream_ptr))
+    ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
+    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic, varlen=True)
+    launcher.launch(plan.pack(ptrs, (cu_q, cu_k)), plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
+                    plan.seq_len_k, stream_ptr)
+    # the workspaces are released here; both allocators order their reuse on the launch stream
+    del lse2, dvec, acc

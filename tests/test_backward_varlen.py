@@ -1,0 +1,134 @@
+"""CPU tests of backward_varlen: argument checks, the plan the kernels are packed from, the
+workspace layout, and the varlen kernels' parameters (no GPU needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupyflash.backward_varlen import check_backward_varlen_args, workspace_rows
+from cupyflash.config import DType
+from cupyflash.families.backward_sm80 import BACKWARD_SM80
+from cupyflash.families.backward_sm80.config_sets import default_config
+from cupyflash.families.backward_sm80.params import PARAMS_STRUCT, param_names
+from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+from fake_views import ints, view
+
+BF16 = DType.BF16
+CFG = default_config(BF16, 128)
+SELECTED = []
+
+
+def select(dtype, d_head, seq_q, seq_k, device, causal):
+    SELECTED.append((dtype, d_head, seq_q, seq_k, device, causal))
+    return default_config(dtype, d_head)
+
+
+def args(**over):
+    a = dict(cfg=None, dout=view((100, 16, 128)), q=view((100, 16, 128)), k=view((300, 4, 128)),
+             v=view((300, 4, 128)), out=view((100, 16, 128)), lse=view((16, 100), dtype=None, raw=np.dtype(np.float32)),
+             cu_q=ints((4,)), cu_k=ints((4,)), max_seqlen_q=60, max_seqlen_k=200, dq=None, dk=None, dv=None)
+    a.update(over)
+    return a
+
+
+def check(**over):
+    a = args(**over)
+    return check_backward_varlen_args(a["cfg"], a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_q"],
+                                      a["cu_k"], a["max_seqlen_q"], a["max_seqlen_k"], a["dq"], a["dk"], a["dv"],
+                                      a.get("softmax_scale"), a.get("causal", False), a.get("deterministic", False),
+                                      select=select)
+
+
+def test_valid_problem_and_its_plan():
+    SELECTED.clear()
+    problem, plan = check(causal=True, deterministic=True)
+    assert SELECTED == [(BF16, 128, 60, 200, 0, True)]  # cfg=None picks for the longest sequences
+    assert (problem.total_q, problem.total_k, problem.batch) == (100, 300, 3)
+    assert plan.cfg == CFG and plan.causal and plan.deterministic and plan.launch
+    assert (plan.batch, plan.seq_len_q, plan.seq_len_k, plan.n_heads, plan.n_kv_heads) == (3, 60, 200, 16, 4)
+    # (batch, seq, head) strides: batch strides 0 (each CTA moves to its sequence), packed rows
+    assert plan.strides == ((0, 2048, 128), (0, 512, 128), (0, 512, 128), (0, 2048, 128), (0, 2048, 128),
+                            (0, 2048, 128), (0, 512, 128), (0, 512, 128))
+    assert plan.lse_strides == (0, 100, 1)  # (batch, head, token) of the (n_heads, total_q) lse
+    assert plan.seq_len_q_pad == workspace_rows(100, 3, CFG.B_r)
+    # given outputs keep their strides
+    dq = view((100, 16, 128), strides=(32 * 128, 128, 1))
+    assert check(dq=dq).plan.strides[5] == (0, 32 * 128, 128)
+
+
+@pytest.mark.parametrize("total, batch, b_r", [(0, 1, 64), (100, 3, 64), (1, 1, 128), (4096, 7, 128), (64, 1, 64)])
+def test_workspace_rows_hold_whole_disjoint_blocks(total, batch, b_r):
+    """Every sequence's rows start at a B_r multiple, its blocks (its length rounded up to B_r)
+    end at or before the next sequence's start, and the last one inside the workspace, for any
+    split of `total` tokens into `batch` sequences (random and extreme ones)."""
+    rows = workspace_rows(total, batch, b_r)
+    rng = np.random.default_rng(total + batch)
+    splits = [np.sort(rng.integers(0, total + 1, batch - 1)) for _ in range(50)]
+    splits += [np.zeros(batch - 1, dtype=int), np.full(batch - 1, total)]
+    for cuts in splits:
+        cu = np.concatenate([[0], cuts, [total]])
+        starts = (cu[:-1] + np.arange(batch) * b_r) // b_r * b_r
+        ends = starts + -(-(cu[1:] - cu[:-1]) // b_r) * b_r
+        assert (starts % b_r == 0).all() and (ends[:-1] <= starts[1:]).all() and ends[-1] <= rows
+
+
+LSE32 = dict(dtype=None, raw=np.dtype(np.float32))
+
+
+@pytest.mark.parametrize("over, err, prefix", [
+    (dict(dout=view((100, 16, 64))), ValueError, "dout:"),
+    (dict(dout=view((100, 16, 128), dtype=DType.FP16)), TypeError, "dout:"),
+    (dict(dout=view((100, 16, 128), device=1)), ValueError, "dout:"),
+    (dict(dout=view((100, 16, 128), strides=(16 * 128, 128, 2))), ValueError, "dout:"),
+    (dict(out=view((99, 16, 128))), ValueError, "out:"),
+    (dict(out=view((100, 16, 128), ptr=(1 << 30) + 8)), ValueError, "out:"),
+    (dict(lse=view((100, 16), **LSE32)), ValueError, "lse:"),
+    (dict(lse=view((1, 16, 100), **LSE32)), ValueError, "lse:"),
+    (dict(lse=view((16, 100))), TypeError, "lse:"),
+    (dict(lse=view((16, 100), device=1, **LSE32)), ValueError, "lse:"),
+    (dict(lse=view((16, 100), ptr=(1 << 30) + 2, **LSE32)), ValueError, "lse:"),
+    (dict(q=view((100, 16, 128), dtype=DType.FP16)), TypeError, "k:"),
+    (dict(cu_k=ints((5,))), ValueError, "cu_seqlens_k:"),
+    (dict(max_seqlen_q=-1), ValueError, "max_seqlen_q:"),
+    (dict(dq=view((100, 16, 64))), ValueError, "dq:"),
+    (dict(dk=view((300, 4, 128), dtype=DType.FP16)), TypeError, "dk:"),
+    (dict(dv=view((300, 4, 128), strides=(0, 128, 1))), ValueError, "dv:"),
+    (dict(dv=view((300, 4, 128), device=1)), ValueError, "dv:"),
+    (dict(deterministic=1), TypeError, "deterministic:"),
+    (dict(causal="yes"), TypeError, "causal:"),
+    (dict(cfg=default_config(DType.FP16, 128)), ValueError, "cfg:"),
+    (dict(cfg=default_config(BF16, 64)), ValueError, "cfg:"),
+    (dict(cfg=sm90_default(BF16, 128, False)), ValueError, "cfg:"),
+])
+def test_bad_arguments_name_the_argument(over, err, prefix):
+    with pytest.raises(err) as info:
+        check(**over)
+    assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_what_launches():
+    assert not check(cu_q=ints((1,)), cu_k=ints((1,))).plan.launch  # batch 0
+    assert not check(max_seqlen_q=0, max_seqlen_k=0).plan.launch
+    # keys of sequences without queries still get their zero dk/dv written
+    assert check(max_seqlen_q=0).plan.launch and check(max_seqlen_k=0).plan.launch
+
+
+def test_packed_parameters_carry_the_offsets():
+    problem, plan = check(causal=True)
+    ptrs = tuple(range(1, 13))  # q, k, v, o, dout, lse, dq, dk, dv, dq_accum, lse2, dvec
+    raw = plan.pack(ptrs, (0xC0, 0xD0))
+    fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(raw)))
+    assert fields["cu_seqlens_q"] == 0xC0 and fields["cu_seqlens_k"] == 0xD0 and fields["dvec"] == 12
+    assert (fields["q_batch_stride"], fields["q_seq_stride"], fields["q_head_stride"]) == (0, 2048, 128)
+    assert (fields["seq_len_q"], fields["seq_len_k"], fields["seq_len_q_pad"]) == (60, 200, plan.seq_len_q_pad)
+    assert (fields["lse_batch_stride"], fields["lse_head_stride"], fields["lse_seq_stride"]) == (0, 100, 1)
+    dense = dict(zip(param_names(), PARAMS_STRUCT.unpack(plan.pack(ptrs))))
+    assert dense["cu_seqlens_q"] == dense["cu_seqlens_k"] == 0
+
+
+def test_varlen_is_a_template_flag_of_every_role():
+    variant = BACKWARD_SM80.variant(causal=True, deterministic=True, varlen=True)
+    for role, expr in BACKWARD_SM80.name_expressions(CFG, variant).items():
+        assert expr.endswith(", true, true, true>"), (role, expr)
+    # a backward_sm80 grid is sized by the longest sequences (max_seqlen_q/k)
+    assert BACKWARD_SM80.grid(CFG, "dkdv", 3, 16, 4, 60, 200) == (-(-200 // CFG.B_c), 4, 3)

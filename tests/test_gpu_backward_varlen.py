@@ -1,0 +1,232 @@
+"""GPU tests of backward_varlen against the SPEC §5 rule, per sequence, on a float64 reference:
+ragged batches with empty sequences (no queries, no keys, or both), lengths at tile boundaries,
+seq_q != seq_k per sequence, causal and not, GQA/MQA, fp16/bf16, d_head 64/96/128/256, atomic and
+deterministic dQ, poisoned outputs (pad tokens after the last sequence stay untouched; new outputs
+are zero there), strided inputs, bit equality with the dense backward on equal lengths
+(deterministic), the opt-in index check, and torch autograd through cupyflash.torch.attention_varlen.
+Skipped cleanly without a GPU."""
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from cupyflash.config import DType
+from cupyflash.device import has_gpu
+from cupyflash.families.backward_sm80.config_sets import default_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU")]
+
+if has_gpu():
+    import cupy as cp
+
+    import cupyflash
+    from gpu_backward_reference import check_gradients
+    from gpu_reference import poisoned, random_inputs
+
+D_HEADS = (64, 96, 128, 256)
+# the H100 table's d_head 128 pick (pipelined, one barrier per iteration) beside the defaults
+PIPELINED = "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed_cache():
+    """Compile the varlen variants (and the dense ones the equality test uses) in parallel first."""
+    from cupyflash.device import device_arch
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80
+    from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
+    from cupyflash.prewarm import prewarm
+
+    arch, _ = device_arch(cp.cuda.runtime.getDevice())
+    jobs = max(1, min(16, os.cpu_count() or 1))
+    cfgs = [default_config(dt, d) for dt in DType for d in D_HEADS] + [BACKWARD_SM80.parse(PIPELINED)]
+    reports = [prewarm(cfgs, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
+               prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs,
+                       progress=None, causal=(False, True))]
+    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
+    assert not failed, "\n".join(failed[:3])
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng()
+
+
+def packed(rng, dtype, lens_q, lens_k, n_heads, n_kv_heads, d, pad_q=0, pad_k=0):
+    """q (sum(lens_q) + pad_q, H, d), k/v (sum(lens_k) + pad_k, H_kv, d) and the int32 offsets."""
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = random_inputs(cp, dtype, (int(cu_q[-1]) + pad_q, n_heads, d), rng)
+    k = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
+    v = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
+    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), cu_q, cu_k
+
+
+def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=None):
+    return cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, softmax_scale=scale,
+                                    return_lse=True, cfg=_forward_cfg(q.dtype, q.shape[-1]))
+
+
+def _forward_cfg(np_dtype, d):
+    from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
+
+    return forward_default(DType.FP16 if np_dtype == np.float16 else DType.BF16, d)
+
+
+def check_per_sequence(dtype, q, k, v, dout, grads, cu_q, cu_k, causal, scale=None):
+    """Each sequence's dq, dk, dv against the reference; sequences without keys: dq 0; without
+    queries: dk = dv = 0."""
+    dq, dk, dv = grads
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        context = f"sequence {b}: {q1 - q0} queries, {k1 - k0} keys, causal={causal}"
+        if q1 == q0 or k1 == k0:
+            assert bool((dq[q0:q1].astype(cp.float32) == 0).all()), context
+            assert bool((dk[k0:k1].astype(cp.float32) == 0).all()), context
+            assert bool((dv[k0:k1].astype(cp.float32) == 0).all()), context
+            continue
+        check_gradients(cp, dtype, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], dout[None, q0:q1],
+                        (dq[None, q0:q1], dk[None, k0:k1], dv[None, k0:k1]), scale, causal=causal, context=context)
+
+
+RAGGED = [
+    # (lens_q, lens_k): empty sequences of every kind, tile boundaries, seq_q != seq_k
+    ([1, 0, 17, 64, 65, 128, 3, 0], [1, 5, 0, 64, 63, 129, 300, 0]),
+    ([200, 1, 127, 256], [200, 1, 127, 256]),
+    ([0, 0, 33], [7, 0, 33]),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+@pytest.mark.parametrize("d", D_HEADS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lens", RAGGED, ids=["mixed", "boundaries", "empty_first"])
+def test_ragged_batches(rng, deterministic, dtype, d, causal, lens):
+    lens_q, lens_k = lens
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5, pad_k=3)
+    out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
+    dout = random_inputs(cp, dtype, q.shape, rng)
+    dq, dk, dv = (poisoned(cp, dtype, x.shape) for x in (q, k, v))
+    res = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                    dq=dq, dk=dk, dv=dv, deterministic=deterministic)
+    assert res[0] is dq and res[1] is dk and res[2] is dv
+    check_per_sequence(dtype, q, k, v, dout, res, hq, hk, causal)
+    # the pad tokens after the last sequence belong to none: never written into given outputs
+    assert bool(cp.isnan(dq[int(hq[-1]):].astype(cp.float32)).all())
+    assert bool(cp.isnan(dk[int(hk[-1]):].astype(cp.float32)).all())
+    # new outputs are zeroed there
+    new = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                    deterministic=deterministic)
+    assert bool((new[0][int(hq[-1]):].astype(cp.float32) == 0).all())
+    assert bool((new[2][int(hk[-1]):].astype(cp.float32) == 0).all())
+    check_per_sequence(dtype, q, k, v, dout, new, hq, hk, causal)
+
+
+@pytest.mark.parametrize("cfg", ["auto", PIPELINED])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 1), (16, 2)])
+def test_gqa_mqa_scale_and_configs(rng, cfg, heads):
+    n_heads, n_kv = heads
+    lens_q, lens_k = [50, 300, 9, 64], [80, 300, 1, 640]
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens_q, lens_k, n_heads, n_kv, 128)
+    out, lse = forward(q, k, v, cu_q, cu_k, 300, 640, True, scale=0.3)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 300, 640, causal=True,
+                                      softmax_scale=0.3, cfg=cfg)
+    check_per_sequence(DType.BF16, q, k, v, dout, grads, hq, hk, True, scale=0.3)
+
+
+def test_strided_inputs_and_outputs(rng):
+    """q, k, v, dout as head slices of wider arrays, dq/dk/dv written into strided views."""
+    dtype = DType.FP16
+    lens = [70, 0, 130]
+    hcu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = cp.asarray(hcu)
+    total = sum(lens)
+    wide_q = random_inputs(cp, dtype, (total, 12, 128), rng)
+    wide_kv = random_inputs(cp, dtype, (total, 2, 6, 128), rng)
+    q, k, v = wide_q[:, 2:10], wide_kv[:, 0, 1:3], wide_kv[:, 1, 3:5]
+    out, lse = cupyflash.forward_varlen(q, k, v, cu, cu, 130, 130, causal=True, return_lse=True)
+    dout = random_inputs(cp, dtype, (total, 16, 128), rng)[:, ::2]
+    dq_wide, dkv_wide = poisoned(cp, dtype, (total, 9, 128)), poisoned(cp, dtype, (total, 2, 3, 128))
+    dq, dk, dv = dq_wide[:, 1:9], dkv_wide[:, 0, :2], dkv_wide[:, 1, 1:]
+    cupyflash.backward_varlen(dout, q, k, v, out, lse, cu, cu, 130, 130, causal=True, dq=dq, dk=dk, dv=dv)
+    assert bool(cp.isnan(dq_wide[:, 0].astype(cp.float32)).all())  # the untouched head column
+    contiguous = [cp.ascontiguousarray(x) for x in (q, k, v, dout)]
+    check_per_sequence(dtype, *contiguous, (dq, dk, dv), hcu, hcu, True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, causal, d):
+    """Deterministic mode on a batch of equal lengths: the packed call and the dense call run the
+    same code on the same numbers, so every bit agrees."""
+    batch, seq, heads = 3, 200, 4
+    cfg = default_config(DType.BF16, d)
+    q, k, v, dout = (random_inputs(cp, DType.BF16, (batch, seq, heads, d), rng) for _ in range(4))
+    out, lse = cupyflash.forward(_forward_cfg(q.dtype, d), q, k, v, causal=causal, return_lse=True)
+    dense = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, cfg=cfg)
+    cu = cp.arange(0, (batch + 1) * seq, seq, dtype=cp.int32)
+    flat = [x.reshape(batch * seq, heads, d) for x in (dout, q, k, v, out)]
+    lse_packed = cp.ascontiguousarray(cp.transpose(lse, (1, 0, 2)).reshape(heads, batch * seq))
+    packed_grads = cupyflash.backward_varlen(*flat, lse_packed, cu, cu, seq, seq, causal=causal,
+                                             deterministic=True, cfg=cfg)
+    for name, a, b in zip(("dq", "dk", "dv"), dense, packed_grads):
+        assert bool((a.reshape(b.shape).view(cp.uint16) == b.view(cp.uint16)).all()), name
+
+
+def test_deterministic_is_bit_identical_run_to_run(rng):
+    lens = [333, 64, 1, 700]
+    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, lens, lens, 8, 2, 128)
+    out, lse = forward(q, k, v, cu_q, cu_k, 700, 700, True)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    runs = [cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 700, 700, causal=True,
+                                      deterministic=True) for _ in range(3)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+
+
+def test_index_check_refuses_bad_offsets(rng):
+    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, [10, 20], [10, 20], 2, 2, 64)
+    out, lse = forward(q, k, v, cu_q, cu_k, 20, 20, False)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    with pytest.raises(ValueError, match="^max_seqlen_k"):
+        cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 20, 19, check_indices=True)
+    bad = cp.asarray(np.array([0, 10, 31], dtype=np.int32))
+    with pytest.raises(ValueError, match="^cu_seqlens_k"):
+        cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, bad, 20, 21, check_indices=True)
+
+
+def test_torch_autograd_through_attention_varlen(rng):
+    torch = pytest.importorskip("torch")
+    import cupyflash.torch as cft
+
+    lens_q, lens_k = [37, 128, 0, 250], [37, 128, 5, 250]
+    dtype = torch.bfloat16
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=dtype, requires_grad=True)
+    out = cft.attention_varlen(q, k, v, cu_q, cu_k, 250, 250, causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    # the same gradients from the CuPy entry points on the same tensors
+    ref_out, lse = cupyflash.forward_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 250, 250, causal=True,
+                                            return_lse=True)
+    grads = cupyflash.backward_varlen(dout, q.detach(), k.detach(), v.detach(), ref_out, lse, cu_q, cu_k, 250, 250,
+                                      causal=True, deterministic=True)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), grads):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=name)
+    # and the references per sequence (CuPy views: bf16 through its 16-bit patterns)
+    def as_cp(t):
+        return cp.asarray(t.detach().view(torch.int16)).view(DType.BF16.numpy_dtype)
+
+    check_per_sequence(DType.BF16, *(as_cp(x) for x in (q, k, v, dout)), tuple(as_cp(g) for g in (q.grad, k.grad, v.grad)),
+                       cu_q.cpu().numpy(), cu_k.cpu().numpy(), True)
