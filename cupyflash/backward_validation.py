@@ -39,14 +39,22 @@ class BackwardPlan(NamedTuple):
     deterministic: bool
     device: int
     launch: bool  # False when there is nothing to compute (an empty batch or no heads)
+    # backward_varlen: batch counts the packed sequences, seq_len_q/k are the longest ones, and the
+    # workspaces are one (n_heads, seq_len_q_pad) batch entry (backward_varlen.workspace_rows)
+    varlen: bool = False
+
+    @property
+    def ws_batch(self) -> int:
+        """Batch entries of the fp32 workspaces (lse2, dvec, dq_accum)."""
+        return 1 if self.varlen else self.batch
 
     @property
     def stats_shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.n_heads, self.seq_len_q_pad)
+        return (self.ws_batch, self.n_heads, self.seq_len_q_pad)
 
     @property
     def dq_accum_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.n_heads, self.seq_len_q_pad, self.d_head)
+        return (self.ws_batch, self.n_heads, self.seq_len_q_pad, self.d_head)
 
     def pack(self, ptrs: tuple[int, ...], cu_seqlens: tuple[int, int] = (0, 0)) -> bytes:
         """BackwardParams bytes; `ptrs` in params.POINTER_FIELDS order up to dvec, then the varlen

@@ -1,10 +1,12 @@
 """`cupyflash.backward_varlen`: gradients of `forward_varlen` (packed ragged batches).
 
-The mma.sync backward family's varlen kernels run it on every GPU (sm_80+, Hopper included):
-each CTA reads its sequence's offsets from cu_seqlens_q/k, moves the kernel parameters to that
-sequence's first token and workspace rows, and runs the dense backward's code on it
-(kernels_cu/backward_sm80/backward_common.cuh, sequence_params). The grids are sized by
-max_seqlen_q/k; blocks past a sequence's end exit at once.
+Both backward families have `varlen` kernels. cfg=None runs backward_sm90 on Hopper at d_head 64
+and 128 where the packed arrays suit TMA (its default config for max_seqlen_q), else
+backward_sm80's tuned or default config. In both, the grids and tiles cover the longest sequence
+for every sequence, and each CTA (backward_sm90: each tile) reads its sequence's offsets from
+cu_seqlens_q/k and runs the dense kernel's code at that sequence's rows (backward_sm80:
+backward_common.cuh's sequence_params; backward_sm90: config.cuh's BwdSeq); blocks past a
+sequence's end do nothing.
 """
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ import numpy as np
 from .backward_validation import BackwardPlan, resolve_backward_config
 from .config import DType
 from .families.backward_sm80.config import BackwardKernelConfig
+from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
 from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
-from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_varlen_args
+from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_max_seqlen, check_varlen_args
 
 __all__ = ["backward_varlen", "check_backward_varlen_args", "VarlenBackwardPlan", "workspace_rows"]
 
@@ -82,9 +85,9 @@ def check_backward_varlen_args(cfg: BackwardKernelConfig | None, dout: TensorVie
     if cfg is None:
         cfg = select(problem.dtype, problem.d_head, problem.max_seqlen_q, problem.max_seqlen_k, problem.device,
                      problem.causal)
-    if not isinstance(cfg, BackwardKernelConfig):
-        raise ValueError(f"cfg: backward_varlen runs the backward_sm80 family (mma.sync, every GPU); "
-                         f"got a {type(cfg).__name__}")
+    if not isinstance(cfg, (BackwardKernelConfig, HopperBackwardKernelConfig)):
+        raise TypeError(f"cfg: expected a backward config (BackwardKernelConfig or HopperBackwardKernelConfig), "
+                        f"got {type(cfg).__name__}")
     if cfg.dtype is not problem.dtype:
         raise ValueError(f"cfg: config dtype {cfg.dtype.name} does not match the inputs' dtype {problem.dtype.name}")
     if cfg.d_head != problem.d_head:
@@ -102,7 +105,8 @@ def check_backward_varlen_args(cfg: BackwardKernelConfig | None, dout: TensorVie
                         (0, lse.strides[0], lse.strides[1]), problem.softmax_scale, problem.causal,
                         deterministic, problem.device,
                         # a key of a sequence with no queries still gets dk = dv = 0 written
-                        bool(problem.n_heads and problem.batch and (problem.max_seqlen_q or problem.max_seqlen_k)))
+                        bool(problem.n_heads and problem.batch and (problem.max_seqlen_q or problem.max_seqlen_k)),
+                        varlen=True)
     return VarlenBackwardPlan(problem, plan)
 
 
@@ -138,8 +142,9 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
         deterministic: True computes dQ in a separate pass per query block instead of fp32
             atomics (the same bits on every run).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
-        cfg: None/'auto' (backward_sm80's tuned or default config for max_seqlen_q/k), or a
-            BackwardKernelConfig or its short form.
+        cfg: None/'auto' (on Hopper at d_head 64/128 with TMA-readable packed arrays backward_sm90's
+            default for max_seqlen_q, else backward_sm80's tuned or default config for
+            max_seqlen_q/k), or a config of either backward family or its short form.
 
     Returns:
         (dq, dk, dv) in the framework of q.
@@ -160,9 +165,17 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
     dvv = output_view(dv, "dv") if dv is not None else None
     from .backward_api import _select
 
+    if config is None and _hopper_reason(qv, kv, vv, dov) is None:
+        from .backward_api import _hopper_default
+
+        config = _hopper_default(qv.dtype, qv.shape[2], causal is True, check_max_seqlen(max_seqlen_q, "max_seqlen_q"))
     checked = check_backward_varlen_args(config, dov, qv, kv, vv, ov, lv, cqv, ckv, max_seqlen_q, max_seqlen_k,
                                          dqv, dkv, dvv, softmax_scale, causal, deterministic, select=_select)
     problem, plan = checked
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import check_sm90_problem
+
+        check_sm90_problem(plan, *(_as_4d(x) for x in (qv, kv, vv, dov)), _api._compute_capability(plan.device))
     if index_check_requested(check_indices):
         check_index_values(problem, host_copy(cqv), host_copy(ckv))
     stream_ptr = resolve_stream(stream, qv)
@@ -179,22 +192,66 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
             dv if dv is not None else wrap_output(dvv))
 
 
-def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int) -> None:
-    """Workspaces (lse2, dvec: (n_heads, rows); dq_accum: (n_heads, rows, d_head) unless
-    deterministic) from the pool of q's framework on the launch stream, then the varlen variant's
-    kernels."""
-    from .backward_api import _workspace
-    from .families.backward_sm80.kernels import get_launcher
+class _Packed4D(NamedTuple):
+    """A packed (tokens, heads, d) operand as the one-batch (1, tokens, heads, d) view the TMA
+    descriptors and layout checks take."""
 
-    q = views[0]
-    stats = (plan.n_heads, plan.seq_len_q_pad)
-    lse2, lse2_ptr = _workspace(q, stats, stream_ptr)
-    dvec, dvec_ptr = _workspace(q, stats, stream_ptr)
-    acc, acc_ptr = ((None, 0) if plan.deterministic
-                    else _workspace(q, stats + (plan.d_head,), stream_ptr))
+    ptr: int
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+
+
+def _as_4d(view: TensorView) -> _Packed4D:
+    tokens, heads, d = view.shape
+    ts, hs, es = view.strides
+    return _Packed4D(view.ptr, (1, tokens, heads, d), (max(1, tokens) * ts, ts, hs, es))
+
+
+def _hopper_reason(q: TensorView, k: TensorView, v: TensorView, dout: TensorView) -> str | None:
+    """Why cfg=None runs backward_sm80 rather than backward_sm90 on these packed arrays, or None:
+    backward_api.hopper_reason's rules (compute capability 9.0, d_head 64/128, TMA-readable
+    layouts) on their one-batch 4-D views, and tokens in both (an empty array has no tensor map)."""
+    from .backward_api import hopper_reason
+
+    if len(q.shape) != 3 or len(k.shape) != 3 or len(v.shape) != 3 or len(dout.shape) != 3:
+        return "q: not a packed 3-D array"  # (the validation names the real problem)
+    if not (q.shape[0] and k.shape[0]):
+        return "q: no tokens"
+    return hopper_reason(*(TensorView(x.ptr, y.shape, y.strides, x.dtype, x.raw_dtype, x.device, x.framework, None)
+                           for x, y in ((dout, _as_4d(dout)), (q, _as_4d(q)), (k, _as_4d(k)), (v, _as_4d(v)))))
+
+
+def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int) -> None:
+    """Workspaces (lse2, dvec: (n_heads, rows); dq_accum: (n_heads, rows, d_head), with the
+    Hopper family's counters behind it, unless deterministic) from the pool of q's framework on
+    the launch stream, then the varlen variant's kernels of the plan's family."""
+    from .backward_api import _workspace
+
+    q, k, v, _, dout = views[:5]
+    lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
+    dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
+    hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
+    if plan.deterministic:
+        acc, acc_ptr = None, 0
+    elif hopper:
+        from .families.backward_sm90.launch import dq_workspace_shape
+
+        acc, acc_ptr = _workspace(q, dq_workspace_shape(plan), stream_ptr)
+    else:
+        acc, acc_ptr = _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
-    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic, varlen=True)
-    launcher.launch(plan.pack(ptrs, (cu_q, cu_k)), plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
-                    plan.seq_len_k, stream_ptr)
+    params = plan.pack(ptrs, (cu_q, cu_k))
+    if hopper:
+        from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
+
+        hopper_params = pack_dkdv(plan, *(_as_4d(x) for x in (q, k, v, dout)), views[7].ptr, views[8].ptr, acc_ptr,
+                                  lse2_ptr, dvec_ptr, (cu_q, cu_k))
+        launch_backward_sm90(plan, params, hopper_params, stream_ptr)
+    else:
+        from .families.backward_sm80.kernels import get_launcher
+
+        launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic, varlen=True)
+        launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
+                        stream_ptr)
     # the workspaces are released here; both allocators order their reuse on the launch stream
     del lse2, dvec, acc

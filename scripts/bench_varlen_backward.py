@@ -7,7 +7,8 @@
 
 The batch is bench.py --mode varlen's (lengths drawn from 1..--max-len until --total-tokens), the
 same lengths for queries and keys. Implementations, each timed on the backward alone (the forward
-runs once before): cupyflash.backward_varlen (atomic dQ, and `cupyflash_det`: deterministic),
+runs once before): cupyflash.backward_varlen with cfg=None (atomic dQ, and `cupyflash_det`:
+deterministic; on Hopper the backward_sm90 family), `cupyflash_sm80` (the mma.sync family's pick),
 PyTorch SDPA's FLASH_ATTENTION backend on nested (jagged) views of the same packed tensors
 (torch.autograd.grad of the saved forward graph: its nested-tensor host work between kernels is
 timed, as a caller pays it), and flash_attn3_jax's varlen backward (jitted, d_head 128 only; host
@@ -32,7 +33,7 @@ from bench_mode_varlen import cu_seqlens, draw_lengths, varlen_flops
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes
 from cupyflash.config import DType
 
-IMPLS = ("cupyflash", "cupyflash_det", "sdpa_flash", "fa3")
+IMPLS = ("cupyflash", "cupyflash_det", "cupyflash_sm80", "sdpa_flash", "fa3")
 
 
 def reference_grads(torch: Any, q, k, v, dout, start: int, n: int, scale: float, causal: bool) -> tuple:
@@ -72,9 +73,14 @@ def measure(torch: Any, jax: Any, dtype: DType, d: int, heads: int, lengths: lis
     baseline = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu, cu, max_len, max_len, causal=causal,
                                          softmax_scale=scale, deterministic=True)
 
-    def cupyflash_run(det: bool) -> Callable[[int], Any]:
+    def cupyflash_run(det: bool, cfg: Any = None) -> Callable[[int], Any]:
         return lambda _i: cupyflash.backward_varlen(dout, q, k, v, out, lse, cu, cu, max_len, max_len, causal=causal,
-                                                    softmax_scale=scale, deterministic=det)
+                                                    softmax_scale=scale, deterministic=det, cfg=cfg)
+
+    def sm80_pick() -> Any:
+        from cupyflash.backward_api import _select
+
+        return _select(dtype, d, max_len, max_len, torch.cuda.current_device(), causal)
 
     def sdpa_flash() -> tuple[Callable[[int], Any], Callable[[Any], tuple]]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -120,6 +126,7 @@ def measure(torch: Any, jax: Any, dtype: DType, d: int, heads: int, lengths: lis
 
     makers = {"cupyflash": lambda: (cupyflash_run(False), lambda g: g),
               "cupyflash_det": lambda: (cupyflash_run(True), lambda g: g),
+              "cupyflash_sm80": lambda: (cupyflash_run(False, sm80_pick()), lambda g: g),
               "sdpa_flash": sdpa_flash, "fa3": fa3}
     flops = 2.5 * varlen_flops(lengths, lengths, heads, d, causal)
     point = {"dtype": dtype.name.lower(), "d_head": d, "heads": heads, "causal": causal, "batch": len(lengths),

@@ -219,12 +219,14 @@ def test_params_layout():
 
 def test_params_pack_round_trip():
     descs = [bytes([i]) * 128 for i in range(1, 6)]
-    values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2, 4, 3, 0.125, 0.18)
+    # pointers: dk, dv, dq_accum, lse2, dvec, cu_seqlens_q, cu_seqlens_k
+    values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2,
+              4, 3, 0.125, 0.18)
     raw = pack_params(*values)
     assert len(raw) == PARAMS_SIZE
     back = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
-    assert back[:5] == tuple(descs) and back[5:23] == values[5:23]
-    assert back[23] == pytest.approx(0.125) and back[24] == pytest.approx(0.18, rel=1e-6)
+    assert back[:5] == tuple(descs) and back[5:25] == values[5:25]
+    assert back[25] == pytest.approx(0.125) and back[26] == pytest.approx(0.18, rel=1e-6)
 
 
 def test_rendered_source_has_both_param_structs_and_configs():
@@ -247,8 +249,7 @@ def test_wgmma_wrapper_header_is_generated():
 def test_registered_next_to_backward_sm80():
     assert FAMILIES["backward_sm90"] is BACKWARD_SM90 and get_family("backward_sm90") is BACKWARD_SM90
     assert BACKWARD_SM90.kind == BACKWARD_SM80.kind == "backward"
-    # the same flags but varlen: backward_varlen runs backward_sm80's varlen kernels on every GPU
-    assert BACKWARD_SM90.variant_flags + ("varlen",) == BACKWARD_SM80.variant_flags
+    assert BACKWARD_SM90.variant_flags == BACKWARD_SM80.variant_flags
     assert [r.role for r in BACKWARD_SM90.roles] == [r.role for r in BACKWARD_SM80.roles]
     assert pick_family("backward", 90) is BACKWARD_SM90
     assert pick_family("backward", 80) is BACKWARD_SM80 and pick_family("backward", 100) is BACKWARD_SM80
@@ -259,13 +260,15 @@ def test_registered_next_to_backward_sm80():
     assert BACKWARD_SM90.default_archs() == ("sm_90a",)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_name_expressions(causal, deterministic):
+def test_name_expressions(causal, deterministic, varlen):
     cfg = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid")  # no pdl: companion row kernels
-    exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=causal, deterministic=deterministic))
+    exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=causal, deterministic=deterministic,
+                                                                      varlen=varlen))
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
-    flags = f", {'true' if causal else 'false'}, {'true' if deterministic else 'false'}>"
+    flags = "".join(f", {'true' if f else 'false'}" for f in (causal, deterministic, varlen)) + ">"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
                              "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false}>"
                              + flags)
@@ -278,7 +281,7 @@ def test_name_expressions(causal, deterministic):
 def test_name_expressions_pdl_use_own_row_kernels(deterministic):
     cfg = _plain(DType.BF16, 128).replace(pdl=True)
     exprs = BACKWARD_SM90.name_expressions(cfg, BACKWARD_SM90.variant(causal=True, deterministic=deterministic))
-    own = f"<StaticHopperBackwardConfig<{BACKWARD_SM90.config_literal(cfg)}>, true, {str(deterministic).lower()}>"
+    own = f"<StaticHopperBackwardConfig<{BACKWARD_SM90.config_literal(cfg)}>, true, {str(deterministic).lower()}, false>"
     assert exprs["preprocess"] == "backward_sm90_preprocess_kernel" + own
     if deterministic:  # backward_sm80's dQ pass, launched plainly
         assert exprs["dq"].startswith("backward_dq_kernel<StaticBackwardKernelConfig<")
@@ -374,9 +377,10 @@ def test_pack_dkdv(monkeypatch):
     assert vals[:4] == tuple(bytes([i]) * 128 for i in range(1, 5))
     assert vals[4] == bytes(128)  # no dq_tma: the workspace map is left zero
     assert vals[5:10] == (0x10, 0x20, 0x30, 0x40, 0x50)
-    assert vals[10:16] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
-    assert vals[16:23] == (77, 130, 128, 8, 2, 4, 1)  # ..., kv_group_size, batch
-    assert vals[23] == pytest.approx(128 ** -0.5)
+    assert vals[10:12] == (0, 0)  # cu_seqlens_q/k: dense
+    assert vals[12:18] == (130 * 2 * 128, 2 * 128, 128) * 2  # contiguous dk, dv strides
+    assert vals[18:25] == (77, 130, 128, 8, 2, 4, 1)  # ..., kv_group_size, batch
+    assert vals[25] == pytest.approx(128 ** -0.5)
 
 
 def test_pack_dkdv_dq_tma_map(monkeypatch):
@@ -485,7 +489,7 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
     assert vals[4] == (bytes(128) if deterministic else (0x7300000).to_bytes(8, "little") * 16)
     assert vals[5:7] == (dk.ptr, dv.ptr)
     assert vals[7] == (0 if deterministic else 0x7300000) and vals[8:10] == (0x7100000, 0x7200000)
-    assert vals[16:22] == (100, 200, 128, 4, 2, 2)
+    assert vals[10:12] == (0, 0) and vals[18:24] == (100, 200, 128, 4, 2, 2)
     from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
 
     assert len(sm80) == PARAMS_STRUCT.size

@@ -98,12 +98,28 @@ LSE32 = dict(dtype=None, raw=np.dtype(np.float32))
     (dict(causal="yes"), TypeError, "causal:"),
     (dict(cfg=default_config(DType.FP16, 128)), ValueError, "cfg:"),
     (dict(cfg=default_config(BF16, 64)), ValueError, "cfg:"),
-    (dict(cfg=sm90_default(BF16, 128, False)), ValueError, "cfg:"),
+    (dict(cfg=sm90_default(FP16 := DType.FP16, 128, False)), ValueError, "cfg:"),  # dtype mismatch
 ])
 def test_bad_arguments_name_the_argument(over, err, prefix):
     with pytest.raises(err) as info:
         check(**over)
     assert str(info.value).startswith(prefix), str(info.value)
+
+
+def test_hopper_configs_plan_one_workspace_entry():
+    """A backward_sm90 config plans as well (cfg=None picks it on Hopper); the workspaces are one
+    batch entry of seq_len_q_pad rows per head, counters included (dq_workspace_shape)."""
+    from cupyflash.families.backward_sm90.launch import dq_workspace_shape
+
+    cfg = sm90_default(BF16, 128, True)
+    problem, plan = check(cfg=cfg, causal=True)
+    assert plan.cfg is cfg and plan.varlen and plan.ws_batch == 1 and plan.batch == 3
+    rows = workspace_rows(100, 3, cfg.B_r)
+    assert plan.stats_shape == (1, 16, rows) and plan.dq_accum_shape == (1, 16, rows, 128)
+    blocks = 16 * rows // cfg.B_r if cfg.dq_early else 0
+    assert dq_workspace_shape(plan) == (16 * rows * 128 + blocks + int(cfg.dynamic),)
+    with pytest.raises(TypeError, match="^cfg:"):
+        check(cfg="backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds".split()[0])
 
 
 def test_what_launches():

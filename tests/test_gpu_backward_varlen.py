@@ -45,6 +45,14 @@ def prewarmed_cache():
     reports = [prewarm(cfgs, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
                prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs,
                        progress=None, causal=(False, True))]
+    from cupyflash.device import compute_capability
+
+    if compute_capability(cp.cuda.runtime.getDevice()) == 90:  # the Hopper family's configs, every variant
+        from cupyflash.families.backward_sm90 import BACKWARD_SM90
+
+        hopper = sorted({family_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
+                         for d in (64, 128) for c in (False, True) for s in (1, 1500)}, key=str)
+        reports.append(prewarm(hopper, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()))
     failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
     assert not failed, "\n".join(failed[:3])
 
@@ -101,19 +109,41 @@ RAGGED = [
 ]
 
 
+def family_config(family: str, dtype: DType, d: int, causal: bool, max_q: int):
+    """cfg for backward_varlen: None (the library's pick: backward_sm90 on Hopper at d_head
+    64/128), backward_sm80's default, or backward_sm90's default made non-persistent or given
+    red.global dQ (the knobs its default does not cover)."""
+    if family == "auto":
+        return None
+    if family == "sm80":
+        return default_config(dtype, d)
+    from cupyflash.device import compute_capability
+    from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+
+    if compute_capability(cp.cuda.runtime.getDevice()) != 90 or d not in (64, 128):
+        pytest.skip("backward_sm90 needs an sm_90 GPU and d_head 64/128")
+    cfg = sm90_default(dtype, d, causal, max_q)
+    if family == "sm90_plain":  # one CTA per tile, the companion's row kernels, TMA-reduced dQ
+        return cfg.replace(persistent=False, dynamic=False, pdl=False, dq_early=False, dq_frag=False, lpt=False,
+                           rotate=False)
+    return cfg
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_plain"])
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("d", D_HEADS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", RAGGED, ids=["mixed", "boundaries", "empty_first"])
-def test_ragged_batches(rng, deterministic, dtype, d, causal, lens):
+def test_ragged_batches(rng, family, deterministic, dtype, d, causal, lens):
     lens_q, lens_k = lens
+    cfg = family_config(family, dtype, d, causal, max(lens_q))
     q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5, pad_k=3)
     out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
     dout = random_inputs(cp, dtype, q.shape, rng)
     dq, dk, dv = (poisoned(cp, dtype, x.shape) for x in (q, k, v))
     res = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                    dq=dq, dk=dk, dv=dv, deterministic=deterministic)
+                                    dq=dq, dk=dk, dv=dv, deterministic=deterministic, cfg=cfg)
     assert res[0] is dq and res[1] is dk and res[2] is dv
     check_per_sequence(dtype, q, k, v, dout, res, hq, hk, causal)
     # the pad tokens after the last sequence belong to none: never written into given outputs
@@ -121,7 +151,7 @@ def test_ragged_batches(rng, deterministic, dtype, d, causal, lens):
     assert bool(cp.isnan(dk[int(hk[-1]):].astype(cp.float32)).all())
     # new outputs are zeroed there
     new = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, cfg=cfg)
     assert bool((new[0][int(hq[-1]):].astype(cp.float32) == 0).all())
     assert bool((new[2][int(hk[-1]):].astype(cp.float32) == 0).all())
     check_per_sequence(dtype, q, k, v, dout, new, hq, hk, causal)
@@ -160,13 +190,15 @@ def test_strided_inputs_and_outputs(rng):
     check_per_sequence(dtype, *contiguous, (dq, dk, dv), hcu, hcu, True)
 
 
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, causal, d):
+def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, family, causal, d):
     """Deterministic mode on a batch of equal lengths: the packed call and the dense call run the
-    same code on the same numbers, so every bit agrees."""
+    same code on the same numbers, so every bit agrees (the packed rows past a sequence's end
+    are the next sequence's, which P = 0 hides as the dense call's zero fill)."""
     batch, seq, heads = 3, 200, 4
-    cfg = default_config(DType.BF16, d)
+    cfg = default_config(DType.BF16, d) if family == "sm80" else family_config("sm90", DType.BF16, d, causal, seq)
     q, k, v, dout = (random_inputs(cp, DType.BF16, (batch, seq, heads, d), rng) for _ in range(4))
     out, lse = cupyflash.forward(_forward_cfg(q.dtype, d), q, k, v, causal=causal, return_lse=True)
     dense = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, cfg=cfg)
@@ -177,6 +209,19 @@ def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, causal, d):
                                              deterministic=True, cfg=cfg)
     for name, a, b in zip(("dq", "dk", "dv"), dense, packed_grads):
         assert bool((a.reshape(b.shape).view(cp.uint16) == b.view(cp.uint16)).all()), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_walks_many_tiles_and_sequences(rng, causal):
+    """The Hopper default on a ragged batch with more tiles than SMs (persistent CTAs walking
+    many, dynamic claims when causal), GQA 4, both dtypes' defaults (bf16 here)."""
+    family_config("sm90", DType.BF16, 128, causal, 1)  # skips off Hopper
+    lens = [1, 700, 64, 1000, 0, 333, 129, 1500]
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens, lens, 16, 4, 128)
+    out, lse = forward(q, k, v, cu_q, cu_k, 1500, 1500, causal)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=causal)
+    check_per_sequence(DType.BF16, q, k, v, dout, grads, hq, hk, causal)
 
 
 def test_deterministic_is_bit_identical_run_to_run(rng):

@@ -181,11 +181,41 @@ struct BwdTile {
     }
 };
 
+// The sequence of a tile. Dense calls: every batch entry has seq_len_q queries and seq_len_k keys,
+// `coord` (the TMA and stride batch index) is the batch entry and the workspaces hold (batch,
+// n_heads, seq_len_q_pad) rows. VARLEN (backward_varlen): q, k, v, dO, dk, dv are packed
+// (total_tokens, heads, d) seen as one batch entry, sequence b holding tokens cu_seqlens[b] ..
+// cu_seqlens[b + 1] - 1; the workspaces are (n_heads, seq_len_q_pad) rows with sequence b's from
+// floor((cu_seqlens_q[b] + b B_r) / B_r) B_r (as backward_sm80's sequence_params: whole, disjoint
+// B_r blocks). Read where needed, not kept: the producer and writer run at 40 registers.
+template <int BR, bool VARLEN>
+struct BwdSeq {
+    int len_q, len_k, tok_q, tok_k, ws_row0, coord;
+
+    CF_DEVICE static BwdSeq of(const HopperBackwardParams& p, int b) {
+        if constexpr (VARLEN) {
+            const int tq = p.cu_seqlens_q[b], tk = p.cu_seqlens_k[b];
+            return {p.cu_seqlens_q[b + 1] - tq, p.cu_seqlens_k[b + 1] - tk, tq, tk, (tq + b * BR) / BR * BR, 0};
+        } else {
+            return {p.seq_len_q, p.seq_len_k, 0, 0, 0, b};
+        }
+    }
+    // First workspace row (lse2, dvec; times D for dq_accum) of query row 0 of `head`.
+    CF_DEVICE long long ws_row(const HopperBackwardParams& p, int head) const {
+        return ((long long)coord * p.n_heads + head) * p.seq_len_q_pad + ws_row0;
+    }
+};
+
+// Batch entries of the workspaces (the counters lie behind batch_count * n_heads * seq_len_q_pad *
+// D fp32 elements): one for VARLEN, else `batches`.
+template <bool VARLEN>
+CF_DEVICE int ws_batches(int batches) { return VARLEN ? 1 : batches; }
+
 struct BwdSchedule {
-    int n_block, kv_head, batch;
+    int n_block, kv_head, batch;  // batch: the batch entry, or with VARLEN the sequence
     int m_begin, m_blocks, group, rot;
 
-    template <class Cfg, bool CAUSAL>
+    template <class Cfg, bool CAUSAL, bool VARLEN = false>
     CF_DEVICE static BwdSchedule make(const HopperBackwardParams& p, const BwdTile& t) {
         BwdSchedule s;
         s.n_block = t.x;
@@ -193,11 +223,14 @@ struct BwdSchedule {
         s.batch = t.z;
         if constexpr (CAUSAL && Cfg::LPT) s.longest_first<Cfg>(p, t);
         s.group = p.kv_group_size;
-        const int m_end = (p.seq_len_q + Cfg::BR - 1) / Cfg::BR;
+        const BwdSeq<Cfg::BR, VARLEN> seq = BwdSeq<Cfg::BR, VARLEN>::of(p, s.batch);
+        const int m_end = (seq.len_q + Cfg::BR - 1) / Cfg::BR;
         int first = 0;
-        if constexpr (CAUSAL) first = max(0, s.n_block * Cfg::BC - (p.seq_len_k - p.seq_len_q)) / Cfg::BR;
+        if constexpr (CAUSAL) first = max(0, s.n_block * Cfg::BC - (seq.len_k - seq.len_q)) / Cfg::BR;
         s.m_begin = first;
         s.m_blocks = max(0, m_end - first);
+        // (VARLEN: a key block past its sequence's keys has no work: the grid covers the longest)
+        if (VARLEN && s.n_block * Cfg::BC >= seq.len_k) s.m_blocks = 0;
         s.rot = 0;
         // key block n of N starts at query block n M / N: the CTAs of a head (started together)
         // add into different dQ rows at any one time

@@ -19,8 +19,9 @@
 // take the last hand-over after their last tile.
 #pragma once
 
-template <class Cfg>
+template <class Cfg, bool VARLEN = false>
 struct BwdDqWriter {
+    using Seq = BwdSeq<Cfg::BR, VARLEN>;
     const HopperBackwardParams& p;
     BwdSmem<Cfg> smem;
     BwdSchedule sched;  // the CTA's tile (persistent: the one being walked)
@@ -69,7 +70,7 @@ struct BwdDqWriter {
         constexpr bool DYNAMIC = Cfg::DYNAMIC && CAUSAL;  // (as the kernel's roles walk them)
         for (int t = blockIdx.x, index = 0; DYNAMIC ? t >= 0 : t < BwdTile::count_of<Cfg::BC>(p);
              t = DYNAMIC ? tile_take(smem, index, lane == 0) : t + grid_ctas(), ++index) {
-            sched = BwdSchedule::make<Cfg, CAUSAL>(p, BwdTile::of_linear<Cfg::BC>(p, t));
+            sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(p, BwdTile::of_linear<Cfg::BC>(p, t));
             const int n = sched.iterations();
             int head = sched.q_head(0), j = 0, mm = 0;
             if constexpr (Cfg::ROTATE) mm = sched.rot;
@@ -109,16 +110,17 @@ struct BwdDqWriter {
             if (Cfg::DQ_FRAG && lane == 0) {
                 // the warpgroup's 64 x 64 part (config.cuh): rows row0 + dq_row0, part dq_col0 / 64
                 const int part_row0 = row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), part = Cfg::DQ_SPLIT ? w : 0;
-                float* dst = p.dq_accum + (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + part_row0) * Cfg::D +
+                float* dst = p.dq_accum + (Seq::of(p, sched.batch).ws_row(p, head) + part_row0) * Cfg::D +
                              part * Cfg::DQ_PART_FLOATS;
                 bulk_reduce_add_f32(dst, smem.dq_panel(w, 0), Cfg::DQ_PART_FLOATS * 4);
                 bulk_commit_group();
             } else if (lane == 0) {
+                const Seq seq = Seq::of(p, sched.batch);
 #pragma unroll
                 for (int c = 0; c < Cfg::DQ_PANELS; ++c)
                     tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c),
                                       ((Cfg::DQ_SPLIT ? w * Cfg::DQ_PANELS : 0) + c) * Cfg::DQ_PANEL_COLS,
-                                      row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), head, sched.batch);
+                                      seq.ws_row0 + row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), head, seq.coord);
                 bulk_commit_group();
             }
         }
@@ -159,11 +161,13 @@ struct BwdDqWriter {
 
     // dq_early: this CTA's additions to query block m of `head` are complete and visible (the
     // async proxy's writes ordered before the release by the proxy fence).
+    // (VARLEN: `batch` is the sequence; its blocks' counters follow its workspace rows)
     CF_DEVICE void count_block(int batch, int head, int m) const {
         fence_proxy_async_global();
-        const int batches = Cfg::PERSISTENT ? p.batch : (int)gridDim.z;
-        red_release_gpu_add(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, batches, p.n_heads, p.seq_len_q_pad, batch,
-                                                              head, m),
+        const int batches = ws_batches<VARLEN>(Cfg::PERSISTENT ? p.batch : (int)gridDim.z);
+        const Seq seq = Seq::of(p, batch);
+        red_release_gpu_add(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, batches, p.n_heads, p.seq_len_q_pad,
+                                                              seq.coord, head, seq.ws_row0 / Cfg::BR + m),
                             1u);
     }
 };

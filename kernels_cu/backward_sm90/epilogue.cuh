@@ -7,18 +7,21 @@
 // validation guarantees 16-byte aligned rows (pointer and strides).
 #pragma once
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BwdEpilogue {
-    CF_DEVICE static void store(const BwdConsumer<Cfg, CAUSAL, DETERMINISTIC>& c) {
+    CF_DEVICE static void store(const BwdConsumer<Cfg, CAUSAL, DETERMINISTIC, VARLEN>& c) {
         const HopperBackwardParams& p = c.p;
+        const BwdSeq<Cfg::BR, VARLEN> seq = BwdSeq<Cfg::BR, VARLEN>::of(p, c.sched.batch);
         const int key0 = c.sched.n_block * Cfg::BC;
-        u16* dk = static_cast<u16*>(p.dk) + c.sched.batch * p.dk_batch_stride + c.sched.kv_head * p.dk_head_stride;
-        u16* dv = static_cast<u16*>(p.dv) + c.sched.batch * p.dv_batch_stride + c.sched.kv_head * p.dv_head_stride;
+        u16* dk = static_cast<u16*>(p.dk) + seq.coord * p.dk_batch_stride + c.sched.kv_head * p.dk_head_stride +
+                  (long long)seq.tok_k * p.dk_seq_stride;
+        u16* dv = static_cast<u16*>(p.dv) + seq.coord * p.dv_batch_stride + c.sched.kv_head * p.dv_head_stride +
+                  (long long)seq.tok_k * p.dv_seq_stride;
         const int quad_lane = c.lane & 3;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int key = key0 + c.key_row(2 * h);
-            const bool inside = key < p.seq_len_k;  // (the shuffles below need every lane)
+            const bool inside = key < seq.len_k;  // (the shuffles below need every lane)
 #pragma unroll
             for (int g = 0; g < Cfg::D / 32; ++g) {
                 const uint4 k = quad_row_chunk<Cfg::dtype>(c.dk, g, 2 * h, p.softmax_scale, c.lane);

@@ -9,17 +9,20 @@
 // One tile of a persistent CTA's consumer warpgroup `wg` (the CTA's `index`-th, its query blocks
 // from ring position `ring` on): dK and dV, the K/V release, the epilogue. Returns its query
 // blocks (its share of the Q/dO ring).
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN>
 CF_DEVICE int consume_tile(const HopperBackwardParams& params, BwdSmem<Cfg> smem, int t, int wg, int ring, int index) {
-    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
-    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, wg, threadIdx.x % 128, ring, index);
+    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC, VARLEN> consumer(params, smem, sched, wg, threadIdx.x % 128, ring, index);
     consumer.run();
     consumer.release_kv();
-    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC, VARLEN>::store(consumer);
     return sched.iterations();
 }
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+// VARLEN (backward_varlen): the tiles cover the longest sequence's key blocks for every sequence;
+// a key block past its sequence's keys loads K/V it never reads, runs no query block and stores
+// nothing (BwdSchedule::make), so every role walks the same tiles and ring positions.
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     backward_sm90_dkdv_kernel(const __grid_constant__ HopperBackwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -60,10 +63,10 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
             if (threadIdx.x == 0) {
                 int ring = 0, t = blockIdx.x;
                 for (int index = 0; t >= 0; ++index) {
-                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
-                    BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run_tile(index, ring);
+                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+                    BwdProducer<Cfg, CAUSAL, VARLEN>{params, smem, sched}.run_tile(index, ring);
                     ring += sched.iterations();
-                    t = grid_ctas() + (int)atomicAdd(bwd_tile_counter<Cfg>(params.dq_accum, params.batch,
+                    t = grid_ctas() + (int)atomicAdd(bwd_tile_counter<Cfg>(params.dq_accum, ws_batches<VARLEN>(params.batch),
                                                                                       params.n_heads, params.seq_len_q_pad),
                                                      1u);
                     if (t >= BwdTile::count_of<Cfg::BC>(params)) t = -1;
@@ -71,14 +74,14 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
                 }
             }
             if constexpr (WRITER) {
-                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
+                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
             }
             return;
         }
         setmaxnreg_inc<Cfg::CONSUMER_REGS>();
         int ring = 0, t = blockIdx.x;
         for (int index = 0; t >= 0; ++index) {
-            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC>(params, smem, t, warpgroup - 1, ring, index);
+            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC, VARLEN>(params, smem, t, warpgroup - 1, ring, index);
             t = tile_take(smem, index, true);
         }
         if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
@@ -94,37 +97,37 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
                 // at the producer's 40 registers ptxas spilled them)
                 int ring = 0;
                 for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += grid_ctas()) {
-                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_linear<Cfg::BC>(params, t));
-                    BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run_tile((t - (int)blockIdx.x) / grid_ctas(), ring);
+                    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(params, BwdTile::of_linear<Cfg::BC>(params, t));
+                    BwdProducer<Cfg, CAUSAL, VARLEN>{params, smem, sched}.run_tile((t - (int)blockIdx.x) / grid_ctas(), ring);
                     ring += sched.iterations();
                 }
             }
             if constexpr (WRITER) {
-                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
+                if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
             }
             return;
         }
         setmaxnreg_inc<Cfg::CONSUMER_REGS>();
         int ring = 0, index = 0;
         for (int t = blockIdx.x; t < BwdTile::count_of<Cfg::BC>(params); t += gridDim.x, ++index)
-            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC>(params, smem, t, warpgroup - 1, ring, index);
+            ring += consume_tile<Cfg, CAUSAL, DETERMINISTIC, VARLEN>(params, smem, t, warpgroup - 1, ring, index);
         // The writer's hand-over after the CTA's last query block.
         if constexpr (WRITER) named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + warpgroup - 1, Cfg::DQ_TMA_THREADS);
         return;
     }
 
-    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL>(params, BwdTile::of_block());
+    const BwdSchedule sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(params, BwdTile::of_block());
     if (warpgroup == 0) {
         setmaxnreg_dec<Cfg::PRODUCER_REGS>();
-        if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL>{params, smem, sched}.run();
+        if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL, VARLEN>{params, smem, sched}.run();
         if constexpr (WRITER) {
-            if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg>{params, smem, sched, (int)(threadIdx.x % 32)}.run();
+            if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, sched, (int)(threadIdx.x % 32)}.run();
         }
         return;
     }
     setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128);
+    BwdConsumer<Cfg, CAUSAL, DETERMINISTIC, VARLEN> consumer(params, smem, sched, warpgroup - 1, threadIdx.x % 128);
     consumer.run();
     consumer.drain();
-    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC>::store(consumer);
+    BwdEpilogue<Cfg, CAUSAL, DETERMINISTIC, VARLEN>::store(consumer);
 }

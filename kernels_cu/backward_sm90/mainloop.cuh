@@ -19,8 +19,9 @@
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
 #pragma once
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BwdConsumer {
+    using Seq = BwdSeq<Cfg::BR, VARLEN>;
     static constexpr int NT = Cfg::BR / 8;        // n-tiles of S^T over the queries
     static constexpr int QK = Cfg::BR / 16;       // k-steps over the queries (dV, dK)
     static constexpr int DK = Cfg::D / 16;        // k-steps over d_head (S^T, dP^T)
@@ -101,11 +102,12 @@ struct BwdConsumer {
 
     // Non-causal CTAs whose key block reaches past seq_len_k clamp the exponent (probabilities);
     // the others (all but the last key block of each head) run the loop without the clamp.
+    // (VARLEN: the sequence's last key block masks the keys past its end instead.)
     CF_DEVICE void run() {
         if constexpr (CAUSAL) {
             walk<false>();
         } else {
-            if ((sched.n_block + 1) * Cfg::BC > p.seq_len_k)
+            if ((sched.n_block + 1) * Cfg::BC > Seq::of(p, sched.batch).len_k)
                 walk<true>();
             else
                 walk<false>();
@@ -117,7 +119,9 @@ struct BwdConsumer {
         mbarrier_wait(smem.kv_full(), kv_phase);
         const int n = sched.iterations();
         const int key_base = sched.n_block * Cfg::BC;
-        const int causal_offset = p.seq_len_k - p.seq_len_q;
+        const Seq seq = Seq::of(p, sched.batch);
+        // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
+        const int causal_offset = (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
         for (int it = 0; it < n; ++it) {
             const int s = bwd_stage(it_base + it, Cfg::STAGES);
             const int head = sched.q_head(it);
@@ -242,7 +246,7 @@ struct BwdConsumer {
                     if (issues_dq()) {
                         named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
                         float* dst = p.dq_accum +
-                                     (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0 + lane) * Cfg::D;
+                                     (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
                         bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
                         bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
                         bulk_commit_group();
@@ -251,7 +255,7 @@ struct BwdConsumer {
                     }
                 } else {
                     float* acc = p.dq_accum +
-                                 (((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + q0 + dq_row0()) * Cfg::D +
+                                 (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D +
                                  dq_col0();
 #pragma unroll
                     for (int j = 0; j < DQ_N / 8; ++j) {
@@ -302,7 +306,9 @@ struct BwdConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float x = fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x));
-                if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
+                if constexpr (!CAUSAL && KEY_TAIL && VARLEN)  // keys past the sequence are the next one's
+                    st[j][e] = fast_exp2(key_row(e) < causal_offset ? x : CF_NEG_INF);
+                else if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
                     st[j][e] = fast_exp2(fminf(x, 0.f));
                 else if constexpr (MASK && CAUSAL)
                     st[j][e] = fast_exp2(g <= 8 * j - 8 * (e >> 1) + (e & 1) ? x : CF_NEG_INF);

@@ -6,8 +6,9 @@
 // run it once per tile, the Q/dO ring continuing across tiles.
 #pragma once
 
-template <class Cfg, bool CAUSAL>
+template <class Cfg, bool CAUSAL, bool VARLEN = false>
 struct BwdProducer {
+    using Seq = BwdSeq<Cfg::BR, VARLEN>;
     const HopperBackwardParams& p;
     BwdSmem<Cfg> smem;
     BwdSchedule sched;
@@ -49,15 +50,18 @@ struct BwdProducer {
         }
     }
 
+    // (VARLEN: rows of the packed arrays from the sequence's first token; a key block past the
+    // sequence's end reads rows it never uses, or TMA's zero fill past the array)
     CF_DEVICE void load_kv() const {
         mbarrier_arrive_expect_tx(smem.kv_full(), 2 * Cfg::KV_BYTES);
-        const int key0 = sched.n_block * Cfg::BC;
+        const Seq seq = Seq::of(p, sched.batch);
+        const int key0 = seq.tok_k + sched.n_block * Cfg::BC;
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
             tma_load_4d(smem.k() + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_k, smem.kv_full(), c * Cfg::COL_BLOCK, key0,
-                        sched.kv_head, sched.batch);
+                        sched.kv_head, seq.coord);
             tma_load_4d(smem.v() + c * Cfg::BC * Cfg::ROW_BYTES, &p.tma_v, smem.kv_full(), c * Cfg::COL_BLOCK, key0,
-                        sched.kv_head, sched.batch);
+                        sched.kv_head, seq.coord);
         }
     }
 
@@ -68,15 +72,18 @@ struct BwdProducer {
         mbarrier_wait(smem.q_empty(s), bwd_phase(g, Cfg::STAGES) ^ 1u);
         const int head = sched.q_head(it);
         const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        const Seq seq = Seq::of(p, sched.batch);
         mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::STAGE_LOAD_BYTES);
+        // (VARLEN: rows past the sequence's queries belong to the next one; their lse2 is the
+        // preprocess's +inf padding, so P and dS are 0 there)
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
-            tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(s), c * Cfg::COL_BLOCK, row0,
-                        head, sched.batch);
+            tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(s), c * Cfg::COL_BLOCK,
+                        seq.tok_q + row0, head, seq.coord);
             tma_load_4d(smem.dout(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_do, smem.q_full(s), c * Cfg::COL_BLOCK,
-                        row0, head, sched.batch);
+                        seq.tok_q + row0, head, seq.coord);
         }
-        const long long stat = ((long long)sched.batch * p.n_heads + head) * p.seq_len_q_pad + row0;
+        const long long stat = seq.ws_row(p, head) + row0;
         bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
         bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.q_full(s));
     }

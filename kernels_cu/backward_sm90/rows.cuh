@@ -19,19 +19,32 @@
 //   before it exits, so the call ends after that grid.
 #pragma once
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+// VARLEN (backward_varlen): each CTA works on its sequence's rows (backward_sm80's
+// sequence_params: whole B_r blocks from the sequence's first workspace row), the grid covering
+// the longest sequence; the counters are those of one workspace batch entry.
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     if constexpr (Cfg::PDL) pdl_launch_dependents();
-    preprocess_block<Cfg, DETERMINISTIC>(p, blockIdx.z);
-    if constexpr (Cfg::DQ_EARLY && !DETERMINISTIC) {
-        if (threadIdx.x == 0)
-            *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad, blockIdx.z, blockIdx.y,
-                                               blockIdx.x) = 0u;
-    }
+    const int batches = ws_batches<VARLEN>(gridDim.z);
     if constexpr (Cfg::DYNAMIC && !DETERMINISTIC) {
         if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0)
-            *bwd_tile_counter<Cfg>(p.dq_accum, gridDim.z, p.n_heads, p.seq_len_q_pad) = 0u;
+            *bwd_tile_counter<Cfg>(p.dq_accum, batches, p.n_heads, p.seq_len_q_pad) = 0u;
+    }
+    int batch = blockIdx.z, block = blockIdx.x;
+    if constexpr (VARLEN) {
+        const BackwardParams s = sequence_params<Cfg>(p, blockIdx.z);
+        if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS >= (s.seq_len_q + Cfg::BR - 1) / Cfg::BR * Cfg::BR) return;
+        preprocess_block<Cfg, DETERMINISTIC>(s, 0);
+        batch = 0;
+        block += (int)((s.dvec - p.dvec) / Cfg::BR);  // the sequence's first workspace block
+    } else {
+        preprocess_block<Cfg, DETERMINISTIC>(p, blockIdx.z);
+    }
+    if constexpr (Cfg::DQ_EARLY && !DETERMINISTIC) {
+        if (threadIdx.x == 0)
+            *dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, batches, p.n_heads, p.seq_len_q_pad, batch, blockIdx.y,
+                                               block) = 0u;
     }
 }
 
@@ -40,10 +53,10 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
 // four coalesced 16-byte loads, then quad_transpose gives each lane 8 consecutive columns of its
 // rows r and r + 8, stored 16 bytes at a time.
 template <class Cfg>
-CF_DEVICE void convert_fragments_block(const BackwardParams& p) {
+CF_DEVICE void convert_fragments_block(const BackwardParams& p, int batch) {
     static_assert(Cfg::ROW_KERNEL_ROWS == Cfg::DQ_PART_ROWS && Cfg::ROW_KERNEL_THREADS == 256,
                   "dq_frag: one 64-row block of parts per convert CTA, 128 threads per 4 n-tiles");
-    const int head = blockIdx.y, batch = blockIdx.z;
+    const int head = blockIdx.y;
     const int row0 = blockIdx.x * Cfg::DQ_PART_ROWS;
     const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
     u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
@@ -69,40 +82,51 @@ CF_DEVICE void convert_fragments_block(const BackwardParams& p) {
     }
 }
 
-template <class Cfg, bool CAUSAL, bool DETERMINISTIC>
+// dq_early: wait until the writers have counted `expected` additions to this block (spinning on
+// the counter for up to ~1 s, then for the whole dK/dV grid instead, so the counters only ever
+// make the wait shorter: a block whose CTAs run longer than that is still read complete).
+CF_DEVICE void wait_for_dq_block(const unsigned* counter, int expected) {
+    if (expected == 0) {
+        pdl_wait_for_predecessor();  // no key block adds to these rows: the preprocess's zeros, once written
+        return;
+    }
+    constexpr int MAX_SPINS = 1 << 22;
+    __shared__ int counted;
+    if (threadIdx.x == 0) {
+        int spin = 0;
+        while (spin < MAX_SPINS && ld_acquire_gpu(counter) < (unsigned)expected) {
+            __nanosleep(256);
+            ++spin;
+        }
+        counted = spin < MAX_SPINS;
+    }
+    __syncthreads();
+    if (!counted) pdl_wait_for_predecessor();
+}
+
+template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_sm90_convert_kernel(const __grid_constant__ BackwardParams p) {
-    const int head = blockIdx.y, batch = blockIdx.z;
-    if constexpr (Cfg::DQ_EARLY) {
-        const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, p.seq_len_q, p.seq_len_k);
-        if (expected == 0) {
-            pdl_wait_for_predecessor();  // no key block adds to these rows: the preprocess's zeros, once written
-        } else {
-            // Spin on the counter for up to ~1 s, then wait for the whole dK/dV grid instead, so
-            // the counters only ever make the wait shorter (a block whose CTAs run longer than
-            // that is still read complete).
-            constexpr int MAX_SPINS = 1 << 22;
-            __shared__ int counted;
-            if (threadIdx.x == 0) {
-                const unsigned* counter = dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, gridDim.z, p.n_heads,
-                                                                            p.seq_len_q_pad, batch, head, blockIdx.x);
-                int spin = 0;
-                while (spin < MAX_SPINS && ld_acquire_gpu(counter) < (unsigned)expected) {
-                    __nanosleep(256);
-                    ++spin;
-                }
-                counted = spin < MAX_SPINS;
-            }
-            __syncthreads();
-            if (!counted) pdl_wait_for_predecessor();
+    const int head = blockIdx.y;
+    // VARLEN: the CTA's sequence (backward_sm80's sequence_params); blocks past its rows convert
+    // nothing but still reach the final wait below
+    const BackwardParams s = VARLEN ? sequence_params<Cfg>(p, blockIdx.z) : p;
+    const int batch = VARLEN ? 0 : (int)blockIdx.z;
+    const int block = VARLEN ? (int)blockIdx.x + (int)((s.dvec - p.dvec) / Cfg::BR) : (int)blockIdx.x;
+    if (!VARLEN || (int)blockIdx.x * Cfg::ROW_KERNEL_ROWS < s.seq_len_q) {
+        if constexpr (Cfg::DQ_EARLY) {
+            const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, s.seq_len_q, s.seq_len_k);
+            wait_for_dq_block(dq_block_counter<Cfg::D, Cfg::BR>(p.dq_accum, ws_batches<VARLEN>(gridDim.z), p.n_heads,
+                                                                 p.seq_len_q_pad, batch, head, block),
+                              expected);
+        } else if constexpr (Cfg::PDL) {
+            pdl_wait_for_predecessor();
         }
-    } else if constexpr (Cfg::PDL) {
-        pdl_wait_for_predecessor();
+        if constexpr (Cfg::DQ_FRAG)
+            convert_fragments_block<Cfg>(s, batch);
+        else
+            convert_block<Cfg, true>(s, batch);
     }
-    if constexpr (Cfg::DQ_FRAG)
-        convert_fragments_block<Cfg>(p);
-    else
-        convert_block<Cfg, true>(p, blockIdx.z);
     if constexpr (Cfg::DQ_EARLY) {
         // The grid may not complete before the dK/dV grid (its epilogues still store dK and dV):
         // one thread of one CTA holds it until then.

@@ -49,7 +49,7 @@ class BackwardSm90Family(KernelFamily):
         KernelRole("dq", "backward_dq_kernel", BACKWARD_PARAMS),
         KernelRole("convert", "backward_convert_dq_kernel", BACKWARD_PARAMS),
     )
-    variant_flags = ("causal", "deterministic")
+    variant_flags = ("causal", "deterministic", "varlen")
     min_compute_capability = 90
     arch_suffix = "a"
     exact_compute_capability = 90

@@ -44,16 +44,17 @@ def check_sm90_problem(plan: BackwardPlan, q, k, v, dout, compute_capability: in
 
 
 def pack_dkdv(plan: BackwardPlan, q, k, v, dout, dk_ptr: int, dv_ptr: int, dq_accum_ptr: int, lse2_ptr: int,
-              dvec_ptr: int) -> bytes:
+              dvec_ptr: int, cu_seqlens: tuple[int, int] = (0, 0)) -> bytes:
     """HopperBackwardParams of one call: Q/dO boxes of B_r rows, K/V boxes of B_c rows, and the
-    dq_accum map of dq_tma configs."""
+    dq_accum map of dq_tma configs; `cu_seqlens` the varlen calls' offsets (q, k ... then as
+    (1, total_tokens, heads, d) views of the packed arrays)."""
     cfg = plan.cfg
     dtype = cfg.dtype
     descs = [tma.descriptor(view.ptr, dtype, tuple(view.shape), tuple(view.strides), rows)
              for view, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c), (dout, cfg.B_r))]
     descs.append(dq_descriptor(cfg, plan, dq_accum_ptr))
     dk_strides, dv_strides = plan.strides[6], plan.strides[7]
-    return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *dk_strides, *dv_strides,
+    return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *cu_seqlens, *dk_strides, *dv_strides,
                        plan.seq_len_q, plan.seq_len_k, plan.seq_len_q_pad, plan.n_heads, plan.n_kv_heads,
                        plan.n_heads // plan.n_kv_heads, plan.batch, plan.softmax_scale, plan.softmax_scale * LOG2_E)
 
@@ -67,7 +68,7 @@ def dq_tma_spec(cfg: HopperBackwardKernelConfig, plan: BackwardPlan, dq_accum_pt
     contiguous, that dq_tma's writer warp reduces into: boxes of 32 columns (128 bytes, the
     128B swizzle span of the staged panels) x a consumer warpgroup's dQ rows (64)."""
     d, rows = plan.d_head, plan.seq_len_q_pad
-    return tma.TensorMapSpec(_FLOAT32, dq_accum_ptr, (d, rows, plan.n_heads, plan.batch),
+    return tma.TensorMapSpec(_FLOAT32, dq_accum_ptr, (d, rows, plan.n_heads, plan.ws_batch),
                              (d * 4, rows * d * 4, plan.n_heads * rows * d * 4), (DQ_TMA_COLS, cfg.dq_rows, 1, 1))
 
 
@@ -115,8 +116,8 @@ def dq_workspace_shape(plan: BackwardPlan) -> tuple[int, ...]:
     cfg = plan.cfg
     if not (cfg.dq_early or cfg.dynamic) or plan.deterministic:
         return plan.dq_accum_shape
-    elements = plan.batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
-    blocks = plan.batch * plan.n_heads * (plan.seq_len_q_pad // cfg.B_r) if cfg.dq_early else 0
+    elements = plan.ws_batch * plan.n_heads * plan.seq_len_q_pad * plan.d_head
+    blocks = plan.ws_batch * plan.n_heads * (plan.seq_len_q_pad // cfg.B_r) if cfg.dq_early else 0
     counters = blocks + int(cfg.dynamic)
     return (elements + counters,)
 
@@ -133,15 +134,16 @@ _lock = threading.Lock()
 _kernels: dict[tuple, dict] = {}
 
 
-def get_kernels(cfg: HopperBackwardKernelConfig, device: int, causal: bool, deterministic: bool) -> dict:
+def get_kernels(cfg: HopperBackwardKernelConfig, device: int, causal: bool, deterministic: bool,
+                varlen: bool = False) -> dict:
     """role -> LoadedKernel of the variant (compiled for sm_90a through the registry and cache)."""
-    key = (device, cfg, causal, deterministic)
+    key = (device, cfg, causal, deterministic, varlen)
     kernels = _kernels.get(key)
     if kernels is None:
         from ...registry import get_registry
 
-        kernels = get_registry().get_all(cfg, device, variant=BACKWARD_SM90.variant(causal=causal,
-                                                                                    deterministic=deterministic))
+        kernels = get_registry().get_all(cfg, device, variant=BACKWARD_SM90.variant(
+            causal=causal, deterministic=deterministic, varlen=varlen))
         with _lock:
             _kernels[key] = kernels
     return kernels
@@ -159,7 +161,7 @@ def plan_launch(plan: BackwardPlan) -> Launch:
     run = _plan_launches.get(plan)
     if run is not None:
         return run
-    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic, plan.varlen)
     steps = []
     for step in launch_sequence(plan):
         kernel = kernels[step.role]

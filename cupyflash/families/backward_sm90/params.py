@@ -28,6 +28,10 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("dq_accum", "float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad, d_head); 0 if deterministic
     ("lse2", "const float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad): lse * log2(e), +inf for no key
     ("dvec", "const float*", "Q"),  # fp32 (batch, n_heads, seq_len_q_pad): rowsum(dO * O)
+    # varlen only (0 otherwise): int32 (batch + 1) token offsets of the packed sequences (the
+    # workspaces are then (n_heads, seq_len_q_pad), config.cuh's BwdSeq)
+    ("cu_seqlens_q", "const int*", "Q"),
+    ("cu_seqlens_k", "const int*", "Q"),
     ("dk_batch_stride", "long long", "q"),
     ("dk_seq_stride", "long long", "q"),
     ("dk_head_stride", "long long", "q"),
