@@ -143,7 +143,7 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
             atomics (the same bits on every run).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
         cfg: None/'auto' (on Hopper at d_head 64/128 with TMA-readable packed arrays backward_sm90's
-            default for max_seqlen_q, else backward_sm80's tuned or default config for
+            varlen default for max_seqlen_q (config_sets.varlen_default_config), else backward_sm80's tuned or default config for
             max_seqlen_q/k), or a config of either backward family or its short form.
 
     Returns:
@@ -166,9 +166,10 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
     from .backward_api import _select
 
     if config is None and _hopper_reason(qv, kv, vv, dov) is None:
-        from .backward_api import _hopper_default
+        from .families.backward_sm90.config_sets import varlen_default_config
 
-        config = _hopper_default(qv.dtype, qv.shape[2], causal is True, check_max_seqlen(max_seqlen_q, "max_seqlen_q"))
+        config = varlen_default_config(qv.dtype, qv.shape[2], causal is True,
+                                       check_max_seqlen(max_seqlen_q, "max_seqlen_q"))
     checked = check_backward_varlen_args(config, dov, qv, kv, vv, ov, lv, cqv, ckv, max_seqlen_q, max_seqlen_k,
                                          dqv, dkv, dvv, softmax_scale, causal, deterministic, select=_select)
     problem, plan = checked

@@ -1,5 +1,5 @@
 """Compile the Hopper backward family for sm_90a with NVRTC (no GPU): every variant of the
-defaults (d_head 64 and 128, both dtypes) and the bf16 tune set, with zero ptxas warnings
+defaults (d_head 64 and 128, both dtypes, dense and varlen) and the bf16 tune set, with zero ptxas warnings
 (C7508 setmaxnreg ignored, C7515/C7511 wgmma serialised, C7517 ...), no spills, registers
 reported; and the C++ shared-memory size equal to the config's."""
 from __future__ import annotations
@@ -21,12 +21,14 @@ _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
 
 
 def _modules():
-    """Each default with the mask cfg=None launches it with (deterministic or not), and the bf16
-    tune set's other configs."""
+    """Each default with the mask cfg=None launches it with (deterministic or not), the same for
+    backward_varlen's defaults and varlen kernels, and the bf16 tune set's other configs."""
     defaults = config_sets.get_kernel_configs("defaults")
     tune = [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16 and c not in defaults]
     return ([(c, BACKWARD_SM90.variant(causal=causal, deterministic=det))
              for c, causal in config_sets.default_launches() for det in (False, True)]
+            + [(c, BACKWARD_SM90.variant(causal=causal, deterministic=det, varlen=True))
+               for c, causal in config_sets.varlen_default_launches() for det in (False, True)]
             + [(c, BACKWARD_SM90.variant()) for c in tune])
 
 

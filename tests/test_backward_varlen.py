@@ -148,3 +148,18 @@ def test_varlen_is_a_template_flag_of_every_role():
         assert expr.endswith(", true, true, true>"), (role, expr)
     # a backward_sm80 grid is sized by the longest sequences (max_seqlen_q/k)
     assert BACKWARD_SM80.grid(CFG, "dkdv", 3, 16, 4, 60, 200) == (-(-200 // CFG.B_c), 4, 3)
+
+
+def test_varlen_defaults_of_the_hopper_family():
+    """backward_varlen's cfg=None on Hopper: default_config but causal d_head 128 without dq_frag
+    (its varlen instance is one ptxas serialises, C7512); every one a valid config."""
+    from cupyflash.families.backward_sm90.config_sets import (default_config as dense, varlen_default_config,
+                                                              varlen_default_launches)
+
+    for dtype in DType:
+        for d in (64, 128):
+            for causal in (False, True):
+                for rows in (0, 4096, 8192):
+                    got, want = varlen_default_config(dtype, d, causal, rows), dense(dtype, d, causal, rows)
+                    assert got == (want.replace(dq_frag=False) if causal and d == 128 else want)
+    assert all(not cfg.dq_frag for cfg, causal in varlen_default_launches() if causal and cfg.d_head == 128)

@@ -10,7 +10,8 @@ from ..backward_sm80.config_sets import default_config as sm80_default
 from .config import B_C_VALUES, B_R_VALUES, D_HEADS, STAGE_VALUES, HopperBackwardKernelConfig
 
 __all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "LONG_NONCAUSAL_ROWS", "all_configs", "tune_configs", "progression_configs",
-           "default_config", "default_configs", "default_launches", "get_kernel_configs", "companion_config"]
+           "default_config", "default_configs", "default_launches", "varlen_default_config", "varlen_default_launches",
+           "get_kernel_configs", "companion_config"]
 
 KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
 
@@ -134,6 +135,31 @@ def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
     long calls. (A config is not launched with the other mask: `rotate` orders only non-causal
     walks, and its causal instance, never run, is the one ptxas serialises, C7512.)"""
     return sorted({(default_config(dt, d, causal, rows), causal) for dt in DType for d in D_HEADS
+                   for causal in (False, True)
+                   for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
+
+
+# backward_varlen's exceptions to default_config (the varlen kernels read each tile's sequence
+# from cu_seqlens). At d_head 128 the causal varlen instance of the default, with dq_frag, is one
+# ptxas serialises (C7512: the sequence's values add to the consumers' register pressure); without
+# dq_frag it is not. H100, 2026-11-27, the varlen bench's ragged batch (11 sequences, 32768 tokens,
+# longest 6969, 16 heads), causal, 3 interleaved rounds: bf16 480.7 TFLOP/s without dq_frag against
+# 402.3 with it and 449.5 without dq_mid; fp16 452.0 against 407.6 and 445.8 (NOTES.md item 205).
+_VARLEN_CAUSAL_NO_FRAG = (128,)
+
+
+def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
+    """The config backward_varlen's cfg=None runs (seq_len_q: max_seqlen_q): default_config with
+    the varlen exceptions above."""
+    cfg = default_config(dtype, d_head, causal, seq_len_q)
+    if causal and d_head in _VARLEN_CAUSAL_NO_FRAG:
+        cfg = cfg.replace(dq_frag=False)
+    return cfg
+
+
+def varlen_default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
+    """(config, causal) of every call backward_varlen's cfg=None makes, as default_launches."""
+    return sorted({(varlen_default_config(dt, d, causal, rows), causal) for dt in DType for d in D_HEADS
                    for causal in (False, True)
                    for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
 
