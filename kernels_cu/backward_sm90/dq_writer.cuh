@@ -67,7 +67,7 @@ struct BwdDqWriter {
         start();
         int prev_batch = -1, prev_head = 0, prev_m = 0;  // dq_early: the block added one iteration before
         // (dynamic: the next tile from the producer's hand-over, lane 0 releasing the slot)
-        constexpr bool DYNAMIC = Cfg::DYNAMIC && CAUSAL;  // (as the kernel's roles walk them)
+        constexpr bool DYNAMIC = Cfg::DYNAMIC && (CAUSAL || VARLEN);  // (as the kernel's roles walk them)
         for (int t = blockIdx.x, index = 0; DYNAMIC ? t >= 0 : t < BwdTile::count_of<Cfg::BC>(p);
              t = DYNAMIC ? tile_take(smem, index, lane == 0) : t + grid_ctas(), ++index) {
             sched = BwdSchedule::make<Cfg, CAUSAL, VARLEN>(p, BwdTile::of_linear<Cfg::BC>(p, t));

@@ -52,7 +52,9 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     }
     __syncthreads();
 
-    if constexpr (Cfg::DYNAMIC && CAUSAL && !DETERMINISTIC) {
+    // (VARLEN: non-causal tiles differ too, a sequence's by its length, and many are empty: claimed
+    // as well)
+    if constexpr (Cfg::DYNAMIC && (CAUSAL || VARLEN) && !DETERMINISTIC) {
         // Tile blockIdx.x first, then the tiles the producer claims from the counter (after it
         // has issued the current tile's loads; tile 0's run waited for the preprocess, which
         // zeroed the counter) and hands to the other roles (-1: none left). Non-causal tiles are
