@@ -151,8 +151,9 @@ def test_varlen_is_a_template_flag_of_every_role():
 
 
 def test_varlen_defaults_of_the_hopper_family():
-    """backward_varlen's cfg=None on Hopper: default_config but causal d_head 128 without dq_frag
-    (its varlen instance is one ptxas serialises, C7512); every one a valid config."""
+    """backward_varlen's cfg=None on Hopper: default_config but, at d_head 128, causal without
+    dq_frag and non-causal with dynamic claims and without dq_mid (the instances ptxas would
+    serialise, C7512, avoided); every one persistent with dynamic claims."""
     from cupyflash.families.backward_sm90.config_sets import (default_config as dense, varlen_default_config,
                                                               varlen_default_launches)
 
@@ -161,5 +162,8 @@ def test_varlen_defaults_of_the_hopper_family():
             for causal in (False, True):
                 for rows in (0, 4096, 8192):
                     got, want = varlen_default_config(dtype, d, causal, rows), dense(dtype, d, causal, rows)
-                    assert got == (want.replace(dq_frag=False) if causal and d == 128 else want)
+                    if d == 128:
+                        want = (want.replace(dq_frag=False) if causal else
+                                want.replace(dq_mid=False, rotate=False, dynamic=True))
+                    assert got == want and got.persistent and got.dynamic
     assert all(not cfg.dq_frag for cfg, causal in varlen_default_launches() if causal and cfg.d_head == 128)

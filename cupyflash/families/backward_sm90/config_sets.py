@@ -140,20 +140,26 @@ def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
 
 
 # backward_varlen's exceptions to default_config (the varlen kernels read each tile's sequence
-# from cu_seqlens). At d_head 128 the causal varlen instance of the default, with dq_frag, is one
-# ptxas serialises (C7512: the sequence's values add to the consumers' register pressure); without
-# dq_frag it is not. H100, 2026-11-27, the varlen bench's ragged batch (11 sequences, 32768 tokens,
-# longest 6969, 16 heads), causal, 3 interleaved rounds: bf16 480.7 TFLOP/s without dq_frag against
-# 402.3 with it and 449.5 without dq_mid; fp16 452.0 against 407.6 and 445.8 (NOTES.md item 205).
-_VARLEN_CAUSAL_NO_FRAG = (128,)
-
-
+# from cu_seqlens; their tiles cover the longest sequence for every sequence, so tiles differ in
+# work even without the mask, and the varlen kernels claim them from the counter (`dynamic`) in
+# both masks). H100, 2026-11-27, the varlen bench's ragged batch (11 sequences, 32768 tokens,
+# longest 6969), 3 interleaved rounds (NOTES.md items 205-206):
+# - d128 causal: the default's varlen instance, with dq_frag, is one ptxas serialises (C7512);
+#   without dq_frag bf16 480.7 TFLOP/s against 402.3 with it and 449.5 without dq_mid instead;
+#   fp16 452.0 / 407.6 / 445.8.
+# - d128 non-causal: dynamic claims need dq_mid off (with it, C7512): bf16 517.4 against 471.0 for
+#   the static walk and 466.7 with rotate; fp16 499.9 / 462.5 / 457.2.
+# - d64 non-causal: the default (its `dynamic` now claims non-causal varlen tiles too) 469.5 / 461.6
+#   against 431.2 / 421.8 for the static walk.
 def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     """The config backward_varlen's cfg=None runs (seq_len_q: max_seqlen_q): default_config with
     the varlen exceptions above."""
     cfg = default_config(dtype, d_head, causal, seq_len_q)
-    if causal and d_head in _VARLEN_CAUSAL_NO_FRAG:
-        cfg = cfg.replace(dq_frag=False)
+    if d_head == 128:
+        if causal:
+            cfg = cfg.replace(dq_frag=False)
+        else:
+            cfg = cfg.replace(dq_mid=False, rotate=False, dynamic=True)
     return cfg
 
 
