@@ -1,7 +1,7 @@
 """`cupyflash.backward_varlen`: gradients of `forward_varlen` (packed ragged batches).
 
 Both backward families have `varlen` kernels. cfg=None runs backward_sm90 on Hopper at d_head 64
-and 128 where the packed arrays suit TMA (its default config for max_seqlen_q), else
+and 128 where the packed arrays suit TMA (config_sets.varlen_default_config), else
 backward_sm80's tuned or default config. In both, the grids and tiles cover the longest sequence
 for every sequence, and each CTA (backward_sm90: each tile) reads its sequence's offsets from
 cu_seqlens_q/k and runs the dense kernel's code at that sequence's rows (backward_sm80:
@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .backward_validation import BackwardPlan, resolve_backward_config
-from .config import DType
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output

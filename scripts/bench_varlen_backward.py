@@ -26,7 +26,6 @@ import math
 import sys
 from typing import Any, Callable
 
-import numpy as np
 
 from bench_impls import JAX_BATCH, Skip, time_events, time_host
 from bench_mode_varlen import cu_seqlens, draw_lengths, varlen_flops
