@@ -131,6 +131,12 @@ struct StaticBackwardKernelConfig {
 // disjoint blocks (seq_len_q_pad >= total_q + batch B_r covers the last). A VARLEN kernel makes
 // sequence b's parameters here (pointers at its first token and workspace row, its own lengths)
 // and runs the dense code on them with batch index 0.
+// First workspace row of sequence b, whose first query token is tq (both families' varlen kernels).
+template <int BR>
+CF_DEVICE long long varlen_ws_row0(int tq, int b) {
+    return ((long long)tq + (long long)b * BR) / BR * BR;
+}
+
 template <class Cfg>
 CF_DEVICE BackwardParams sequence_params(const BackwardParams& p, int b) {
     BackwardParams s = p;
@@ -146,7 +152,7 @@ CF_DEVICE BackwardParams sequence_params(const BackwardParams& p, int b) {
     s.v = static_cast<const u16*>(p.v) + (long long)tk * p.v_seq_stride;
     s.dk = static_cast<u16*>(p.dk) + (long long)tk * p.dk_seq_stride;
     s.dv = static_cast<u16*>(p.dv) + (long long)tk * p.dv_seq_stride;
-    const long long ws_row0 = ((long long)tq + (long long)b * Cfg::BR) / Cfg::BR * Cfg::BR;
+    const long long ws_row0 = varlen_ws_row0<Cfg::BR>(tq, b);
     s.lse2 = p.lse2 + ws_row0;
     s.dvec = p.dvec + ws_row0;
     if (p.dq_accum != nullptr) s.dq_accum = p.dq_accum + ws_row0 * Cfg::D;

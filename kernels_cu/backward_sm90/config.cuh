@@ -195,7 +195,7 @@ struct BwdSeq {
     CF_DEVICE static BwdSeq of(const HopperBackwardParams& p, int b) {
         if constexpr (VARLEN) {
             const int tq = p.cu_seqlens_q[b], tk = p.cu_seqlens_k[b];
-            return {p.cu_seqlens_q[b + 1] - tq, p.cu_seqlens_k[b + 1] - tk, tq, tk, (tq + b * BR) / BR * BR, 0};
+            return {p.cu_seqlens_q[b + 1] - tq, p.cu_seqlens_k[b + 1] - tk, tq, tk, (int)varlen_ws_row0<BR>(tq, b), 0};
         } else {
             return {p.seq_len_q, p.seq_len_k, 0, 0, 0, b};
         }

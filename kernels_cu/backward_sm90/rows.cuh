@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
         if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS >= (s.seq_len_q + Cfg::BR - 1) / Cfg::BR * Cfg::BR) return;
         preprocess_block<Cfg, DETERMINISTIC>(s, 0);
         batch = 0;
-        block += (int)((s.dvec - p.dvec) / Cfg::BR);  // the sequence's first workspace block
+        block += (int)(varlen_ws_row0<Cfg::BR>(p.cu_seqlens_q[blockIdx.z], blockIdx.z) / Cfg::BR);
     } else {
         preprocess_block<Cfg, DETERMINISTIC>(p, blockIdx.z);
     }
@@ -112,7 +112,9 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     // nothing but still reach the final wait below
     const BackwardParams s = VARLEN ? sequence_params<Cfg>(p, blockIdx.z) : p;
     const int batch = VARLEN ? 0 : (int)blockIdx.z;
-    const int block = VARLEN ? (int)blockIdx.x + (int)((s.dvec - p.dvec) / Cfg::BR) : (int)blockIdx.x;
+    const int block = VARLEN ? (int)blockIdx.x + (int)(varlen_ws_row0<Cfg::BR>(p.cu_seqlens_q[blockIdx.z], blockIdx.z) /
+                                                       Cfg::BR)
+                             : (int)blockIdx.x;
     if (!VARLEN || (int)blockIdx.x * Cfg::ROW_KERNEL_ROWS < s.seq_len_q) {
         if constexpr (Cfg::DQ_EARLY) {
             const int expected = dq_block_contributors<Cfg::BR, Cfg::BC, CAUSAL>(blockIdx.x, s.seq_len_q, s.seq_len_k);
