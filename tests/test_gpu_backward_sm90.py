@@ -84,7 +84,7 @@ def prewarmed_cache():
             for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
     reports = [
-        prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[(False, False)]),
+        prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[BACKWARD_SM90.variant()]),
         prewarm(DEFAULTS + bulk + launch, ["sm_90a"], jobs=jobs, progress=None,
                 variants=BACKWARD_SM90.all_variants()),
         prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
