@@ -56,13 +56,14 @@ class BackwardPlan(NamedTuple):
     def dq_accum_shape(self) -> tuple[int, int, int, int]:
         return (self.ws_batch, self.n_heads, self.seq_len_q_pad, self.d_head)
 
-    def pack(self, ptrs: tuple[int, ...], cu_seqlens: tuple[int, int] = (0, 0)) -> bytes:
+    def pack(self, ptrs: tuple[int, ...], cu_seqlens: tuple[int, int] = (0, 0), tail: tuple[int, int] = (0, 0)) -> bytes:
         """BackwardParams bytes; `ptrs` in params.POINTER_FIELDS order up to dvec, then the varlen
-        calls' cu_seqlens_q/k pointers (0 for dense calls)."""
+        calls' cu_seqlens_q/k pointers (0 for dense calls) and, for varlen calls with new outputs,
+        (total_q, total_k): the preprocess zeroes dq's and dk/dv's rows past the last sequence."""
         flat = [s for triple in self.strides for s in triple]
         return pack_params(*ptrs, *cu_seqlens, *flat, *self.lse_strides, self.seq_len_q, self.seq_len_k, self.seq_len_q_pad,
                            self.n_heads, self.n_kv_heads, self.n_heads // self.n_kv_heads,
-                           self.softmax_scale, self.softmax_scale * LOG2_E)
+                           self.softmax_scale, self.softmax_scale * LOG2_E, *tail)
 
 
 def resolve_backward_config(cfg: Any) -> BackwardKernelConfig | HopperBackwardKernelConfig | None:

@@ -109,12 +109,13 @@ def check_backward_varlen_args(cfg: BackwardKernelConfig | None, dout: TensorVie
     return VarlenBackwardPlan(problem, plan)
 
 
-def _zeroed(like: TensorView, shape: tuple[int, int, int], stream_ptr: int) -> TensorView:
-    """A new contiguous array of `shape`, zeroed on the launch stream: tokens past cu_seqlens[-1]
-    belong to no sequence and get a zero gradient rather than whatever the allocator held."""
+def _new_output(like: TensorView, shape: tuple[int, int, int], stream_ptr: int, zero: bool) -> TensorView:
+    """A new contiguous array of `shape`, with `zero` zeroed on the launch stream: tokens past
+    cu_seqlens[-1] belong to no sequence and get a zero gradient rather than whatever the
+    allocator held (without `zero` the preprocess kernel writes those rows)."""
     view = allocate_output(like, shape)
     nbytes = int(np.prod(shape)) * 2
-    if nbytes:
+    if zero and nbytes:
         _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
     return view
 
@@ -135,8 +136,8 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
             check_indices: as given to forward_varlen.
         dq, dk, dv: optional outputs (shapes and dtype of q, k, v; not JAX arrays): only the
-            tokens of the sequences are written. New outputs (the default) are zeroed first, so
-            tokens past cu_seqlens[-1] get a zero gradient. With GQA/MQA, dk and dv hold the sum
+            tokens of the sequences are written. New outputs (the default) get a zero gradient
+            for the tokens past cu_seqlens[-1] (written by the preprocess kernel). With GQA/MQA, dk and dv hold the sum
             over the query heads of each group.
         deterministic: True computes dQ in a separate pass per query block instead of fp32
             atomics (the same bits on every run).
@@ -148,6 +149,16 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
     Returns:
         (dq, dk, dv) in the framework of q.
     """
+    return _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                            causal, softmax_scale, dq, dk, dv, deterministic, stream, cfg, check_indices, False)
+
+
+def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                     max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, dq: Any,
+                     dk: Any, dv: Any, deterministic: bool, stream: Any, cfg: Any, check_indices: bool | None,
+                     zero_given: bool) -> tuple[Any, Any, Any]:
+    """backward_varlen; `zero_given`: given outputs (contiguous, as XLA's buffers of
+    cupyflash.jax are) get zeros past cu_seqlens[-1] too, as new outputs do."""
     from . import api as _api
 
     if not _api._gpu_ready:
@@ -179,15 +190,25 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
     if index_check_requested(check_indices):
         check_index_values(problem, host_copy(cqv), host_copy(ckv))
     stream_ptr = resolve_stream(stream, qv)
+    # New outputs (and with zero_given, given ones) get zeros past the last sequence: from the
+    # preprocess kernel when it runs (it does for every call with a query) and all three need
+    # them, else from a memset of each (the kernels then write the sequences' rows).
+    zero = [x is None or zero_given for x in (dqv, dkv, dvv)]
+    tail = (problem.total_q, problem.total_k) if all(zero) and plan.launch and problem.max_seqlen_q > 0 else None
     with _cupy.cuda.Device(plan.device):
         if dqv is None:
-            dqv = _zeroed(qv, (problem.total_q, problem.n_heads, problem.d_head), stream_ptr)
+            dqv = _new_output(qv, (problem.total_q, problem.n_heads, problem.d_head), stream_ptr, not tail)
         if dkv is None:
-            dkv = _zeroed(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr)
+            dkv = _new_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr, not tail)
         if dvv is None:
-            dvv = _zeroed(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr)
+            dvv = _new_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr, not tail)
+        if zero_given and not tail:
+            for given, view in zip((dq, dk, dv), (dqv, dkv, dvv)):
+                nbytes = int(np.prod(view.shape)) * 2
+                if given is not None and nbytes:
+                    _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
         if plan.launch:
-            _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), cqv.ptr, ckv.ptr, stream_ptr)
+            _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), cqv.ptr, ckv.ptr, stream_ptr, tail or (0, 0))
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
             dv if dv is not None else wrap_output(dvv))
 
@@ -221,10 +242,12 @@ def _hopper_reason(q: TensorView, k: TensorView, v: TensorView, dout: TensorView
                            for x, y in ((dout, _as_4d(dout)), (q, _as_4d(q)), (k, _as_4d(k)), (v, _as_4d(v)))))
 
 
-def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int) -> None:
+def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int,
+            tail: tuple[int, int] = (0, 0)) -> None:
     """Workspaces (lse2, dvec: (n_heads, rows); dq_accum: (n_heads, rows, d_head), with the
     Hopper family's counters behind it, unless deterministic) from the pool of q's framework on
-    the launch stream, then the varlen variant's kernels of the plan's family."""
+    the launch stream, then the varlen variant's kernels of the plan's family; `tail` (total_q,
+    total_k): the preprocess zeroes the output rows past the last sequence ((0, 0): none)."""
     from .backward_api import _workspace
 
     q, k, v, _, dout = views[:5]
@@ -240,7 +263,7 @@ def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: 
     else:
         acc, acc_ptr = _workspace(q, plan.dq_accum_shape, stream_ptr)
     ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
-    params = plan.pack(ptrs, (cu_q, cu_k))
+    params = plan.pack(ptrs, (cu_q, cu_k), tail)
     if hopper:
         from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
 

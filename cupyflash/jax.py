@@ -419,17 +419,16 @@ class _VarlenBackwardCallback:
                  cu_k: Any) -> None:
         import cupy
 
-        from .backward_varlen import backward_varlen
+        from .backward_varlen import _backward_varlen
 
         stream, o, dt = _stream_of(ctx), self.options, self.dtype
         with cupy.cuda.Device(q.__dlpack_device__()[1]):
-            for buf in outs:
-                _zero(buf, stream)
             arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, np.dtype(np.float32))]
             cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
             dq, dk, dv = (_cupy_array(b, dt) for b in outs)
-            backward_varlen(*arrays, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, causal=o.causal,
-                            softmax_scale=o.softmax_scale, dq=dq, dk=dk, dv=dv, stream=stream)
+            # (the tokens past cu_seqlens[-1] get zeros, as backward_varlen's new outputs do)
+            _backward_varlen(*arrays, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, o.causal, o.softmax_scale, dq, dk, dv,
+                             False, stream, None, None, True)
 
 
 def _varlen_forward(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array,

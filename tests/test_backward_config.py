@@ -222,7 +222,7 @@ def test_rendered_source_has_the_structs_and_shared_headers():
 
 
 def test_param_struct_has_no_padding():
-    assert PARAMS_STRUCT.size == len(POINTER_FIELDS) * 8 + 27 * 8 + 8 * 4
+    assert PARAMS_STRUCT.size == len(POINTER_FIELDS) * 8 + 27 * 8 + 10 * 4
     assert param_names()[:len(POINTER_FIELDS)] == POINTER_FIELDS
     assert PARAMS_STRUCT.size % 8 == 0
 

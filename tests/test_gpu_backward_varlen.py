@@ -149,12 +149,34 @@ def test_ragged_batches(rng, family, deterministic, dtype, d, causal, lens):
     # the pad tokens after the last sequence belong to none: never written into given outputs
     assert bool(cp.isnan(dq[int(hq[-1]):].astype(cp.float32)).all())
     assert bool(cp.isnan(dk[int(hk[-1]):].astype(cp.float32)).all())
-    # new outputs are zeroed there
+    # new outputs are zero there (the pool's next blocks are poisoned first: stale bytes would show)
+    stale = [poisoned(cp, dtype, x.shape) for x in (q, k, v)]
+    del stale
     new = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                     deterministic=deterministic, cfg=cfg)
     assert bool((new[0][int(hq[-1]):].astype(cp.float32) == 0).all())
     assert bool((new[2][int(hk[-1]):].astype(cp.float32) == 0).all())
     check_per_sequence(dtype, q, k, v, dout, new, hq, hk, causal)
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_plain"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_new_outputs_zero_a_long_tail(rng, family, deterministic):
+    """Many more pad tokens after the last sequence than the preprocess grid has threads: every
+    pad row of new outputs is zeroed (the preprocess's grid-stride loop), the sequences' rows are
+    the gradients."""
+    dtype, d, lens_q, lens_k = DType.BF16, 128, [3, 40], [70, 5]
+    cfg = family_config(family, dtype, d, False, max(lens_q))
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5000, pad_k=7000)
+    out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False)
+    dout = random_inputs(cp, dtype, q.shape, rng)
+    stale = [poisoned(cp, dtype, x.shape) for x in (q, k, v)]
+    del stale
+    grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                      deterministic=deterministic, cfg=cfg)
+    for g, end in zip(grads, (hq[-1], hk[-1], hk[-1])):
+        assert bool((g[int(end):].astype(cp.float32) == 0).all())
+    check_per_sequence(dtype, q, k, v, dout, grads, hq, hk, False)
 
 
 @pytest.mark.parametrize("cfg", ["auto", PIPELINED])

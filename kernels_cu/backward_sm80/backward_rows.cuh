@@ -1,7 +1,8 @@
 // The two row-wise kernels around the main backward kernel.
 //
 // preprocess: dvec = rowsum(dO * O) in fp32, lse2 = lse * log2(e) (+inf where the forward saw no
-//   key, and on padding rows), and, unless DETERMINISTIC, zeroes the dq_accum rows of its block.
+//   key, and on padding rows), and, unless DETERMINISTIC, zeroes the dq_accum rows of its block;
+//   VARLEN with new outputs: also the dq, dk, dv rows past the last sequence (zero_varlen_tail).
 // convert: dq = dq_accum * softmax_scale in the input precision (not used when DETERMINISTIC:
 //   the dQ kernel then writes dq itself).
 // Both: 64 rows per CTA, 4 threads per row; grid (seq_len_q_pad / 64, n_heads, batch), or with
@@ -61,6 +62,7 @@ template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     backward_preprocess_kernel(const __grid_constant__ BackwardParams p) {
     if constexpr (VARLEN) {
+        zero_varlen_tail<Cfg>(p);
         // Only the sequence's own whole B_r blocks: the rows past them belong to the next one.
         const BackwardParams s = sequence_params<Cfg>(p, blockIdx.z);
         if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS < (s.seq_len_q + Cfg::BR - 1) / Cfg::BR * Cfg::BR)

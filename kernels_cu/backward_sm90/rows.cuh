@@ -7,7 +7,8 @@
 //
 // preprocess: dvec = rowsum(dO * O), lse2 = lse * log2(e) (+inf for rows that saw no key and
 //   padding rows), dq_accum rows zeroed, with dq_early the block's counter reset, and with
-//   dynamic the dK/dV kernel's tile counter. It lets the
+//   dynamic the dK/dV kernel's tile counter (VARLEN with new outputs: the rows past the last
+//   sequence of dq, dk, dv zeroed, zero_varlen_tail). It lets the
 //   dK/dV kernel's grid launch at once (griddepcontrol.launch_dependents); that kernel waits for
 //   this one's writes before reading them.
 // convert: dq = dq_accum * softmax_scale in the input precision (dq_frag: from the fragment
@@ -33,6 +34,7 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
     }
     int batch = blockIdx.z, block = blockIdx.x;
     if constexpr (VARLEN) {
+        zero_varlen_tail<Cfg>(p);
         const BackwardParams s = sequence_params<Cfg>(p, blockIdx.z);
         if ((int)blockIdx.x * Cfg::ROW_KERNEL_ROWS >= (s.seq_len_q + Cfg::BR - 1) / Cfg::BR * Cfg::BR) return;
         preprocess_block<Cfg, DETERMINISTIC>(s, 0);

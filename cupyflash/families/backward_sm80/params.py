@@ -42,6 +42,10 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),
+    # varlen with new dq/dk/dv: the packed arrays' token counts; the preprocess zeroes the rows
+    # past the last sequence (cu_seqlens[batch] .. total - 1). 0: nothing to zero
+    ("tail_total_q", "int", "i"),
+    ("tail_total_k", "int", "i"),
 )
 
 BACKWARD_PARAMS = ParamStruct("BackwardParams", PARAM_FIELDS)
