@@ -146,6 +146,19 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         result = backward_plans.run(key, dout, q, k, v, out, lse)
         if result is not None:
             return result
+    result, replay = backward_and_replay(dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, deterministic,
+                                         stream, cfg)
+    if key is not None and replay is not None:  # later calls with this signature replay the plan
+        backward_plans.remember(key, replay)
+    return result
+
+
+def backward_and_replay(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any, softmax_scale: Any,
+                        dq: Any, dk: Any, dv: Any, deterministic: Any, stream: Any, cfg: Any
+                        ) -> tuple[tuple[Any, Any, Any], backward_plans.BackwardReplay | None]:
+    """backward's full path: ((dq, dk, dv), the call's replay, or None when it launched nothing).
+    The replay relaunches the same plan on new pointers of arrays with these shapes, strides,
+    dtypes and device (backward_plans; cupyflash.jax keeps one per traced backward)."""
     from .api import _check_device, _checked_devices, _ensure_gpu
     from . import api as _api
 
@@ -174,12 +187,9 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         dkv = allocate_output(qv, tuple(kv.shape))
     if dvv is None:
         dvv = allocate_output(qv, tuple(vv.shape))
-    if plan.launch:
-        replay = _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), stream_ptr)
-        if key is not None:  # later calls with this signature replay the plan (backward_plans)
-            backward_plans.remember(key, replay)
+    replay = _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), stream_ptr) if plan.launch else None
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
-            dv if dv is not None else wrap_output(dvv))
+            dv if dv is not None else wrap_output(dvv)), replay
 
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> backward_plans.BackwardReplay:

@@ -20,7 +20,9 @@ Gradients: `attention(..., return_lse=False)` is a `jax.custom_vjp` whose forwar
 log-sum-exp and whose backward runs `cupyflash.backward` (backward_sm90 on Hopper where it applies, else
 backward_sm80) in a second
 buffer_callback on XLA's buffers and stream (not command-buffer compatible: the backward takes
-its fp32 scratch from CuPy's stream-ordered allocator). `jax.grad`, `jax.jit(jax.grad(...))` and
+its fp32 scratch from CuPy's stream-ordered allocator); a traced backward's first run plans the
+call through cupyflash.backward and its later runs relaunch that plan on the new buffers (the
+full path's validation is most of a small call's host time). `jax.grad`, `jax.jit(jax.grad(...))` and
 `jax.vmap(jax.grad(...))` work: the backward is a `custom_vmap` operation too, folding the mapped
 axis into the batch as the forward does.
 
@@ -244,6 +246,9 @@ class _BackwardCallback:
 
     def __init__(self, dtype: np.dtype, causal: bool, softmax_scale: float | None) -> None:
         self.dtype, self.causal, self.softmax_scale = dtype, causal, softmax_scale
+        # the first run's plan per device, replayed on later runs' buffers (same shapes: one trace)
+        self.replays: dict[int, Any] = {}
+        self.streams: dict[tuple[int, int], Any] = {}  # (device, XLA's stream) -> a CuPy stream object
 
     def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
         _backward_launch(self, ctx, outs, dout, q, k, v, out, lse)
@@ -261,18 +266,37 @@ def _cupy_array(buf: Any, dtype: np.dtype) -> Any:
 
 def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any,
                      out: Any, lse: Any) -> None:
+    """The first run of a traced backward goes through cupyflash.backward's full path (validation,
+    config choice, plan) and keeps its replay; later runs relaunch it on the new buffers with a
+    workspace from CuPy's pool on XLA's stream (about the host cost of backward's own fast path;
+    the full path's validation is most of a call on small problems)."""
     import cupy
 
-    from .backward_api import backward
+    from .backward_api import backward_and_replay
 
-    stream = ctx.stream
-    stream = stream() if callable(stream) else stream
+    stream = int(_stream_of(ctx))
+    device = q.__dlpack_device__()[1]
+    replay = callback.replays.get(device)
+    if replay is not None:
+        ptrs = tuple(b.__cuda_array_interface__["data"][0] for b in (q, k, v, out, dout, lse, *outs))
+        if not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3):
+            cupy_stream = callback.streams.get((device, stream))
+            if cupy_stream is None:
+                from .backward_api import _external_stream
+
+                cupy_stream = callback.streams[(device, stream)] = _external_stream(stream, device)
+            with cupy.cuda.Device(device), cupy_stream:  # (CuPy's pool orders reuse per stream)
+                ws = cupy.empty((replay.ws_floats,), dtype=np.float32)
+                replay.run(stream, ptrs, ws.data.ptr)
+            return
     dt, f32 = callback.dtype, np.dtype(np.float32)
-    with cupy.cuda.Device(q.__dlpack_device__()[1]):
+    with cupy.cuda.Device(device):
         arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, f32)]
         dq, dk, dv = (_cupy_array(b, dt) for b in outs)
-        backward(*arrays, causal=callback.causal, softmax_scale=callback.softmax_scale, dq=dq, dk=dk, dv=dv,
-                 stream=int(stream))
+        _, replay = backward_and_replay(*arrays, callback.causal, callback.softmax_scale, dq, dk, dv, False, stream,
+                                        None)
+    if replay is not None:
+        callback.replays[device] = replay
 
 
 def _backward_call(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,

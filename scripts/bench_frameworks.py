@@ -12,7 +12,8 @@ of back-to-back calls, in interleaved rounds (medians).
 JAX: cupyflash.jax.attention against jax.nn.dot_product_attention (cuDNN and XLA), as eager calls
 and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an unrolled chain of
 32), with the number of Python callback runs per attention call (below 1 when XLA replays the
-launch from a command buffer).
+launch from a command buffer); for training, one forward + backward per iteration of a jitted
+fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))), the backward through each one's VJP.
 
     python scripts/bench_frameworks.py [--json out.json]
 """
@@ -160,11 +161,18 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
             return x
 
         unrolled = jax.jit(unrolled_body)
+
+        def grad_step(i, x, k=k, v=v, fn=fn):  # one forward and its backward (jax.grad) per iteration
+            g = jax.grad(lambda y: fn(y, k, v).astype(jnp.float32).sum())(x)
+            return x + (1e-3 * g).astype(x.dtype)
+
+        grad_chain = jax.jit(lambda x: jax.lax.fori_loop(0, iters, grad_step, x))
         entry: dict[str, float] = {}
         for mode, run, per in (
                 ("eager_us", lambda: jax.block_until_ready([eager(q, k, v) for _ in range(iters)]), iters),
                 ("fori_loop_us", lambda: chain(q, k, v).block_until_ready(), iters),
-                ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll)):
+                ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll),
+                ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters)):
             run()  # compile
             before = runs["count"]
             entry[mode] = _timed(run, reps) * 1e6 / per
@@ -214,11 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         j = data["jax"]
         print(f"\nJAX {data['jax_version']} (us per attention call; median of {args.jax_reps}; max |diff| vs "
               f"dot_product_attention {j['max_abs_vs_dpa']:.3g})")
-        print(f"| {'call':40s} | eager | jit fori_loop ({j['iters']}) | jit unrolled ({j['unroll']}) |")
-        print(f"|{'-' * 42}|------:|------------------:|-----------------:|")
+        print(f"| {'call':40s} | eager | jit fori_loop ({j['iters']}) | jit unrolled ({j['unroll']}) | "
+              "forward + backward (jax.grad), jit fori_loop |")
+        print(f"|{'-' * 42}|------:|------------------:|-----------------:|------:|")
         for name, fig in j.items():
             if isinstance(fig, dict):
-                print(f"| {name:40s} | {fig['eager_us']:5.1f} | {fig['fori_loop_us']:17.1f} | {fig['unrolled_us']:16.1f} |")
+                print(f"| {name:40s} | {fig['eager_us']:5.1f} | {fig['fori_loop_us']:17.1f} | {fig['unrolled_us']:16.1f} "
+                      f"| {fig['grad_fori_loop_us']:5.1f} |")
         c = j.get("cupyflash.jax.attention", {})
         if c:
             print("python callback runs per cupyflash call: eager {:.2f}, fori_loop {:.2f}, unrolled {:.2f}".format(
