@@ -7,8 +7,9 @@ with the same signature read the six pointers, check their alignment, allocate d
 fp32 workspace, pack the parameter structs and launch: no views, no validation, no config
 lookup. On a tiny problem that is most of a call's host time (NOTES.md item 83).
 
-Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
-without dq/dk/dv, stream= or cfg; everything else takes the full path.
+Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, without
+stream= or cfg, and with all of dq/dk/dv given (their layouts then part of the signature) or none;
+everything else takes the full path.
 """
 from __future__ import annotations
 
@@ -113,8 +114,9 @@ def _launcher(plan: BackwardPlan) -> Callable[..., None]:
 
 
 def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any, softmax_scale: Any,
-              deterministic: Any) -> tuple | None:
-    """The replay key, or None when these arguments cannot take the fast path."""
+              deterministic: Any, dq: Any = None, dk: Any = None, dv: Any = None) -> tuple | None:
+    """The replay key, or None when these arguments cannot take the fast path (dq, dk, dv: all
+    given, whose shapes, strides, dtypes and devices join the key, or none)."""
     if (causal is not True and causal is not False) or (deterministic is not True and deterministic is not False):
         return None
     if not (softmax_scale is None or type(softmax_scale) is float):
@@ -122,21 +124,29 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
     cls = type(q)
     if not (type(dout) is cls and type(k) is cls and type(v) is cls and type(out) is cls and type(lse) is cls):
         return None
+    given = dq is not None
+    if given and not (type(dq) is cls and type(dk) is cls and type(dv) is cls):
+        return None
+    if not given and (dk is not None or dv is not None):
+        return None
     kind = _kinds.get(cls) or _kind(cls)
     if kind == _TORCH:
-        return (cls, causal, softmax_scale, deterministic, torch_meta(dout), torch_meta(q), torch_meta(k),
-                torch_meta(v), torch_meta(out), torch_meta(lse))
-    if kind == _CUPY:
-        return (cls, causal, softmax_scale, deterministic, cupy_meta(dout), cupy_meta(q), cupy_meta(k),
-                cupy_meta(v), cupy_meta(out), cupy_meta(lse))
-    return None
+        meta = torch_meta
+    elif kind == _CUPY:
+        meta = cupy_meta
+    else:
+        return None
+    key = (cls, causal, softmax_scale, deterministic, meta(dout), meta(q), meta(k), meta(v), meta(out), meta(lse))
+    return key + (meta(dq), meta(dk), meta(dv)) if given else key
 
 
 
 
-def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> tuple | None:
-    """(dq, dk, dv) through the replay for `key`, or None (no replay, another current device, or
-    a pointer that breaks an alignment rule this time: the full path then raises the error)."""
+def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any = None, dk: Any = None,
+        dv: Any = None) -> tuple | None:
+    """(dq, dk, dv) through the replay for `key` (into the given outputs, when its signature has
+    them), or None (no replay, another current device, or a pointer that breaks an alignment rule
+    this time: the full path then raises the error)."""
     replay = _PLANS.get(key) if key is not None else None
     if replay is None or _TABLE.get_device() != replay.device:
         return None
@@ -147,15 +157,20 @@ def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
     if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or ptrs[5] & 3:
         return None
     if replay.is_torch:
-        dq, dk, dv = q.new_empty(replay.q_shape), k.new_empty(replay.kv_shape), v.new_empty(replay.kv_shape)
+        if dq is None:
+            dq, dk, dv = q.new_empty(replay.q_shape), k.new_empty(replay.kv_shape), v.new_empty(replay.kv_shape)
         ws = q.new_empty((replay.ws_floats,), dtype=replay.ws_dtype)
         out_ptrs = (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
         ws_ptr = ws.data_ptr()
     else:
-        dq, dk, dv = replay.allocate(replay.q_shape), replay.allocate(replay.kv_shape), replay.allocate(replay.kv_shape)
+        if dq is None:
+            dq, dk, dv = (replay.allocate(replay.q_shape), replay.allocate(replay.kv_shape),
+                          replay.allocate(replay.kv_shape))
         ws = replay.allocate_ws(replay.ws_floats)
         out_ptrs = (dq.data.ptr, dk.data.ptr, dv.data.ptr)
         ws_ptr = ws.data.ptr
+    if (out_ptrs[0] | out_ptrs[1] | out_ptrs[2]) & 15:
+        return None  # (only given outputs can be misaligned)
     replay.run(replay.current_stream(), ptrs + out_ptrs, ws_ptr)
     # the workspace is released here: both allocators order its reuse on the launch stream
     return dq, dk, dv

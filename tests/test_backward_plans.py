@@ -28,6 +28,22 @@ def test_signature_of_torch_tensors_names_every_argument():
     assert backward_plans.signature(**_args(q=wide)) != key
 
 
+def test_signature_with_given_outputs():
+    """dq, dk, dv all given: their layouts join the key; some given, or of another array type: the
+    full path."""
+    base = _args()
+    key = backward_plans.signature(**base)
+    grads = dict(dq=torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16), dk=torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16),
+                 dv=torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16))
+    given = backward_plans.signature(**base, **grads)
+    assert given is not None and given != key and given[:len(key)] == key
+    strided = dict(grads, dq=torch.zeros(1, 8, 4, 64, dtype=torch.bfloat16)[:, :, :2])
+    assert backward_plans.signature(**base, **strided) not in (None, given)
+    assert backward_plans.signature(**base, dq=grads["dq"]) is None
+    assert backward_plans.signature(**base, dk=grads["dk"], dv=grads["dv"]) is None
+    assert backward_plans.signature(**base, **dict(grads, dv=[0.0])) is None
+
+
 @pytest.mark.parametrize("change", [dict(causal=1), dict(deterministic=None), dict(softmax_scale=1),
                                     dict(lse=[0.0]), dict(k="k")])
 def test_signature_refuses_what_only_the_full_path_checks(change):

@@ -413,6 +413,33 @@ def test_cfg_none_replays_its_plan(causal, rng):
         assert isinstance(b, torch.Tensor) and torch.equal(a, b)
 
 
+def test_cfg_none_replays_into_given_outputs(rng):
+    """dq, dk, dv given: the second call replays the first one's plan (their layouts are part of
+    the signature) into the new outputs, strided ones included, with the full path's bits
+    (deterministic); other layouts make a plan of their own."""
+    from cupyflash import backward_plans
+
+    backward_plans.clear()
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 2, 300, 333, 4, 2, True, rng)
+    want = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+
+    def outputs():  # dq a head slice of a wider array, dk/dv contiguous; NaN before each call
+        wide = cp.full((2, 300, 6, 128), cp.nan, dtype=q.dtype)
+        return wide[:, :, 1:5], cp.full(k.shape, cp.nan, dtype=q.dtype), cp.full(v.shape, cp.nan, dtype=q.dtype)
+
+    for call in range(3):
+        given = outputs()
+        got = cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dq=given[0], dk=given[1],
+                                 dv=given[2])
+        assert all(a is b for a, b in zip(got, given))
+        for a, b in zip(want, got):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all()), call
+    assert len(backward_plans._TABLE.plans) == 2  # new outputs, given ones
+    dense = tuple(cp.full(x.shape, cp.nan, dtype=q.dtype) for x in (q, k, v))
+    cupyflash.backward(dout, q, k, v, out, lse, causal=True, deterministic=True, dq=dense[0], dk=dense[1], dv=dense[2])
+    assert len(backward_plans._TABLE.plans) == 3 and bool((dense[0].view(cp.uint16) == want[0].view(cp.uint16)).all())
+
+
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_very_negative_logits_with_a_key_tail(dtype, causal, rng):
