@@ -10,7 +10,8 @@ sequence's end do nothing.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -150,15 +151,17 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
         (dq, dk, dv) in the framework of q.
     """
     return _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                            causal, softmax_scale, dq, dk, dv, deterministic, stream, cfg, check_indices, False)
+                            causal, softmax_scale, dq, dk, dv, deterministic, stream, cfg, check_indices, False)[0]
 
 
 def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, dq: Any,
                      dk: Any, dv: Any, deterministic: bool, stream: Any, cfg: Any, check_indices: bool | None,
-                     zero_given: bool) -> tuple[Any, Any, Any]:
-    """backward_varlen; `zero_given`: given outputs (contiguous, as XLA's buffers of
-    cupyflash.jax are) get zeros past cu_seqlens[-1] too, as new outputs do."""
+                     zero_given: bool) -> tuple[tuple[Any, Any, Any], Callable[..., None] | None]:
+    """backward_varlen, and for zero_given calls (given outputs, contiguous as XLA's buffers of
+    cupyflash.jax are, get zeros past cu_seqlens[-1] too, as new outputs do) whose kernels zero
+    those rows, the call's replay: replay(stream, pointers of q, k, v, out, dout, lse, dq, dk,
+    dv, cu_seqlens_q, cu_seqlens_k) relaunches it on arrays of the same layouts (else None)."""
     from . import api as _api
 
     if not _api._gpu_ready:
@@ -207,10 +210,24 @@ def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_s
                 nbytes = int(np.prod(view.shape)) * 2
                 if given is not None and nbytes:
                     _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
+        launched = (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv)
         if plan.launch:
-            _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), cqv.ptr, ckv.ptr, stream_ptr, tail or (0, 0))
+            _launch(plan, launched, cqv.ptr, ckv.ptr, stream_ptr, tail or (0, 0))
+    replay = None
+    if zero_given and tail and not index_check_requested(check_indices):
+        # (the views without their arrays: XLA's buffers are only lent for the callback's run)
+        replay = functools.partial(_replay, plan, tuple(view._replace(base=None) for view in launched), tail)
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
-            dv if dv is not None else wrap_output(dvv))
+            dv if dv is not None else wrap_output(dvv)), replay
+
+
+def _replay(plan: BackwardPlan, views: tuple[TensorView, ...], tail: tuple[int, int], stream_ptr: int,
+            ptrs: tuple[int, ...]) -> None:
+    """_launch of a validated call again on new pointers (q, k, v, out, dout, lse, dq, dk, dv,
+    cu_seqlens_q, cu_seqlens_k) of arrays laid out as `views` were (the caller checks their
+    alignment; the current device is the plan's)."""
+    _launch(plan, tuple(view._replace(ptr=ptr) for view, ptr in zip(views, ptrs)), ptrs[9], ptrs[10], stream_ptr,
+            tail)
 
 
 class _Packed4D(NamedTuple):

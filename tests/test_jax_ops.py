@@ -408,8 +408,9 @@ def test_grad_reruns_replay_the_first_plan(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_forward_and_grad_on_the_gpu(causal):
     """attention_varlen under jax.jit (with its lse) and jax.jit(jax.grad(...)) through
-    backward_varlen, per sequence against float64 (a sequence without keys: out 0, dq 0; without
-    queries: dk = dv = 0; three pad tokens past the last sequence: out 0, dq 0)."""
+    backward_varlen (its second run, on the first run's replay), per sequence against float64 (a
+    sequence without keys: out 0, dq 0; without queries: dk = dv = 0; three pad tokens past the
+    last sequence: out 0, dq 0)."""
     lens_q, lens_k = [37, 0, 128, 5], [50, 9, 128, 0]
     cq, ck = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
     cu_q, cu_k = jnp.asarray(cq), jnp.asarray(ck)
@@ -421,7 +422,9 @@ def test_varlen_forward_and_grad_on_the_gpu(causal):
         q, k, v, cu_q, cu_k)
     loss = lambda q, k, v: (cfj.attention_varlen(q, k, v, cu_q, cu_k, 128, 128,  # noqa: E731
                                                  causal=causal).astype(jnp.float32) * w).sum()
-    dq, dk, dv = (np.asarray(g, np.float64) for g in jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    grad(q * 0.5, k, v)  # the first run plans; the checked run below replays that plan on new buffers
+    dq, dk, dv = (np.asarray(g, np.float64) for g in grad(q, k, v))
     out, lse = np.asarray(out, np.float64), np.asarray(lse)
     qn, kn, vn, wn = (np.asarray(x, np.float32) for x in (q, k, v, w))
     for b in range(len(lens_q)):
