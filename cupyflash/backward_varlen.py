@@ -138,8 +138,8 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
             check_indices: as given to forward_varlen.
         dq, dk, dv: optional outputs (shapes and dtype of q, k, v; not JAX arrays): only the
             tokens of the sequences are written. New outputs (the default) get a zero gradient
-            for the tokens past cu_seqlens[-1] (written by the preprocess kernel). With GQA/MQA, dk and dv hold the sum
-            over the query heads of each group.
+            for the tokens past cu_seqlens[-1] (written by the preprocess kernel). With GQA/MQA,
+            dk and dv hold the sum over the query heads of each group.
         deterministic: True computes dQ in a separate pass per query block instead of fp32
             atomics (the same bits on every run).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
