@@ -86,7 +86,7 @@ def _workspace(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tup
     if like.framework == TORCH:
         import torch
 
-        t = torch.empty(shape, dtype=torch.float32, device=like.base.device)
+        t = torch.empty(shape, dtype=torch.float32, device=torch.device("cuda", like.device))
         return t, t.data_ptr()
     with _cupy.cuda.Device(like.device), _external_stream(stream_ptr, like.device):
         a = _cupy.empty(shape, dtype=np.float32)

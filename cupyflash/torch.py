@@ -253,8 +253,10 @@ def clear_plans() -> None:
     """Forget every replayable launch (tests; or after a tuning table changed)."""
     _TABLE.clear()
     from . import backward_plans
+    from .backward_varlen import clear as clear_varlen_backward
 
     backward_plans.clear()
+    clear_varlen_backward()
 
 
 def _attention_backward_host(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -167,3 +167,30 @@ def test_varlen_defaults_of_the_hopper_family():
                                 want.replace(dq_mid=False, rotate=False, dynamic=True))
                     assert got == want and got.persistent and got.dynamic
     assert all(not cfg.dq_frag for cfg, causal in varlen_default_launches() if causal and cfg.d_head == 128)
+
+
+def test_varlen_replay_signature():
+    """backward_varlen's replay key: every array's layout, the max lengths and the flags; calls
+    the replay cannot serve (another array type, a non-int max length, a non-bool flag) take the
+    full path."""
+    torch = pytest.importorskip("torch")
+    from cupyflash.backward_varlen import _run, _signature
+
+    def args(**kw):
+        q, k, v, out, dout = (torch.zeros(50, 4, 64, dtype=torch.bfloat16) for _ in range(5))
+        a = dict(dout=dout, q=q, k=k, v=v, out=out, lse=torch.zeros(4, 50), cu_q=torch.zeros(3, dtype=torch.int32),
+                 cu_k=torch.zeros(3, dtype=torch.int32), max_q=30, max_k=30, causal=False, softmax_scale=None,
+                 deterministic=False)
+        a.update(kw)
+        return a
+
+    key = _signature(**args())
+    assert key is not None and key[0] is torch.Tensor
+    for change in (dict(causal=True), dict(deterministic=True), dict(softmax_scale=0.1), dict(max_q=31),
+                   dict(cu_q=torch.zeros(4, dtype=torch.int32)), dict(q=torch.zeros(50, 4, 128, dtype=torch.bfloat16))):
+        assert _signature(**args(**change)) not in (None, key), change
+    for change in (dict(causal=1), dict(deterministic=None), dict(softmax_scale=1), dict(max_q=30.0),
+                   dict(cu_k=[0, 0, 0])):
+        assert _signature(**args(**change)) is None, change
+    a = args()
+    assert _run(key, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_q"], a["cu_k"]) is None  # none kept
