@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .launch_plans import _CUPY, _TORCH, PlanTable, _kind, _kinds, cupy_meta, torch_meta
+from .launch_plans import _TORCH, PlanTable, _kind, meta_reader
 
 __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 
@@ -129,12 +129,8 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
         return None
     if not given and (dk is not None or dv is not None):
         return None
-    kind = _kinds.get(cls) or _kind(cls)
-    if kind == _TORCH:
-        meta = torch_meta
-    elif kind == _CUPY:
-        meta = cupy_meta
-    else:
+    meta = meta_reader(cls)
+    if meta is None:
         return None
     key = (cls, causal, softmax_scale, deterministic, meta(dout), meta(q), meta(k), meta(v), meta(out), meta(lse))
     return key + (meta(dq), meta(dk), meta(dv)) if given else key

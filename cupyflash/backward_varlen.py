@@ -19,7 +19,7 @@ from .backward_validation import BackwardPlan, resolve_backward_config
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
-from .launch_plans import _CUPY, _TORCH, PlanTable, _kind, _kinds, cupy_meta, torch_meta
+from .launch_plans import _TORCH, PlanTable, _kind, meta_reader
 from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_max_seqlen, check_varlen_args
 
@@ -270,12 +270,8 @@ def _signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
     arrays = (dout, q, k, v, out, lse, cu_q, cu_k)
     if any(type(x) is not cls for x in arrays):
         return None
-    kind = _kinds.get(cls) or _kind(cls)
-    if kind == _TORCH:
-        meta = torch_meta
-    elif kind == _CUPY:
-        meta = cupy_meta
-    else:
+    meta = meta_reader(cls)
+    if meta is None:
         return None
     return (cls, causal, softmax_scale, deterministic, max_q, max_k, *(meta(x) for x in arrays))
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm90.config import HopperForwardKernelConfig
 
-__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "signature", "lookup", "remember", "clear"]
+__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
@@ -127,6 +127,13 @@ def torch_meta(x: Any) -> tuple:
 def cupy_meta(x: Any) -> tuple:
     """What a plan key holds of a CuPy array: shape, strides, dtype, device."""
     return (x.shape, x.strides, x.dtype, x.data.device_id)
+
+
+def meta_reader(cls: type) -> Callable[[Any], tuple] | None:
+    """What a plan key holds of an array of type `cls` (torch_meta, cupy_meta), or None: that
+    array type takes the full path."""
+    kind = _kinds.get(cls) or _kind(cls)
+    return torch_meta if kind == _TORCH else cupy_meta if kind == _CUPY else None
 
 
 def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,

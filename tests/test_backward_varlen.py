@@ -194,3 +194,46 @@ def test_varlen_replay_signature():
         assert _signature(**args(**change)) is None, change
     a = args()
     assert _run(key, a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_q"], a["cu_k"]) is None  # none kept
+
+
+class _FakeTensor:
+    """What a plan key reads of a torch tensor (shape, stride(), dtype, get_device()), on a class
+    the fast paths take for torch's (its module is 'torch')."""
+
+    def __init__(self, shape, dtype="bf16", device=0):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def stride(self):
+        out, step = [], 1
+        for n in reversed(self.shape):
+            out.append(step)
+            step *= n
+        return tuple(reversed(out))
+
+    def get_device(self):
+        return self.device
+
+
+_FakeTensor.__module__ = "torch"
+
+
+def test_replay_keys_without_a_framework():
+    """Both backward replays' keys on stand-in tensors (CPU, no torch): every array's layout and
+    device counts; mixed array types take the full path."""
+    from cupyflash import backward_plans
+    from cupyflash.backward_varlen import _signature
+
+    t = _FakeTensor
+    a = dict(dout=t((50, 4, 64)), q=t((50, 4, 64)), k=t((50, 4, 64)), v=t((50, 4, 64)), out=t((50, 4, 64)),
+             lse=t((4, 50), "f32"), cu_q=t((3,), "i32"), cu_k=t((3,), "i32"), max_q=30, max_k=30, causal=True,
+             softmax_scale=None, deterministic=False)
+    key = _signature(**a)
+    assert key is not None and key[0] is t and key[4:6] == (30, 30)
+    assert _signature(**dict(a, cu_k=t((3,), "i32", device=1))) not in (None, key)
+    assert _signature(**dict(a, lse=np.zeros((4, 50), np.float32))) is None
+    dense = dict(dout=t((1, 8, 2, 64)), q=t((1, 8, 2, 64)), k=t((1, 8, 2, 64)), v=t((1, 8, 2, 64)),
+                 out=t((1, 8, 2, 64)), lse=t((1, 2, 8), "f32"), causal=False, softmax_scale=None, deterministic=False)
+    plain = backward_plans.signature(**dense)
+    given = backward_plans.signature(**dense, dq=t((1, 8, 2, 64)), dk=t((1, 8, 2, 64)), dv=t((1, 8, 2, 64)))
+    assert plain is not None and given is not None and given[:len(plain)] == plain and given != plain
+    assert backward_plans.signature(**dense, dq=t((1, 8, 2, 64))) is None
