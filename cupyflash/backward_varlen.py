@@ -161,7 +161,7 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
             return result
     result, replay = _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal, softmax_scale, dq, dk, dv, deterministic, stream, cfg,
-                                      check_indices, False)
+                                      check_indices, False, key is not None)
     if key is not None and replay is not None:  # later calls with this signature replay it
         _remember(key, replay)
     return result
@@ -170,11 +170,10 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
 def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, dq: Any,
                      dk: Any, dv: Any, deterministic: bool, stream: Any, cfg: Any, check_indices: bool | None,
-                     zero_given: bool) -> tuple[tuple[Any, Any, Any], Callable[..., None] | None]:
-    """backward_varlen, and for zero_given calls (given outputs, contiguous as XLA's buffers of
-    cupyflash.jax are, get zeros past cu_seqlens[-1] too, as new outputs do) whose kernels zero
-    those rows, the call's replay: replay(stream, pointers of q, k, v, out, dout, lse, dq, dk,
-    dv, cu_seqlens_q, cu_seqlens_k) relaunches it on arrays of the same layouts (else None)."""
+                     zero_given: bool, keep: bool) -> tuple[tuple[Any, Any, Any], VarlenBackwardReplay | None]:
+    """backward_varlen (`zero_given`: given outputs, contiguous as XLA's buffers of cupyflash.jax
+    are, get zeros past cu_seqlens[-1] too, as new outputs do), and with `keep`, for a call whose
+    kernels zero those rows and that skips the index check, its VarlenBackwardReplay (else None)."""
     from . import api as _api
 
     if not _api._gpu_ready:
@@ -226,7 +225,8 @@ def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_s
         launched = (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv)
         if plan.launch:
             _launch(plan, launched, cqv.ptr, ckv.ptr, stream_ptr, tail or (0, 0))
-    replay = VarlenBackwardReplay(plan, launched, tail) if tail and not index_check_requested(check_indices) else None
+    replay = (VarlenBackwardReplay(plan, launched, tail)
+              if keep and tail and not index_check_requested(check_indices) else None)
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
             dv if dv is not None else wrap_output(dvv)), replay
 

@@ -463,7 +463,7 @@ class _VarlenBackwardCallback:
             cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
             dq, dk, dv = (_cupy_array(b, dt) for b in outs)
             _, replay = _backward_varlen(*arrays, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, o.causal, o.softmax_scale,
-                                         dq, dk, dv, False, stream, None, None, True)
+                                         dq, dk, dv, False, stream, None, None, True, True)
         if replay is not None:
             self.replays[device] = replay
 
