@@ -191,8 +191,8 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
         return_lse=True, the pair (out, lse), lse in the same framework. Nothing is copied.
     """
     key = None
-    if stream is None and return_lse is False and lse is None:
-        key = launch_plans.signature(cfg, q, k, v, out, softmax_scale, causal)
+    if stream is None and lse is None:
+        key = launch_plans.signature(cfg, q, k, v, out, softmax_scale, causal, return_lse)
         result = launch_plans.lookup(key, q, k, v, out)
         if result is not None:
             return result
@@ -217,7 +217,7 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
     if plan.launch:
         kernel = _launch(plan, qv, kv, vv, ov, stream_ptr, lv.ptr if lv is not None else 0)
         if key is not None:
-            launch_plans.remember(key, _fast_launch(plan, kernel, qv))
+            launch_plans.remember(key, _fast_launch(plan, kernel, qv, want_lse))
     return _result(out, ov, want_lse, lse, lv)
 
 
@@ -270,33 +270,30 @@ def _forward_sm90(cfg: HopperForwardKernelConfig | None, qv: TensorView, kv: Ten
             # as the operators do: a call stores five words into the descriptors where their
             # format allows, else re-packs them through tma's cache
             params, writer = embedded_pointers(make_repack(plan, qv, kv, vv), PARAMS_SIZE)
-            fast = _fast_launch(base, kernel, qv, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
+            fast = _fast_launch(base, kernel, qv, want_lse, grid=plan.grid, block=c.n_threads, smem=c.smem_bytes(),
                                 params=params, writer=writer)
             launch_plans.remember(key, fast)
     return _result(out, ov, want_lse, lse, lv)
 
 
-def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, *, grid: tuple[int, int, int] | None = None,
-                 block: int | None = None, smem: int | None = None, params: bytes | None = None,
-                 writer: Any = None) -> launch_plans.FastLaunch:
-    """The replayable form of a validated launch, for later calls with the same signature;
-    `writer(buf)` makes its write_pointers (default: the leading ForwardParams fields)."""
-    if q.framework == TORCH:
-        import torch
-
-        allocate = None  # the fast path calls q.new_empty(out_shape) on each call's own q
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        current_stream = (functools.partial(raw, plan.device) if raw is not None
-                          else functools.partial(resolve_stream, None, q))
-    else:  # CuPy: lookup() only replays on the plan's device, so the current device is right
-        allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
-        current_stream = functools.partial(resolve_stream, None, q)
+def _fast_launch(plan: LaunchPlan, kernel: Any, q: TensorView, want_lse: bool, *,
+                 grid: tuple[int, int, int] | None = None, block: int | None = None, smem: int | None = None,
+                 params: bytes | None = None, writer: Any = None) -> launch_plans.FastLaunch:
+    """The replayable form of a validated launch, for later calls with the same signature (and
+    `want_lse`: each call then allocates its lse); `writer(buf)` makes its write_pointers
+    (default: the leading ForwardParams fields)."""
+    is_torch = q.framework == TORCH
+    # torch: the fast path calls q.new_empty(out_shape) on each call's own q
+    allocate = None if is_torch else functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
+    lse_shape = tuple(plan.lse_shape) if want_lse else None
+    allocate_lse = launch_plans.lse_allocator(is_torch, plan.device, lse_shape) if want_lse else None
+    current_stream = launch_plans.current_stream_reader(is_torch, plan.device)
     from .op_launch import leading_writer
 
     fast = launch_plans.FastLaunch(kernel.func_ptr, grid or plan.grid, block or plan.block,
                                    plan.smem_bytes if smem is None else smem, plan.device,
                                    plan.pack(0, 0, 0, 0) if params is None else params, tuple(plan.out_shape),
-                                   allocate, current_stream)
+                                   allocate, current_stream, lse_shape, allocate_lse)
     fast.write_pointers = (writer or leading_writer)(fast.buf)
     return fast
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .launch_plans import _TORCH, PlanTable, _kind, meta_reader
+from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, meta_reader
 
 __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 
@@ -178,12 +178,11 @@ def remember(key: tuple | None, replay: BackwardReplay) -> None:
     if key is None or not replay.plan.launch:
         return
     device = replay.device
-    if _kind(key[0]) == _TORCH:
+    is_torch = _kind(key[0]) == _TORCH
+    replay.current_stream = current_stream_reader(is_torch, device)
+    if is_torch:
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        replay.current_stream = (functools.partial(raw, device) if raw is not None
-                                 else (lambda: torch.cuda.current_stream(device).cuda_stream))
         replay.ws_dtype = torch.float32
     else:
         import cupy
@@ -191,7 +190,6 @@ def remember(key: tuple | None, replay: BackwardReplay) -> None:
 
         replay.allocate = functools.partial(cupy.empty, dtype=replay.raw_dtype)
         replay.allocate_ws = functools.partial(cupy.empty, dtype=np.float32)
-        replay.current_stream = lambda: cupy.cuda.get_current_stream(device).ptr  # noqa: E731
     _TABLE.remember(key, replay)
 
 

@@ -19,7 +19,7 @@ from .backward_validation import BackwardPlan, resolve_backward_config
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
-from .launch_plans import _TORCH, PlanTable, _kind, meta_reader
+from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, meta_reader
 from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_max_seqlen, check_varlen_args
 
@@ -298,16 +298,10 @@ def _run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
 
 def _remember(key: tuple, replay: VarlenBackwardReplay) -> None:
     """Keep `replay` under `key`, with the current-stream reader and allocator of the key's array type."""
-    device = replay.device
-    if _kind(key[0]) == _TORCH:
-        import torch
-
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        replay.current_stream = (functools.partial(raw, device) if raw is not None
-                                 else (lambda: torch.cuda.current_stream(device).cuda_stream))
-    else:
+    is_torch = _kind(key[0]) == _TORCH
+    replay.current_stream = current_stream_reader(is_torch, replay.device)
+    if not is_torch:
         replay.allocate = functools.partial(_cupy.empty, dtype=replay.views[1].raw_dtype)
-        replay.current_stream = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
     _TABLE.remember(key, replay)
 
 

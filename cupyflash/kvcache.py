@@ -21,6 +21,7 @@ from .families.decode import config_sets as decode_sets
 from .families.decode.params import DECODE_PARAMS
 from .families.decode.splits import choose_num_splits, choose_paged_num_splits, streaming_ctas
 from . import kvcache_plans
+from .launch_plans import current_stream_reader, lse_allocator
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
                       resolve_stream, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
@@ -294,25 +295,16 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
     same signature. On sm_90+ the combine kernel is a programmatic dependent launch."""
     ws_bytes = workspace_bytes(plan.batch, plan.seq_q, plan.n_heads, plan.d_head, splits)
     device = plan.device
+    current = current_stream_reader(q.framework == TORCH, device)
     lse_shape = plan.lse_shape if plan.want_lse else None
-    allocate_lse = None
+    allocate_lse = lse_allocator(q.framework == TORCH, device, lse_shape) if lse_shape is not None else None
     if q.framework == TORCH:
         import torch
 
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        current = (functools.partial(raw, device) if raw is not None
-                   else (lambda: torch.cuda.current_stream(device).cuda_stream))
         allocate = None
         ws_alloc, ws_free = _torch_workspace_allocator(torch, device)
-        if lse_shape is not None:
-            # new_empty of a float32 template: no dtype keyword to parse on every call
-            template = torch.empty((0,), dtype=torch.float32, device=f"cuda:{device}")
-            allocate_lse = functools.partial(template.new_empty, lse_shape)
     else:
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
-        if lse_shape is not None:
-            allocate_lse = functools.partial(_cupy.empty, lse_shape, dtype=_cupy.float32)
-        current = lambda: _cupy.cuda.get_current_stream(device).ptr  # noqa: E731
         # CuPy's pool: a MemoryPointer, freed (back to the current stream's arena) when dropped
         ws_alloc, ws_free = (lambda nbytes, stream: _cupy.cuda.alloc(nbytes)), (lambda handle: None)
     launches = kvcache_plans.build_launches(heads, _pdl_capable(device))

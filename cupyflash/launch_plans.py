@@ -1,25 +1,28 @@
 """Per-signature launch plans: the per-call fast path of `forward`.
 
 The first call with a given signature (framework, shapes, strides, dtypes and devices of q, k, v
-and out, the cfg argument, softmax_scale, causal) goes through full validation. Its result is kept as a
-`FastLaunch`: the kernel, grid and a parameter buffer with every field but the pointers already
-packed. Later calls with the same signature read the four pointers, check their 16-byte
-alignment, allocate the output and launch: no views, no validation, no config lookup.
+and out, the cfg argument, softmax_scale, causal, return_lse) goes through full validation. Its
+result is kept as a `FastLaunch`: the kernel, grid and a parameter buffer with every field but the
+pointers already packed. Later calls with the same signature read the four pointers, check their
+16-byte alignment, allocate the output (and lse) and launch: no views, no validation, no config
+lookup.
 
 Only PyTorch tensors and CuPy arrays on the caller's current stream take this path; anything
-else (JAX arrays, an explicit `stream=`, return_lse=True or lse=, a `causal` that is not a
-plain bool) goes through the full path every time.
+else (JAX arrays, an explicit `stream=`, lse=, a `causal` or `return_lse` that is not a plain
+bool) goes through the full path every time.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Any, Callable
 
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm90.config import HopperForwardKernelConfig
 
-__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "signature", "lookup", "remember", "clear"]
+__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "current_stream_reader", "lse_allocator",
+           "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
@@ -81,11 +84,13 @@ class PlanTable:
 class FastLaunch(ParamBlock):
     """One validated launch, replayable with new pointers (see `lookup`)."""
 
-    __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "size", "write_pointers")
+    __slots__ = ("launch_head", "device", "out_shape", "allocate", "current_stream", "size", "write_pointers",
+                 "lse_shape", "allocate_lse")
 
     def __init__(self, func_ptr: int, grid: tuple[int, int, int], block: int, smem_bytes: int, device: int,
                  params: bytes, out_shape: tuple[int, ...], allocate: Callable[[], Any] | None,
-                 current_stream: Callable[[], int]) -> None:
+                 current_stream: Callable[[], int], lse_shape: tuple[int, ...] | None = None,
+                 allocate_lse: Callable[[], Any] | None = None) -> None:
         super().__init__(params)
         # cuLaunchKernel's arguments up to the stream, as one tuple: fewer attribute reads per call
         self.launch_head = (func_ptr, *grid, block, 1, 1, smem_bytes)
@@ -93,6 +98,8 @@ class FastLaunch(ParamBlock):
         self.out_shape = out_shape            # torch outputs: q.new_empty(out_shape)
         self.allocate = allocate              # () -> a new output array (CuPy; None for torch)
         self.current_stream = current_stream  # () -> the caller's current stream handle
+        self.lse_shape = lse_shape            # return_lse=True plans: each call's new lse
+        self.allocate_lse = allocate_lse      # () -> a new lse array (torch and CuPy)
         self.size = len(params)
         # write_pointers(q, k, v, o, lse): one call's pointers into `buf`, set by whoever builds
         # the plan (op_launch's writers: the leading ForwardParams fields, the TMA descriptors'
@@ -136,8 +143,40 @@ def meta_reader(cls: type) -> Callable[[Any], tuple] | None:
     return torch_meta if kind == _TORCH else cupy_meta if kind == _CUPY else None
 
 
+def current_stream_reader(is_torch: bool, device: int) -> Callable[[], int]:
+    """() -> the caller's current stream handle on `device`, for a plan's replays: torch's raw
+    accessor (what Triton reads; ~10x faster than torch.cuda.current_stream) for torch tensors,
+    CuPy's current stream otherwise (the fast paths replay only on the plan's device)."""
+    if is_torch:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return functools.partial(raw, device)
+        from .interop import _torch_current_stream
+
+        return functools.partial(_torch_current_stream, device)
+    import cupy
+
+    current = cupy.cuda.get_current_stream
+    return lambda: current(device).ptr  # noqa: E731
+
+
+def lse_allocator(is_torch: bool, device: int, shape: tuple[int, ...]) -> Callable[[], Any]:
+    """() -> a new float32 array of `shape` on `device` (torch or CuPy), for return_lse plans."""
+    if is_torch:
+        import torch
+
+        # new_empty of a float32 template: no dtype keyword to parse on every call
+        template = torch.empty((0,), dtype=torch.float32, device=f"cuda:{device}")
+        return functools.partial(template.new_empty, shape)
+    import cupy
+
+    return functools.partial(cupy.empty, shape, dtype=cupy.float32)
+
+
 def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
-              causal: Any = False) -> tuple | None:
+              causal: Any = False, return_lse: Any = False) -> tuple | None:
     """The plan key for these arguments, or None when they cannot take the fast path.
 
     One flat tuple (hashing nested tuples costs more): per array its shape, strides, dtype and
@@ -148,12 +187,14 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
         return None
     if causal is not False and causal is not True:  # 0/1 would hash like False/True: validate it
         return None
+    if return_lse is not False and return_lse is not True:
+        return None
     cls = type(q)
     if type(k) is not cls or type(v) is not cls or (out is not None and type(out) is not cls):
         return None
     kind = _kinds.get(cls) or _kind(cls)
     if kind == _TORCH:
-        key = (cls, cfg, softmax_scale, causal,
+        key = (cls, cfg, softmax_scale, causal, return_lse,
                q.shape, q.stride(), q.dtype, q.get_device(),
                k.shape, k.stride(), k.dtype, k.get_device(),
                v.shape, v.stride(), v.dtype, v.get_device())
@@ -161,7 +202,7 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
             return key
         return key + (out.shape, out.stride(), out.dtype, out.get_device())
     if kind == _CUPY:
-        key = (cls, cfg, softmax_scale, causal,
+        key = (cls, cfg, softmax_scale, causal, return_lse,
                q.shape, q.strides, q.dtype, q.data.device_id,
                k.shape, k.strides, k.dtype, k.data.device_id,
                v.shape, v.strides, v.dtype, v.data.device_id)
@@ -172,8 +213,9 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
 
 
 def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output, or None if there is no usable plan
-    (then the caller takes the full path, which also reports any error)."""
+    """Launch through the plan for `key` and return the output (a return_lse plan: (out, lse)), or
+    None if there is no usable plan (then the caller takes the full path, which also reports any
+    error)."""
     plan = _PLANS.get(key) if key is not None else None
     if plan is None or _TABLE.get_device() != plan.device:
         return None
@@ -191,13 +233,18 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     o_ptr = result.data_ptr() if is_torch else result.data.ptr
     if (q_ptr | k_ptr | v_ptr | o_ptr) & 15:
         return None  # misaligned this time: the full path raises the proper error
+    lse = None
+    lse_ptr = 0
+    if plan.lse_shape is not None:
+        lse = plan.allocate_lse()
+        lse_ptr = lse.data_ptr() if is_torch else lse.data.ptr
     stream = plan.current_stream()
     # Inline rather than a method: on this path every Python call frame is a visible share of
     # the per-call cost.
     with plan.lock:
-        plan.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, 0)
+        plan.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         _TABLE.launch_kernel(*plan.launch_head, stream, plan.argv_ptr, 0)
-    return result
+    return result if lse is None else (result, lse)
 
 
 def driver_calls() -> tuple[Callable[..., None], Callable[[], int]]:

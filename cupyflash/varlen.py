@@ -20,6 +20,7 @@ from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm80.params import pack_params
 from .families.forward_sm90 import FORWARD_SM90, HopperForwardKernelConfig
 from . import op_launch, varlen_plans
+from .launch_plans import current_stream_reader, lse_allocator
 from .interop import (TORCH, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view, resolve_stream,
                       wrap_output)
 from .validation import (CHECKED_DEVICES, check_device_once, check_lse_out, check_lse_request,
@@ -149,13 +150,27 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and return_lse is False and lse is None and check_indices is None
+    if (stream is None and lse is None and check_indices is None and (return_lse is False or return_lse is True)
             and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
-        key = varlen_plans.signature(cfg, softmax_scale, causal, max_seqlen_q, max_seqlen_k, q, k, v,
+        key = varlen_plans.signature(cfg, softmax_scale, causal, return_lse, max_seqlen_q, max_seqlen_k, q, k, v,
                                      cu_seqlens_q, cu_seqlens_k, out)
         result = varlen_plans.lookup(key, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
         if result is not None:
             return result
+    result, launch = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, return_lse, out, lse, stream, cfg, check_indices, key is not None)
+    if launch is not None:
+        varlen_plans.remember(key, launch)
+    return result
+
+
+def _forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
+                    max_seqlen_k: int, causal: bool, softmax_scale: float | None, return_lse: bool, out: Any,
+                    lse: Any, stream: Any, cfg: Any, check_indices: bool | None,
+                    keep: bool) -> tuple[Any, varlen_plans.VarlenLaunch | None]:
+    """forward_varlen's full path: validation, config choice, launch. Returns (its result, the
+    call's replayable launch when `keep` and the call launched without the index check, else
+    None)."""
     qv = as_view(q, "q")
     if qv.device not in CHECKED_DEVICES:
         check_device_once(qv.device)
@@ -167,7 +182,8 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     problem = check_varlen_args(qv, kv, vv, cqv, ckv, max_seqlen_q, max_seqlen_k, ov, softmax_scale, causal)
     want_lse = check_lse_request(return_lse, lse is not None)
     config = _resolve_config(cfg, problem, qv, kv, vv)
-    if index_check_requested(check_indices):
+    checked = index_check_requested(check_indices)
+    if checked:
         check_index_values(problem, host_copy(cqv), host_copy(ckv))
     stream_ptr = resolve_stream(stream, qv)
     if ov is None:
@@ -177,15 +193,16 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         check_lse_out(lv, problem, "(n_heads, total_q)")
     else:
         lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
+    replayable = None
     if not problem.empty:
         launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
         head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
-        if key is not None:
-            varlen_plans.remember(key, _fast_launch(problem, qv, head, params, writer))
+        if keep and not checked:
+            replayable = _fast_launch(problem, qv, want_lse, head, params, writer)
     result = out if out is not None else wrap_output(ov)
     if want_lse:
-        return result, (lse if lse is not None else wrap_output(lv))
-    return result
+        return (result, (lse if lse is not None else wrap_output(lv))), replayable
+    return result, replayable
 
 
 def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
@@ -204,8 +221,8 @@ def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v,
         kernel.launch(grid, cfg.n_warps * 32, cfg.smem_bytes(), stream_ptr, params)
 
     def writer(buf: Any) -> Callable[..., None]:
-        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
-            _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck)  # every other field as packed
+        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
+            _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq, ck)  # every other field as packed
 
         return write
 
@@ -257,24 +274,24 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
 
 
 def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Callable[..., None]]:
-    """writer(buf) -> write(q, k, v, o, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k, v, o,
-    lse, cu_q, cu_k)` being its parameter packer: where the pointers sit in known words of the
-    block (op_launch.address_offsets) a call stores their words (lse 0), else it
-    re-packs the block (TMA descriptors from tma's cache)."""
+    """writer(buf) -> write(q, k, v, o, lse, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k,
+    v, o, lse, cu_q, cu_k)` being its parameter packer: where the pointers sit in known words of
+    the block (op_launch.address_offsets) a call stores their words, else it re-packs the block
+    (TMA descriptors from tma's cache)."""
     found = op_launch.address_offsets(repack, size, count=7)
 
     def writer(buf: Any) -> Callable[..., None]:
         if found is None:
-            def repack_all(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
-                ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, 0, cq, ck), size)
+            def repack_all(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
+                ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq, ck), size)
 
             return repack_all
         write_forward = op_launch.address_writer(buf, found[0])  # q, k, v, o, lse
         words = memoryview(buf).cast("B").cast("Q")
         cq_at, ck_at = (offset // 8 for offset in found[0][5:])
 
-        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, cq: int, ck: int) -> None:
-            write_forward(q_ptr, k_ptr, v_ptr, o_ptr, 0)  # lse 0: the fast path returns none
+        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
+            write_forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
             words[cq_at] = cq
             words[ck_at] = ck
 
@@ -283,18 +300,14 @@ def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Call
     return writer
 
 
-def _fast_launch(problem: VarlenProblem, q, head: tuple, params: bytes,
+def _fast_launch(problem: VarlenProblem, q, want_lse: bool, head: tuple, params: bytes,
                  writer: Callable[[Any], Callable[..., None]]) -> varlen_plans.VarlenLaunch:
     """The replayable form of a validated call, for later calls with the same signature."""
     device = problem.device
-    if q.framework == TORCH:
-        import torch
-
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        current = (functools.partial(raw, device) if raw is not None
-                   else functools.partial(resolve_stream, None, q))
-        allocate = None
-    else:
-        current = functools.partial(resolve_stream, None, q._replace(base=None))
-        allocate = functools.partial(_cupy.empty, problem.out_shape, dtype=q.raw_dtype)
-    return varlen_plans.VarlenLaunch(head, device, params, problem.out_shape, allocate, current, writer)
+    is_torch = q.framework == TORCH
+    lse_shape = tuple(problem.lse_shape) if want_lse else None
+    # torch: q.new_empty(out_shape) on each call's own q
+    allocate = None if is_torch else functools.partial(_cupy.empty, problem.out_shape, dtype=q.raw_dtype)
+    allocate_lse = lse_allocator(is_torch, device, lse_shape) if want_lse else None
+    return varlen_plans.VarlenLaunch(head, device, params, problem.out_shape, lse_shape, allocate, allocate_lse,
+                                     current_stream_reader(is_torch, device), writer)

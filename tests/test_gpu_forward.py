@@ -160,6 +160,35 @@ def test_compiles_and_runs_after_torch_import(tmp_path):
     assert int(count) == 1 and float(rel) < 2e-3
 
 
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+def test_repeated_lse_calls_replay_the_launch_plan(rng, family):
+    """return_lse=True calls replay too (each with a new lse of its own inputs), for torch tensors
+    and CuPy arrays, and give the bits of the full path (stream= keeps a call off the replay)."""
+    from cupyflash import launch_plans
+    from cupyflash.families.forward_sm80.config_sets import default_config as sm80_default
+
+    cfg = None if family == "auto" else sm80_default(DType.BF16, 128)
+    for framework in ("cupy", "torch"):
+        for causal in (False, True):
+            for _ in range(3):
+                q, k, v = (random_inputs(cp, DType.BF16, (2, 200, 4, 128), rng) for _ in range(3))
+                args = (q, k, v)
+                if framework == "torch":
+                    torch = pytest.importorskip("torch")
+                    args = tuple(torch.from_dlpack(x) for x in args)
+                key = launch_plans.signature(cfg, *args, None, None, causal, True)
+                out, lse = cupyflash.forward(cfg, *args, causal=causal, return_lse=True)
+                assert key in launch_plans._TABLE.plans
+                full_out, full_lse = cupyflash.forward(cfg, *args, causal=causal, return_lse=True,
+                                                       stream=cp.cuda.get_current_stream().ptr)
+                if framework == "torch":
+                    assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
+                    out, lse = cp.from_dlpack(out), cp.from_dlpack(lse)
+                else:
+                    assert bool((out == full_out).all()) and bool((lse == full_lse).all())
+                check_attention(cp, DType.BF16, q, k, v, out, causal=causal, lse=lse)
+
+
 def test_repeated_calls_replay_the_launch_plan(rng):
     """Second and later calls with one signature take the fast path; each must still be right."""
     from cupyflash import launch_plans

@@ -211,10 +211,41 @@ def test_repeated_calls_take_the_fast_path(rng, family):
     lens_q, lens_k = [90, 0, 200], [100, 30, 200]
     for _ in range(3):
         q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, 128)
-        key = varlen_plans.signature(cfg, None, True, 200, 200, q, k, v, cu_q, cu_k, None)
+        key = varlen_plans.signature(cfg, None, True, False, 200, 200, q, k, v, cu_q, cu_k, None)
         out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, cfg=cfg)
         assert key in varlen_plans._TABLE.plans
         check_per_sequence(dtype, q, k, v, out, hq, hk, True)
+
+
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_repeated_lse_calls_take_the_fast_path(rng, family, framework):
+    """return_lse=True calls (torch's autograd forward) replay too: each later call gets a new
+    output and a new lse of its own inputs, and a call without lse keeps a plan of its own."""
+    from cupyflash import varlen_plans
+
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+    dtype = DType.BF16
+    cfg = family_config(family, dtype, 128, True)
+    lens_q, lens_k = [90, 0, 200], [100, 30, 200]
+    seen = []
+    for _ in range(3):
+        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, 128)
+        args = (q, k, v, cu_q, cu_k)
+        if framework == "torch":
+            args = tuple(torch.from_dlpack(x) for x in args)
+        key = varlen_plans.signature(cfg, None, True, True, 200, 200, *args, None)
+        out, lse = cupyflash.forward_varlen(*args, 200, 200, causal=True, cfg=cfg, return_lse=True)
+        assert key in varlen_plans._TABLE.plans
+        assert tuple(lse.shape) == (8, q.shape[0]) and lse.dtype == (torch.float32 if framework == "torch"
+                                                                       else cp.float32)
+        seen.append((out.data_ptr(), lse.data_ptr()) if framework == "torch" else (out.data.ptr, lse.data.ptr))
+        out_c, lse_c = (cp.from_dlpack(x) for x in (out, lse)) if framework == "torch" else (out, lse)
+        check_per_sequence(dtype, q, k, v, out_c, hq, hk, True, lse_c)
+        plain = cupyflash.forward_varlen(*args, 200, 200, causal=True, cfg=cfg)
+        assert (cp.from_dlpack(plain) == out_c).all()
+    assert varlen_plans.signature(cfg, None, True, False, 200, 200, *args, None) in varlen_plans._TABLE.plans
 
 
 @pytest.mark.parametrize("causal", [False, True])

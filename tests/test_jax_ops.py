@@ -408,7 +408,8 @@ def test_grad_reruns_replay_the_first_plan(causal):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_forward_and_grad_on_the_gpu(causal):
     """attention_varlen under jax.jit (with its lse) and jax.jit(jax.grad(...)) through
-    backward_varlen (its second run, on the first run's replay), per sequence against float64 (a
+    backward_varlen (the checked runs are second runs: the forward's and the backward's replays
+    of their first runs' launches on new buffers), per sequence against float64 (a
     sequence without keys: out 0, dq 0; without queries: dk = dv = 0; three pad tokens past the
     last sequence: out 0, dq 0)."""
     lens_q, lens_k = [37, 0, 128, 5], [50, 9, 128, 0]
@@ -418,8 +419,9 @@ def test_varlen_forward_and_grad_on_the_gpu(causal):
     q = jax.random.normal(keys[0], (int(cq[-1]) + 3, 8, 128), jnp.bfloat16)
     k, v = (jax.random.normal(key, (int(ck[-1]), 2, 128), jnp.bfloat16) for key in keys[1:3])
     w = jax.random.normal(keys[3], q.shape, jnp.float32)
-    out, lse = jax.jit(lambda *a: cfj.attention_varlen(*a, 128, 128, causal=causal, return_lse=True))(
-        q, k, v, cu_q, cu_k)
+    forward = jax.jit(lambda *a: cfj.attention_varlen(*a, 128, 128, causal=causal, return_lse=True))
+    forward(q * 0.5, k, v, cu_q, cu_k)
+    out, lse = forward(q, k, v, cu_q, cu_k)
     loss = lambda q, k, v: (cfj.attention_varlen(q, k, v, cu_q, cu_k, 128, 128,  # noqa: E731
                                                  causal=causal).astype(jnp.float32) * w).sum()
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -440,7 +442,7 @@ def test_varlen_forward_and_grad_on_the_gpu(causal):
         for got, r, name in zip((dq[q0:q1], dk[k0:k1], dv[k0:k1]), ref, ("dq", "dk", "dv")):
             rel = np.linalg.norm(got - r[0]) / np.linalg.norm(r[0])
             assert rel <= 1e-2, (b, name, rel)
-    assert (out[cq[-1]:] == 0).all() and (dq[cq[-1]:] == 0).all()  # the pad tokens
+    assert (out[cq[-1]:] == 0).all() and (dq[cq[-1]:] == 0).all() and (lse[:, cq[-1]:] == 0).all()  # the pad tokens
 
 
 @needs_gpu

@@ -80,6 +80,33 @@ def test_signature_covers_causal():
         assert launch_plans.signature(None, q, k, v, None, None, odd) is None
 
 
+def test_signature_covers_return_lse():
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    for causal in (False, True):
+        plain = launch_plans.signature(None, q, k, v, None, None, causal)
+        assert launch_plans.signature(None, q, k, v, None, None, causal, False) == plain  # the default
+        with_lse = launch_plans.signature(None, q, k, v, None, None, causal, True)
+        assert with_lse is not None and with_lse != plain
+    for odd in (1, 0, None, "yes"):
+        assert launch_plans.signature(None, q, k, v, None, None, False, odd) is None
+
+
+def test_lse_plan_returns_a_new_lse_per_call(launches):
+    """A return_lse plan allocates each call's lse and writes its pointer; out is the pair's first."""
+    lses = iter([FakeTensor(0x6000, shape=(1, 8, 128)), FakeTensor(0x7000, shape=(1, 8, 128))])
+    plan = make_plan()
+    plan.lse_shape, plan.allocate_lse = (1, 8, 128), lambda: next(lses)
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    key = launch_plans.signature(None, q, k, v, None, None, False, True)
+    launch_plans.remember(key, plan)
+    for want in (0x6000, 0x7000):
+        out, lse = launch_plans.lookup(key, q, k, v, None)
+        assert out.ptr == 0x4000 and lse.ptr == want
+        fields = dict(zip(param_names(), PARAMS_STRUCT.unpack(ctypes.string_at(plan.buf, PARAMS_STRUCT.size))))
+        assert (fields["o"], fields["lse"]) == (0x4000, want)
+    assert len(launches) == 2
+
+
 def test_gqa_shapes_get_their_own_signature():
     q = FakeTensor(0x1000, shape=(1, 128, 8, 64))
     k, v = FakeTensor(0x2000, shape=(1, 128, 2, 64)), FakeTensor(0x3000, shape=(1, 128, 2, 64))

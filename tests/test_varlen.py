@@ -174,14 +174,17 @@ def test_packed_parameters_sm90_cp_async(monkeypatch):
     buf = ctypes.create_string_buffer(repack(a["q"].ptr, a["k"].ptr, a["v"].ptr, 1 << 30, 0, 1 << 32, 1 << 33),
                                       PARAMS_SIZE)
     write = sm90_writer(repack, PARAMS_SIZE)(buf)
-    write(1 << 34, 1 << 35, 1 << 36, 1 << 37, 1 << 38, 1 << 39)
+    write(1 << 34, 1 << 35, 1 << 36, 1 << 37, 1 << 40, 1 << 38, 1 << 39)
+    assert buf.raw == repack(1 << 34, 1 << 35, 1 << 36, 1 << 37, 1 << 40, 1 << 38, 1 << 39)
+    write(1 << 34, 1 << 35, 1 << 36, 1 << 37, 0, 1 << 38, 1 << 39)  # without an lse
     assert buf.raw == repack(1 << 34, 1 << 35, 1 << 36, 1 << 37, 0, 1 << 38, 1 << 39)
 
 
 @pytest.mark.parametrize("address_word", [lambda a: (a, 0), lambda a: (a >> 4, 0)], ids=["address-word", "shifted"])
 def test_sm90_fast_path_writes_what_the_packer_packs(monkeypatch, address_word):
-    """The Hopper varlen fast path stores six pointer words where the driver's encoding allows it
-    (and re-packs otherwise): either way the block equals a fresh pack of the call's pointers."""
+    """The Hopper varlen fast path stores seven pointer words where the driver's encoding allows it
+    (and re-packs otherwise): either way the block equals a fresh pack of the call's pointers,
+    with an lse (return_lse=True plans) or without."""
     import ctypes
 
     import numpy as np
@@ -205,9 +208,10 @@ def test_sm90_fast_path_writes_what_the_packer_packs(monkeypatch, address_word):
     write = sm90_writer(repack, PARAMS_SIZE)(buf)
     rng = np.random.default_rng(1)
     for _ in range(5):
-        q, k, v, o, cq, ck = (int(x) * 16 for x in rng.integers(1, 1 << 43, 6))
-        write(q, k, v, o, cq, ck)
-        assert buf.raw == repack(q, k, v, o, 0, cq, ck)
+        q, k, v, o, lse, cq, ck = (int(x) * 16 for x in rng.integers(1, 1 << 43, 7))
+        for lse_ptr in (lse, 0):
+            write(q, k, v, o, lse_ptr, cq, ck)
+            assert buf.raw == repack(q, k, v, o, lse_ptr, cq, ck)
     tma.clear_cache()
 
 
@@ -261,7 +265,7 @@ def test_fast_path_signature_refuses_what_it_cannot_replay():
         pass
 
     a = Arr()
-    assert varlen_plans.signature(None, None, False, 8, 8, a, a, a, a, a, None) is None
-    assert varlen_plans.signature(None, None, 1, 8, 8, a, a, a, a, a, None) is None  # causal not a bool
-    assert varlen_plans.signature(None, 0.5, True, 8.0, 8, a, a, a, a, a, None) is None  # max_seqlen not an int
+    assert varlen_plans.signature(None, None, False, False, 8, 8, a, a, a, a, a, None) is None
+    assert varlen_plans.signature(None, None, 1, False, 8, 8, a, a, a, a, a, None) is None  # causal not a bool
+    assert varlen_plans.signature(None, 0.5, True, True, 8.0, 8, a, a, a, a, a, None) is None  # max_seqlen not an int
     assert varlen_plans.lookup(None, a, a, a, a, a, None) is None
