@@ -917,7 +917,7 @@ def test_forward_return_lse_allocates_fp32_batch_heads_seq(faked_gpu, monkeypatc
     assert fields["lse"] == buf.data.ptr and fields["kv_group_size"] == 4
 
 
-def test_forward_fast_path_keys_on_causal_and_steps_aside_for_lse(faked_gpu, monkeypatch):
+def test_forward_fast_path_keys_on_causal_and_lse_and_steps_aside_for_given_lse(faked_gpu, monkeypatch):
     from cupyflash import launch_plans
 
     seen = []
@@ -926,12 +926,13 @@ def test_forward_fast_path_keys_on_causal_and_steps_aside_for_lse(faked_gpu, mon
     q = _cupy_like((1, 64, 2, 64), BASE_PTR)
     cupyflash.forward(CFG, q, q, q, q)
     cupyflash.forward(CFG, q, q, q, q, causal=True)
-    assert [args[-1] for args in seen] == [False, True]  # causal is part of the plan key
+    assert [args[-2:] for args in seen] == [(False, False), (True, False)]  # causal is part of the plan key
     lse = _cupy_like_f32((1, 2, 64), BASE_PTR + 0x100000)
     monkeypatch.setattr(api, "allocate_lse", lambda like, shape: interop._cupy_view(lse, "lse", interop.CUPY))
     cupyflash.forward(CFG, q, q, q, q, return_lse=True)
+    assert seen[-1][-2:] == (False, True)  # so is return_lse
     cupyflash.forward(CFG, q, q, q, q, return_lse=True, lse=lse)
-    assert len(seen) == 2  # calls that want the log-sum-exp never take the fast path
+    assert len(seen) == 3  # a given lse array never takes the fast path
     assert len(faked_gpu.kernel.launches) == 4
 
 
