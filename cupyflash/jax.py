@@ -394,16 +394,6 @@ def _check_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, options: _Varlen
                              options.causal)
 
 
-def _zero(buf: Any, stream: int) -> None:
-    """Zero an XLA output buffer on XLA's stream (stream-ordered before the kernels)."""
-    import cupy
-
-    cai = buf.__cuda_array_interface__
-    nbytes = int(np.prod(cai["shape"], dtype=np.int64)) * np.dtype(cai["typestr"]).itemsize
-    if nbytes:
-        cupy.cuda.runtime.memsetAsync(cai["data"][0], 0, nbytes, stream)
-
-
 def _stream_of(ctx: Any) -> int:
     stream = ctx.stream
     return int(stream() if callable(stream) else stream)  # a method in jaxlib 0.10/0.11
@@ -427,8 +417,6 @@ class _VarlenForwardCallback:
         stream, o = _stream_of(ctx), self.options
         device = q.__dlpack_device__()[1]
         with cupy.cuda.Device(device):
-            for buf in outs:
-                _zero(buf, stream)  # tokens past cu_seqlens[-1]: 0 (the kernels write only sequences' rows)
             launch = self.launches.get(device)
             if launch is not None:
                 ptrs = [b.__cuda_array_interface__["data"][0] for b in (q, k, v, outs[0], cu_q, cu_k)]
@@ -440,8 +428,9 @@ class _VarlenForwardCallback:
             cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
             out = _cupy_array(outs[0], self.dtype)
             lse = _cupy_array(outs[1], np.dtype(np.float32)) if self.with_lse else None
+            # the tokens past cu_seqlens[-1] get out 0 and lse 0 from the kernel (zero_tail)
             _, launch = _forward_varlen(qa, ka, va, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, o.causal,
-                                        o.softmax_scale, self.with_lse, out, lse, stream, None, None, True)
+                                        o.softmax_scale, self.with_lse, out, lse, stream, None, None, True, True)
         if launch is not None:
             self.launches[device] = launch
 

@@ -74,7 +74,7 @@ class LaunchPlan(NamedTuple):
     def pack(self, q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
         """The kernel's ForwardParams bytes (field order: families.forward_sm80.params.PARAM_FIELDS). `lse_ptr` 0:
         the kernel writes no log-sum-exp."""
-        return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, 0, 0, *self.q_strides, *self.k_strides,
+        return pack_params(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, 0, 0, 0, *self.q_strides, *self.k_strides,
                            *self.v_strides, *self.o_strides, self.seq_len_q, self.seq_len_k,
                            self.n_heads, self.n_kv_heads, self.softmax_scale, self.softmax_scale_log2,
                            self.kv_group_size, 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 import struct
 from typing import Any, Callable
@@ -94,10 +95,11 @@ def _resolve_config(cfg: Any, problem: VarlenProblem, q, k, v) -> FlashForwardKe
 
 
 def pack_varlen_sm80(problem: VarlenProblem, q: int, k: int, v: int, o: int, lse: int, cu_q: int,
-                     cu_k: int) -> bytes:
+                     cu_k: int, zero_tail: bool = False) -> bytes:
     """ForwardParams of the varlen variant: batch strides 0 (the kernel offsets by tokens), the
-    seq_len fields the longest lengths (unused by the kernel), lse_head_stride = total_q."""
-    return pack_params(q, k, v, o, lse, cu_q, cu_k,
+    seq_len fields the longest lengths (unused by the kernel), lse_head_stride = total_q;
+    `zero_tail`: the kernel zeroes o's rows and lse's columns past the last sequence."""
+    return pack_params(q, k, v, o, lse, cu_q, cu_k, problem.total_q if zero_tail else 0,
                        0, problem.q_strides[0], problem.q_strides[1],
                        0, problem.k_strides[0], problem.k_strides[1],
                        0, problem.v_strides[0], problem.v_strides[1],
@@ -166,11 +168,12 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
 
 def _forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: int,
                     max_seqlen_k: int, causal: bool, softmax_scale: float | None, return_lse: bool, out: Any,
-                    lse: Any, stream: Any, cfg: Any, check_indices: bool | None,
-                    keep: bool) -> tuple[Any, varlen_plans.VarlenLaunch | None]:
+                    lse: Any, stream: Any, cfg: Any, check_indices: bool | None, keep: bool,
+                    zero_tail: bool = False) -> tuple[Any, varlen_plans.VarlenLaunch | None]:
     """forward_varlen's full path: validation, config choice, launch. Returns (its result, the
     call's replayable launch when `keep` and the call launched without the index check, else
-    None)."""
+    None). `zero_tail` (cupyflash.jax, whose output buffers come uninitialised): the tokens past
+    cu_seqlens_q[-1] get out 0 and lse 0, from the kernel (or a memset when nothing launches)."""
     qv = as_view(q, "q")
     if qv.device not in CHECKED_DEVICES:
         check_device_once(qv.device)
@@ -196,9 +199,14 @@ def _forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
     replayable = None
     if not problem.empty:
         launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
-        head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr)
+        head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr, zero_tail)
         if keep and not checked:
             replayable = _fast_launch(problem, qv, want_lse, head, params, writer)
+    elif zero_tail:  # no sequence (or no query rows): every token is past the last one
+        for view, itemsize in ((ov, 2), (lv, 4)):
+            if view is not None and view.shape[0] * view.shape[1]:
+                with _cupy.cuda.Device(problem.device):
+                    _cupy.cuda.runtime.memsetAsync(view.ptr, 0, itemsize * math.prod(view.shape), stream_ptr)
     result = out if out is not None else wrap_output(ov)
     if want_lse:
         return (result, (lse if lse is not None else wrap_output(lv))), replayable
@@ -206,7 +214,7 @@ def _forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
 
 
 def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
-                 stream_ptr: int) -> tuple[tuple, bytes, Callable[..., None]]:
+                 stream_ptr: int, zero_tail: bool) -> tuple[tuple, bytes, Callable[..., None]]:
     """Launch the mma.sync family's varlen kernel; return the launch head, the parameters and
     their per-call packer (for the fast path)."""
     global _get_registry
@@ -216,7 +224,7 @@ def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v,
     kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM80.variant(causal=problem.causal, varlen=True))
     grid = (-(-problem.max_seqlen_q // cfg.B_r), problem.n_heads, problem.batch)
     params = pack_varlen_sm80(problem, q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0,
-                              cu_q.ptr, cu_k.ptr)
+                              cu_q.ptr, cu_k.ptr, zero_tail)
     with _cupy.cuda.Device(problem.device):
         kernel.launch(grid, cfg.n_warps * 32, cfg.smem_bytes(), stream_ptr, params)
 
@@ -230,9 +238,10 @@ def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v,
 
 
 def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, k, v, o: int, lse: int,
-                     cu_q: int, cu_k: int) -> bytes:
+                     cu_q: int, cu_k: int, zero_tail: bool = False) -> bytes:
     """HopperForwardParams of the varlen variant: tensor maps over the packed arrays as one
-    'batch' of total tokens (tiles address tokens cu_seqlens[b] + row), o's batch stride 0."""
+    'batch' of total tokens (tiles address tokens cu_seqlens[b] + row), o's batch stride 0;
+    `zero_tail` as pack_varlen_sm80's."""
     from .families.forward_sm90.params import operand_encoder, pack_params as pack_sm90_params
 
     dtype, encode = cfg.dtype, operand_encoder(cfg)  # tensor maps, or plain records for cp_async configs
@@ -241,11 +250,11 @@ def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, 
     return pack_sm90_params(*descriptors, o, lse, cu_q, cu_k, 0, problem.o_strides[0], problem.o_strides[1],
                             problem.max_seqlen_q, problem.max_seqlen_k, problem.n_heads, problem.n_kv_heads,
                             problem.softmax_scale, problem.softmax_scale_log2, problem.kv_group_size, problem.batch,
-                            problem.total_q)
+                            problem.total_q, problem.total_q if zero_tail else 0)
 
 
 def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
-                 stream_ptr: int) -> tuple[tuple, bytes, Callable[..., None]]:
+                 stream_ptr: int, zero_tail: bool) -> tuple[tuple, bytes, Callable[..., None]]:
     """Launch the Hopper family's varlen kernel; as _launch_sm80."""
     global _get_registry
     if _get_registry is None:
@@ -259,7 +268,8 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
         grid = (max(1, min(tiles, _sm_count(problem.device) or tiles)), 1, 1)
     else:
         grid = (q_blocks, problem.n_heads, problem.batch)
-    params = pack_varlen_sm90(cfg, problem, q, k, v, o.ptr, lse.ptr if lse is not None else 0, cu_q.ptr, cu_k.ptr)
+    params = pack_varlen_sm90(cfg, problem, q, k, v, o.ptr, lse.ptr if lse is not None else 0, cu_q.ptr, cu_k.ptr,
+                              zero_tail)
     with _cupy.cuda.Device(problem.device):
         kernel.launch(grid, cfg.n_threads, cfg.smem_bytes(), stream_ptr, params)
 
@@ -268,7 +278,7 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
     def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> bytes:
         # the descriptors embed the pointers: each a lookup in tma's cache (encoded on a miss)
         return pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
-                                vs._replace(ptr=v_ptr), o_ptr, lse_ptr, cq, ck)
+                                vs._replace(ptr=v_ptr), o_ptr, lse_ptr, cq, ck, zero_tail)
 
     return (kernel.func_ptr, *grid, cfg.n_threads, 1, 1, cfg.smem_bytes()), params, sm90_writer(repack, len(params))
 

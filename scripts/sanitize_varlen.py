@@ -2,7 +2,8 @@
 batches with empty sequences (first, middle and last), sequences shorter and longer than a tile,
 seq_q != seq_k per sequence (causal rows that see no key), a batch with no keys at all, GQA/MQA,
 d_head 64/128/256, fp16/bf16; each with cfg=None (on sm_90 the Hopper family) and with the
-mma.sync family's default config, causal off and on.
+mma.sync family's default config, causal off and on; and each again with 37 tokens past the last
+sequence that the kernels zero (zero_tail, as for cupyflash.jax's output buffers).
 
     python scripts/sanitize_varlen.py                      # plainly first: fills the kernel cache
     compute-sanitizer --tool memcheck python scripts/sanitize_varlen.py
@@ -10,7 +11,7 @@ mma.sync family's default config, causal off and on.
 
 Each launch writes into a NaN-poisoned out; every sequence's out and lse (heads, total_q) are
 checked on the host against a float64 reference (sanitize_common.check: relative L2 <= 2e-2, lse
--inf exactly on rows that see no key). CuPy's memory pool is off, so each array is its own
+-inf exactly on rows that see no key); the zeroed tail's out and lse must be exactly 0. CuPy's memory pool is off, so each array is its own
 exact-size allocation. Exit 0 when all pass, 1 when any fails, 2 without forward_varlen.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ CASES = [  # dtype, d_head, heads, kv_heads, query lengths, key lengths
     (DType.FP16, 128, 2, 2, [3, 0, 2], [0, 0, 0]),                             # no keys at all: out 0, lse -inf
 ]
 FAMILIES = ("auto", "forward_sm80")  # cfg=None (the Hopper family on sm_90), and the mma.sync family's default
+TAIL = 37  # tokens past the last sequence in the zero_tail runs
 
 
 def cu_seqlens(lengths: list[int]) -> np.ndarray:
@@ -49,9 +51,11 @@ def launches(rng: np.random.Generator) -> Iterator[Launch]:
     for case in CASES:
         for family in FAMILIES:
             for causal in (False, True):
-                dt, d, h, hk, lq, lk = case
-                label = f"{dt.name} d{d} H={h}/{hk} lens_q={lq} lens_k={lk} causal={int(causal)} cfg={family}"
-                yield Launch("varlen", label, functools.partial(_once, case, causal, family, rng))
+                for tail in (0, TAIL):
+                    dt, d, h, hk, lq, lk = case
+                    label = (f"{dt.name} d{d} H={h}/{hk} lens_q={lq} lens_k={lk} causal={int(causal)} cfg={family}"
+                             + (f" zero_tail={tail}" if tail else ""))
+                    yield Launch("varlen", label, functools.partial(_once, case, causal, family, rng, tail))
 
 
 def _config(family: str, dtype: DType, d_head: int):
@@ -62,25 +66,36 @@ def _config(family: str, dtype: DType, d_head: int):
     return default_config(dtype, d_head)
 
 
-def _once(case: tuple, causal: bool, family: str, rng: np.random.Generator) -> tuple[bool, str]:
+def _once(case: tuple, causal: bool, family: str, rng: np.random.Generator, tail: int = 0) -> tuple[bool, str]:
     import cupy as cp
 
     import cupyflash
+    from cupyflash.varlen import _forward_varlen
 
     dt, d, h, hk, lens_q, lens_k = case
     npdt = dt.numpy_dtype
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    host_q = rng.standard_normal((int(cu_q[-1]), h, d), dtype=np.float32).astype(npdt)
+    host_q = rng.standard_normal((int(cu_q[-1]) + tail, h, d), dtype=np.float32).astype(npdt)
     host_k, host_v = (rng.standard_normal((int(cu_k[-1]), hk, d), dtype=np.float32).astype(npdt) for _ in range(2))
     q, k, v = (cp.asarray(x) for x in (host_q, host_k, host_v))
     out = cp.asarray(np.full(host_q.shape, np.nan, dtype=npdt))
-    got, lse = cupyflash.forward_varlen(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k),
-                                        causal=causal, return_lse=True, out=out, cfg=_config(family, dt, d))
+    args = (q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k))
+    if tail:
+        lse = cp.full((h, host_q.shape[0]), np.nan, dtype=cp.float32)
+        _forward_varlen(*args, causal, None, True, out, lse, None, _config(family, dt, d), None, False, True)
+        got = out
+    else:
+        got, lse = cupyflash.forward_varlen(*args, causal=causal, return_lse=True, out=out, cfg=_config(family, dt, d))
     cp.cuda.runtime.deviceSynchronize()
     host_out, host_lse = cp.asnumpy(got), cp.asnumpy(lse)
     if host_lse.shape != (h, host_q.shape[0]):
         return False, f"lse has shape {host_lse.shape}, expected {(h, host_q.shape[0])}"
     all_ok, figures = True, []
+    if tail:
+        end = int(cu_q[-1])
+        tail_zero = bool((host_out[end:].astype(np.float32) == 0).all() and (host_lse[:, end:] == 0).all())
+        all_ok = tail_zero
+        figures.append(f"tail of {tail} zero: {tail_zero}")
     for i, (nq, nk) in enumerate(zip(lens_q, lens_k)):
         if nq == 0:
             continue

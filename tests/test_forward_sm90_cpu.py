@@ -200,7 +200,7 @@ def test_exp2_emulation_constants_meet_the_stated_error():
 def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
     descs = [bytes([i]) * 128 for i in (1, 2, 3)]
-    packed = params.pack_params(*descs, 0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3, 5)
+    packed = params.pack_params(*descs, 0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3, 5, 6)
     assert len(packed) == params.PARAMS_SIZE
     for (name, offset), desc in zip(sorted(params.DESCRIPTOR_OFFSETS.items(), key=lambda kv: kv[1]), descs):
         assert offset % 64 == 0 and packed[offset:offset + 128] == desc, name

@@ -248,6 +248,50 @@ def test_repeated_lse_calls_take_the_fast_path(rng, family, framework):
     assert varlen_plans.signature(cfg, None, True, False, 200, 200, *args, None) in varlen_plans._TABLE.plans
 
 
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks", "sm90"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kernels_zero_the_tail_when_asked(rng, family, d):
+    """zero_tail (cupyflash.jax's output buffers): every family's varlen kernel writes out 0 and
+    lse 0 for the tokens past cu_seqlens_q[-1] into poisoned arrays, and the sequences' rows as
+    without it; on a replay too; a call with nothing to launch (max_seqlen_q 0) zeroes all."""
+    from cupyflash.varlen import _forward_varlen
+
+    dtype = DType.BF16
+    cfg = family_config(family, dtype, d, True) if family != "sm90" else _sm90_default(dtype, d)
+    lens_q, lens_k = [90, 0, 200, 7], [100, 30, 200, 0]
+    pad = 301  # more tail rows than one CTA's share
+    for run in range(2):  # the first call plans, the second replays its launch
+        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, d, pad_q=pad)
+        out = poisoned(cp, dtype, q.shape)
+        lse = cp.full((8, q.shape[0]), cp.nan, dtype=cp.float32)
+        stream = cp.cuda.get_current_stream().ptr
+        args = (q, k, v, cu_q, cu_k, 200, 200, True, None, True, out, lse, stream, cfg, None, True, True)
+        (got, got_lse), launch = _forward_varlen(*args)
+        assert got is out and got_lse is lse
+        if run and launch is not None:
+            out.view(cp.uint16).fill(0x7FC0)  # NaN again
+            lse.fill(cp.nan)
+            launch.replay(stream, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, cu_q.data.ptr,
+                          cu_k.data.ptr)
+        tail = int(hq[-1])
+        assert bool((out[tail:].astype(cp.float32) == 0).all()) and bool((lse[:, tail:] == 0).all())
+        check_per_sequence(dtype, q, k, v, out, hq, hk, True, lse)
+    out.view(cp.uint16).fill(0x7FC0)
+    lse.fill(cp.nan)
+    _forward_varlen(q, k, v, cu_q, cu_k, 0, 200, True, None, True, out, lse, stream, cfg, None, True, True)
+    assert bool((out.astype(cp.float32) == 0).all()) and bool((lse == 0).all())
+
+
+def _sm90_default(dtype, d):
+    """forward_sm90's default (non-persistent) config, on sm_90 only."""
+    from cupyflash.device import compute_capability
+    from cupyflash.families.forward_sm90.config_sets import default_config
+
+    if compute_capability(cp.cuda.runtime.getDevice()) != 90:
+        pytest.skip("forward_sm90 needs an sm_90 GPU")
+    return default_config(dtype, d, True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_batch_without_keys(rng, causal):
     """No key in any sequence (k and v have zero tokens): every query row gets 0, lse -inf."""

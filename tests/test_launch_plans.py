@@ -45,7 +45,7 @@ def launches(monkeypatch):
 
 
 def make_plan(allocated=None):
-    params = PARAMS_STRUCT.pack(*([0] * 19 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
+    params = PARAMS_STRUCT.pack(*([0] * 20 + [100, 100, 8, 8] + [0.125, 0.18] + [1, 0]))
     plan = launch_plans.FastLaunch(0xF00, (1, 8, 1), 128, 49152, 0, params, out_shape=(1, 128, 8, 64),
                                    allocate=lambda: allocated, current_stream=lambda: 0x5)
     plan.write_pointers = op_launch.leading_writer(plan.buf)  # as api._fast_launch sets it

@@ -72,7 +72,8 @@ def test_each_family_contributes_its_launch_set():
     bwd = list(sanitize_backward.launches(sanitize_backward.pick_configs("64,128"), sanitize_backward.SHAPES, rng))
     assert len(bwd) == 2 * len(sanitize_backward.SHAPES) * 2 * 2 and "det=1" in bwd[-1].label
     var = list(sanitize_varlen.launches(rng))
-    assert len(var) == 2 * len(sanitize_varlen.FAMILIES) * len(sanitize_varlen.CASES)
+    assert len(var) == 2 * 2 * len(sanitize_varlen.FAMILIES) * len(sanitize_varlen.CASES)  # causal x zero_tail
+    assert sum("zero_tail" in launch.label for launch in var) == len(var) // 2
     assert any(0 in lq for _, _, _, _, lq, _ in sanitize_varlen.CASES)  # empty sequences are covered
 
 

@@ -111,6 +111,10 @@ def test_packed_parameters():
     assert (fields["k_batch_stride"], fields["k_seq_stride"], fields["k_head_stride"]) == (0, 4 * 128, 128)
     assert (fields["seq_len_q"], fields["seq_len_k"], fields["kv_group_size"]) == (60, 200, 4)
     assert fields["lse_head_stride"] == 100  # lse is (n_heads, total_q)
+    assert fields["tail_total_q"] == 0  # the rows past the last sequence are left as they are
+    zeroing = dict(zip(param_names(), PARAMS_STRUCT.unpack(pack_varlen_sm80(p, 1, 2, 3, 4, 5, 6, 7, True))))
+    assert zeroing["tail_total_q"] == 100 and {n: zeroing[n] for n in fields if n != "tail_total_q"} == {
+        n: fields[n] for n in fields if n != "tail_total_q"}
 
 
 def test_varlen_is_a_template_flag():
@@ -142,7 +146,10 @@ def test_packed_parameters_sm90(monkeypatch):
                     (a["v"].ptr, (1, 300, 4, 128), (0, 4 * 128, 128, 1), cfg.B_c)]
     assert struct.unpack_from("<QQQQqqq", packed, 384) == (4, 5, 6, 7, 0, 16 * 128, 128)
     assert struct.unpack_from("<iiii", packed, 384 + 56) == (60, 200, 16, 4)
-    assert struct.unpack_from("<ffiii", packed, 384 + 72)[2:] == (4, 3, 100)  # group, batch, lse head stride
+    assert struct.unpack_from("<ffiiii", packed, 384 + 72)[2:] == (4, 3, 100, 0)  # group, batch, lse head stride, tail
+    zeroing = pack_varlen_sm90(cfg, p, a["q"], a["k"], a["v"], 4, 5, 6, 7, True)
+    assert struct.unpack_from("<i", zeroing, 384 + 92) == (100,)  # tail_total_q: the kernel zeroes the tail
+    assert zeroing[384:384 + 92] == packed[384:384 + 92]  # the scalars before it are the same
 
 
 def test_packed_parameters_sm90_cp_async(monkeypatch):

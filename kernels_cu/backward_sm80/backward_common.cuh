@@ -159,30 +159,13 @@ CF_DEVICE BackwardParams sequence_params(const BackwardParams& p, int b) {
     return s;
 }
 
-// VARLEN with new outputs: the tokens past the last sequence (cu_seqlens[batch] .. tail_total - 1
-// of the packed arrays) belong to no sequence and get zero gradients. The preprocess grid's CTAs
-// share those rows of dq (tail_total_q) and dk, dv (tail_total_k), 16 bytes per thread and step,
-// so new outputs need no memset of their own (zeroing all three arrays cost 2-4% of a call).
-// Usually there are no such rows: every thread then reads the two offsets and stops.
-template <int D>
-CF_DEVICE void zero_rows(void* base, long long seq_stride, long long head_stride, int heads, int row0, int rows_end,
-                         long long first, long long step) {
-    constexpr int CHUNKS = D / 8;
-    const long long count = (long long)max(0, rows_end - row0) * heads * CHUNKS;
-    for (long long i = first; i < count; i += step) {
-        const long long rh = i / CHUNKS;
-        const long long row = row0 + rh / heads;
-        st_global_16(static_cast<u16*>(base) + row * seq_stride + (rh % heads) * head_stride + (i % CHUNKS) * 8,
-                     make_uint4(0u, 0u, 0u, 0u));
-    }
-}
+// VARLEN with new outputs: the tokens past the last sequence get zero gradients (varlen_tail.cuh).
+// The preprocess grid's CTAs share those rows of dq (tail_total_q) and dk, dv (tail_total_k).
 template <class Cfg>
 CF_DEVICE void zero_varlen_tail(const BackwardParams& p) {
     if (p.tail_total_q == 0 && p.tail_total_k == 0) return;
     const int batch = gridDim.z;
-    const long long cta = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
-    const long long step = (long long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    const long long first = cta * blockDim.x + threadIdx.x;
+    const long long first = grid_thread_index(), step = grid_thread_count();
     const int k0 = p.cu_seqlens_k[batch];
     zero_rows<Cfg::D>(p.dq, p.dq_seq_stride, p.dq_head_stride, p.n_heads, p.cu_seqlens_q[batch], p.tail_total_q, first,
                       step);

@@ -438,6 +438,10 @@ struct ForwardCTA {
 template <class Cfg, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(Cfg::N_THREADS) flash_forward_kernel(const __grid_constant__ ForwardParams params) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    if constexpr (VARLEN)  // before any CTA leaves: every one takes its share of the rows
+        zero_forward_tail<Cfg::D>(params.o, params.o_seq_stride, params.o_head_stride, params.lse,
+                                  params.lse_head_stride, params.n_heads, params.cu_seqlens_q, gridDim.z,
+                                  (int)params.tail_total_q);
     ForwardCTA<Cfg, CAUSAL, VARLEN> cta(params, smem);
     if (!cta.has_rows()) return;  // uniform over the CTA, before any barrier
     cta.run();

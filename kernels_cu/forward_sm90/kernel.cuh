@@ -11,6 +11,10 @@ template <class BaseCfg, bool CAUSAL, bool VARLEN>
 __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
     using Cfg = WithVarlen<BaseCfg, VARLEN>;
     using Scheduler = TileScheduler<Cfg, CAUSAL>;
+    if constexpr (VARLEN)  // before any CTA leaves: every one takes its share of the rows
+        zero_forward_tail<Cfg::D>(params.o, params.o_seq_stride, params.o_head_stride, params.lse,
+                                  params.lse_head_stride, params.n_heads, params.cu_seqlens_q, params.batch,
+                                  params.tail_total_q);
     if constexpr (VARLEN && !Cfg::PERSISTENT) {
         if (!Scheduler::first(params).valid) return;  // past its sequence's end; uniform, before any barrier
     }

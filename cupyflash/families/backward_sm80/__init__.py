@@ -42,7 +42,7 @@ class BackwardSm80Family(KernelFamily):
     config_type = BackwardKernelConfig
     template = "backward_sm80.cu.j2"
     # the shared primitives (one copy in kernels_cu/common), then the family's own headers
-    headers = ("common/ptx.cuh", "common/score_mask.cuh", "common/tile_primitives.cuh",
+    headers = ("common/ptx.cuh", "common/varlen_tail.cuh", "common/score_mask.cuh", "common/tile_primitives.cuh",
                "backward_sm80/backward_common.cuh",
                "backward_sm80/backward_rows.cuh", "backward_sm80/backward_dkdv.cuh", "backward_sm80/backward_dkdv_2d.cuh",
                "backward_sm80/backward_dq.cuh")

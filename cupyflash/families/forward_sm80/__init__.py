@@ -18,7 +18,7 @@ class ForwardSm80Family(KernelFamily):
     description = "FlashAttention-2 forward with mma.sync, ldmatrix and cp.async (sm_80+)"
     config_type = FlashForwardKernelConfig
     template = "forward_sm80.cu.j2"
-    headers = ("common/ptx.cuh", "common/score_mask.cuh", "common/tile_primitives.cuh", "common/online_softmax.cuh",
+    headers = ("common/ptx.cuh", "common/varlen_tail.cuh", "common/score_mask.cuh", "common/tile_primitives.cuh", "common/online_softmax.cuh",
                "forward_sm80/flash_forward.cuh")
     static_wrapper = "StaticForwardKernelConfig"
     roles = (KernelRole("forward", "flash_forward_kernel", FORWARD_PARAMS),)

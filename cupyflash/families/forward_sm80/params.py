@@ -21,6 +21,9 @@ PARAM_FIELDS: tuple[tuple[str, str, str], ...] = (
     # sequence in the packed q/o and k/v.
     ("cu_seqlens_q", "const int*", "Q"),
     ("cu_seqlens_k", "const int*", "Q"),
+    # varlen: the packed arrays' token count when o's rows (and lse's columns) past the last
+    # sequence are to be zeroed by the kernel (cupyflash.jax's output buffers); 0: left as they are
+    ("tail_total_q", "long long", "q"),
 ) + stride_fields("q", "k", "v", "o") + (
     ("seq_len_q", "int", "i"),
     ("seq_len_k", "int", "i"),

@@ -40,6 +40,9 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("kv_group_size", "int", "i"),  # n_heads / n_kv_heads
     ("batch", "int", "i"),          # persistent CTAs decode tile indices with it
     ("lse_head_stride", "int", "i"),  # varlen: lse is (n_heads, total_q); 0 otherwise
+    # varlen: the packed arrays' token count when o's rows (and lse's columns) past the last
+    # sequence are to be zeroed by the kernel (cupyflash.jax's output buffers); 0: left as they are
+    ("tail_total_q", "int", "i"),
 )
 _unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
 _pad = -_unpadded % _ALIGN
