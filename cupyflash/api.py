@@ -191,9 +191,9 @@ def forward(cfg: Any, q: Any, k: Any, v: Any, out: Any = None, *, softmax_scale:
         return_lse=True, the pair (out, lse), lse in the same framework. Nothing is copied.
     """
     key = None
-    if stream is None and lse is None:
+    if lse is None:
         key = launch_plans.signature(cfg, q, k, v, out, softmax_scale, causal, return_lse)
-        result = launch_plans.lookup(key, q, k, v, out)
+        result = launch_plans.lookup(key, q, k, v, out, stream)
         if result is not None:
             return result
     if not _gpu_ready:

@@ -7,9 +7,10 @@ pointers already packed. Later calls with the same signature read the four point
 16-byte alignment, allocate the output (and lse) and launch: no views, no validation, no config
 lookup.
 
-Only PyTorch tensors and CuPy arrays on the caller's current stream take this path; anything
-else (JAX arrays, an explicit `stream=`, lse=, a `causal` or `return_lse` that is not a plain
-bool) goes through the full path every time.
+Only PyTorch tensors and CuPy arrays take this path, on the caller's current stream or on a
+`stream=` given as an int handle or a CuPy / torch stream of the plan's device; anything else
+(JAX arrays, lse=, a `causal` or `return_lse` that is not a plain bool) goes through the full
+path every time.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import Any, Callable
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm90.config import HopperForwardKernelConfig
 
-__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "current_stream_reader", "lse_allocator",
-           "signature", "lookup", "remember", "clear"]
+__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "current_stream_reader", "given_stream",
+           "lse_allocator", "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
 _MAX_PLANS = 4096  # a process that cycles through more shapes than this just rebuilds them
@@ -162,6 +163,23 @@ def current_stream_reader(is_torch: bool, device: int) -> Callable[[], int]:
     return lambda: current(device).ptr  # noqa: E731
 
 
+def given_stream(stream: Any, device: int) -> int | None:
+    """The handle a replay on `device` launches on for a `stream=` argument: an int handle, or a
+    CuPy / torch stream object of that device; None for anything else (the full path then
+    resolves it, and raises where it is wrong)."""
+    if type(stream) is int:
+        return stream if stream >= 0 else None
+    handle = getattr(stream, "ptr", None)  # cupy.cuda.Stream / ExternalStream
+    if type(handle) is int:
+        owner = getattr(stream, "device_id", None)
+        return handle if type(owner) is not int or owner < 0 or owner == device else None
+    handle = getattr(stream, "cuda_stream", None)  # torch.cuda.Stream / ExternalStream
+    if type(handle) is int:
+        owner = getattr(getattr(stream, "device", None), "index", None)
+        return handle if type(owner) is not int or owner == device else None
+    return None
+
+
 def lse_allocator(is_torch: bool, device: int, shape: tuple[int, ...]) -> Callable[[], Any]:
     """() -> a new float32 array of `shape` on `device` (torch or CuPy), for return_lse plans."""
     if is_torch:
@@ -212,13 +230,17 @@ def signature(cfg: Any, q: Any, k: Any, v: Any, out: Any, softmax_scale: Any,
     return None
 
 
-def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output (a return_lse plan: (out, lse)), or
-    None if there is no usable plan (then the caller takes the full path, which also reports any
-    error)."""
+def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any, stream: Any = None) -> Any:
+    """Launch through the plan for `key` on `stream` (None: the caller's current stream) and
+    return the output (a return_lse plan: (out, lse)), or None if there is no usable plan (then
+    the caller takes the full path, which also reports any error)."""
     plan = _PLANS.get(key) if key is not None else None
     if plan is None or _TABLE.get_device() != plan.device:
         return None
+    if stream is not None:
+        stream = given_stream(stream, plan.device)
+        if stream is None:
+            return None
     is_torch = plan.is_torch
     if is_torch:
         q_ptr, k_ptr, v_ptr = q.data_ptr(), k.data_ptr(), v.data_ptr()
@@ -238,7 +260,8 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, out: Any) -> Any:
     if plan.lse_shape is not None:
         lse = plan.allocate_lse()
         lse_ptr = lse.data_ptr() if is_torch else lse.data.ptr
-    stream = plan.current_stream()
+    if stream is None:
+        stream = plan.current_stream()
     # Inline rather than a method: on this path every Python call frame is a visible share of
     # the per-call cost.
     with plan.lock:

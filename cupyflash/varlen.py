@@ -152,11 +152,11 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if (stream is None and lse is None and check_indices is None and (return_lse is False or return_lse is True)
+    if (lse is None and check_indices is None and (return_lse is False or return_lse is True)
             and not os.environ.get("CUPYFLASH_CHECK_INDICES")):
         key = varlen_plans.signature(cfg, softmax_scale, causal, return_lse, max_seqlen_q, max_seqlen_k, q, k, v,
                                      cu_seqlens_q, cu_seqlens_k, out)
-        result = varlen_plans.lookup(key, q, k, v, cu_seqlens_q, cu_seqlens_k, out)
+        result = varlen_plans.lookup(key, q, k, v, cu_seqlens_q, cu_seqlens_k, out, stream)
         if result is not None:
             return result
     result, launch = _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,

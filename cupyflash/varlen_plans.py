@@ -7,8 +7,9 @@ call's pointers into the kernel's parameter bytes (the mma.sync family patches t
 a pre-packed struct; the Hopper family stores them into its TMA descriptors' address words).
 Later calls read the pointers, check alignment, allocate the output (and lse) and launch.
 
-Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
-without lse=, stream= or the index check; everything else takes the full path. cupyflash.jax's
+Only PyTorch tensors and CuPy arrays take this path (on the caller's current stream, or on a
+`stream=` given as an int handle or a CuPy / torch stream of the plan's device), and only without
+lse= or the index check; everything else takes the full path. cupyflash.jax's
 varlen forward keeps a VarlenLaunch of its own per traced call and relaunches it with `replay`
 on XLA's buffers and stream.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .launch_plans import _TORCH, ParamBlock, PlanTable, _kind, _kinds, driver_calls  # shared by every fast path
+from .launch_plans import _TORCH, ParamBlock, PlanTable, _kind, _kinds, driver_calls, given_stream  # shared by every fast path
 
 __all__ = ["VarlenLaunch", "signature", "lookup", "remember", "clear"]
 
@@ -76,13 +77,17 @@ def signature(cfg: Any, softmax_scale: Any, causal: Any, return_lse: bool, max_s
     return tuple(key)
 
 
-def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any) -> Any:
-    """Launch through the plan for `key` and return the output (with its lse: (out, lse)), or
-    None when there is no usable plan (the caller then takes the full path, which also reports
-    any error)."""
+def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out: Any, stream: Any = None) -> Any:
+    """Launch through the plan for `key` on `stream` (None: the caller's current stream) and
+    return the output (with its lse: (out, lse)), or None when there is no usable plan (the
+    caller then takes the full path, which also reports any error)."""
     plan = _PLANS.get(key) if key is not None else None
     if plan is None or _TABLE.get_device() != plan.device:
         return None
+    if stream is not None:
+        stream = given_stream(stream, plan.device)
+        if stream is None:
+            return None
     lse = plan.allocate_lse() if plan.lse_shape is not None else None
     if plan.is_torch:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
@@ -98,7 +103,8 @@ def lookup(key: tuple | None, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, out:
         lse_ptr = lse.data.ptr if lse is not None else 0
     if (ptrs[0] | ptrs[1] | ptrs[2] | o) & 15 or (cq | ck) & 3:
         return None  # misaligned this time: the full path raises the proper error
-    stream = plan.current_stream()
+    if stream is None:
+        stream = plan.current_stream()
     with plan.lock:  # cuLaunchKernel copies the parameters before it returns
         plan.pack(*ptrs, o, lse_ptr, cq, ck)
         _TABLE.launch_kernel(*plan.head, stream, plan.argv_ptr, 0)

@@ -163,7 +163,7 @@ def test_compiles_and_runs_after_torch_import(tmp_path):
 @pytest.mark.parametrize("family", ["auto", "sm80"])
 def test_repeated_lse_calls_replay_the_launch_plan(rng, family):
     """return_lse=True calls replay too (each with a new lse of its own inputs), for torch tensors
-    and CuPy arrays, and give the bits of the full path (stream= keeps a call off the replay)."""
+    and CuPy arrays, and give the bits of the full path (a given lse= keeps a call off the replay)."""
     from cupyflash import launch_plans
     from cupyflash.families.forward_sm80.config_sets import default_config as sm80_default
 
@@ -179,14 +179,43 @@ def test_repeated_lse_calls_replay_the_launch_plan(rng, family):
                 key = launch_plans.signature(cfg, *args, None, None, causal, True)
                 out, lse = cupyflash.forward(cfg, *args, causal=causal, return_lse=True)
                 assert key in launch_plans._TABLE.plans
-                full_out, full_lse = cupyflash.forward(cfg, *args, causal=causal, return_lse=True,
-                                                       stream=cp.cuda.get_current_stream().ptr)
+                given = cp.empty((2, 4, 200), dtype=cp.float32)
+                if framework == "torch":
+                    given = torch.from_dlpack(given)
+                full_out, full_lse = cupyflash.forward(cfg, *args, causal=causal, return_lse=True, lse=given)
                 if framework == "torch":
                     assert torch.equal(out, full_out) and torch.equal(lse, full_lse)
                     out, lse = cp.from_dlpack(out), cp.from_dlpack(lse)
                 else:
                     assert bool((out == full_out).all()) and bool((lse == full_lse).all())
                 check_attention(cp, DType.BF16, q, k, v, out, causal=causal, lse=lse)
+
+
+def test_calls_with_stream_replay_on_that_stream(rng):
+    """stream= (a CuPy stream object, its int handle, a torch stream) replays the signature's plan
+    on that stream: each call computes its own inputs there, and the plan is the one of calls
+    without stream=."""
+    from cupyflash import launch_plans
+
+    launch_plans.clear()
+    side = cp.cuda.Stream(non_blocking=True)
+    for i in range(4):
+        q, k, v = (random_inputs(cp, DType.BF16, (2, 256, 4, 128), rng) for _ in range(3))
+        cp.cuda.get_current_stream().synchronize()  # the inputs are ready before the side stream reads them
+        stream = side if i % 2 == 0 else side.ptr
+        out = cupyflash.forward(None, q, k, v, causal=True, stream=stream)
+        side.synchronize()
+        check_attention(cp, DType.BF16, q, k, v, out, causal=True)
+    assert len(launch_plans._TABLE.plans) == 1, "stream= calls did not share one plan"
+    torch = pytest.importorskip("torch")
+    ts = torch.cuda.Stream()
+    q, k, v = (random_inputs(cp, DType.BF16, (2, 256, 4, 128), rng) for _ in range(3))
+    cp.cuda.get_current_stream().synchronize()
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    for _ in range(2):
+        out = cupyflash.forward(None, tq, tk, tv, causal=True, stream=ts)
+        ts.synchronize()
+        check_attention(cp, DType.BF16, q, k, v, cp.from_dlpack(out), causal=True)
 
 
 def test_repeated_calls_replay_the_launch_plan(rng):

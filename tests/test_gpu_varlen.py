@@ -217,6 +217,22 @@ def test_repeated_calls_take_the_fast_path(rng, family):
         check_per_sequence(dtype, q, k, v, out, hq, hk, True)
 
 
+def test_calls_with_stream_replay_on_that_stream(rng):
+    """stream= (a CuPy stream object or its handle) replays the signature's launch on that stream."""
+    from cupyflash import varlen_plans
+
+    varlen_plans.clear()
+    side = cp.cuda.Stream(non_blocking=True)
+    for i in range(4):
+        q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [90, 0, 200], [100, 30, 200], 8, 4, 128)
+        cp.cuda.get_current_stream().synchronize()
+        out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, return_lse=True,
+                                            stream=side if i % 2 else side.ptr)
+        side.synchronize()
+        check_per_sequence(DType.BF16, q, k, v, out, hq, hk, True, lse)
+    assert len(varlen_plans._TABLE.plans) == 1
+
+
 @pytest.mark.parametrize("family", ["auto", "sm80"])
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_repeated_lse_calls_take_the_fast_path(rng, family, framework):

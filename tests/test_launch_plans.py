@@ -107,6 +107,38 @@ def test_lse_plan_returns_a_new_lse_per_call(launches):
     assert len(launches) == 2
 
 
+def test_given_stream_reads_handles_of_the_plans_device():
+    class CupyStream:
+        def __init__(self, ptr, device_id):
+            self.ptr, self.device_id = ptr, device_id
+
+    class TorchDevice:
+        def __init__(self, index):
+            self.index = index
+
+    class TorchStream:
+        def __init__(self, handle, index):
+            self.cuda_stream, self.device = handle, TorchDevice(index)
+
+    assert launch_plans.given_stream(0x77, 0) == 0x77 and launch_plans.given_stream(0, 1) == 0
+    assert launch_plans.given_stream(CupyStream(0x88, 1), 1) == 0x88
+    assert launch_plans.given_stream(CupyStream(0x88, -1), 1) == 0x88  # a stream that names no device
+    assert launch_plans.given_stream(TorchStream(0x99, 0), 0) == 0x99
+    # the full path resolves (and refuses) everything else: other devices, odd handles, bools
+    for odd in (CupyStream(0x88, 0), TorchStream(0x99, 0), -1, True, 1.0, "0", object()):
+        assert launch_plans.given_stream(odd, 1) is None, odd
+
+
+def test_replay_launches_on_a_given_stream(launches):
+    q, k, v = FakeTensor(0x1000), FakeTensor(0x2000), FakeTensor(0x3000)
+    key = launch_plans.signature(None, q, k, v, None, None)
+    launch_plans.remember(key, make_plan())
+    assert launch_plans.lookup(key, q, k, v, None, 0xABC) is not None
+    assert launch_plans.lookup(key, q, k, v, None) is not None  # the plan's current stream: 0x5
+    assert launch_plans.lookup(key, q, k, v, None, -3) is None  # the full path reports it
+    assert [args[8] for args in launches] == [0xABC, 0x5]
+
+
 def test_gqa_shapes_get_their_own_signature():
     q = FakeTensor(0x1000, shape=(1, 128, 8, 64))
     k, v = FakeTensor(0x2000, shape=(1, 128, 2, 64)), FakeTensor(0x3000, shape=(1, 128, 2, 64))
