@@ -4,15 +4,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import numpy as np
-
 from . import backward_plans
 from .backward_validation import BackwardPlan, check_backward_args, resolve_backward_config
 from .config import DType
 from .families.backward_sm80.config_sets import default_config
 from .families.backward_sm90.config import D_HEADS as SM90_D_HEADS
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .interop import TORCH, TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream, wrap_output
+from .interop import (TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream,
+                      scratch_f32 as _workspace, wrap_output)
 
 __all__ = ["backward", "hopper_reason"]
 
@@ -77,41 +76,6 @@ def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView)
         if problem:
             return problem
     return None
-
-
-def _workspace(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:
-    """An fp32 scratch array (its owner, its pointer) that is safe to use on `stream_ptr`: from
-    torch's caching allocator for torch callers (stream-ordered on their current stream), else
-    from CuPy's pool with the launch stream current (CuPy's pool is per stream)."""
-    if like.framework == TORCH:
-        import torch
-
-        t = torch.empty(shape, dtype=torch.float32, device=torch.device("cuda", like.device))
-        return t, t.data_ptr()
-    with _cupy.cuda.Device(like.device), _external_stream(stream_ptr, like.device):
-        a = _cupy.empty(shape, dtype=np.float32)
-    return a, a.data.ptr
-
-
-class _StreamHandle:
-    """A raw stream handle behind the CUDA stream protocol (what Stream.from_external reads)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def _external_stream(stream_ptr: int, device: int) -> Any:
-    """A CuPy stream object for the raw handle `stream_ptr`: Stream.from_external where CuPy has it
-    (ExternalStream is deprecated since CuPy 14), else ExternalStream."""
-    stream_type = _cupy.cuda.Stream
-    if hasattr(stream_type, "from_external"):
-        return stream_type.from_external(_StreamHandle(stream_ptr))
-    return _cupy.cuda.ExternalStream(stream_ptr, device)
 
 
 def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: bool = False,

@@ -343,7 +343,7 @@ def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: 
     Hopper family's counters behind it, unless deterministic) from the pool of q's framework on
     the launch stream, then the varlen variant's kernels of the plan's family; `tail` (total_q,
     total_k): the preprocess zeroes the output rows past the last sequence ((0, 0): none)."""
-    from .backward_api import _workspace
+    from .interop import scratch_f32 as _workspace
 
     q, k, v, _, dout = views[:5]
     lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)

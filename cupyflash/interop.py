@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only without the CUDA extra
 
 __all__ = [
     "CUPY", "TORCH", "JAX", "DLPACK", "TensorView", "as_view", "output_view", "allocate_output",
-    "allocate_lse", "wrap_output", "resolve_stream", "contiguous_strides",
+    "allocate_lse", "wrap_output", "resolve_stream", "contiguous_strides", "external_stream", "scratch_f32",
 ]
 
 # Framework tags: the framework the caller gets its output back in.
@@ -285,3 +285,45 @@ def resolve_stream(stream: Any, like: TensorView) -> int:
     if dev is not None and dev != like.device:
         raise ValueError(f"stream: belongs to device {dev} but the inputs are on device {like.device}")
     return handle
+
+
+class _StreamHandle:
+    """A raw stream handle behind the CUDA stream protocol (what Stream.from_external reads)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def external_stream(stream_ptr: int, device: int) -> Any:
+    """A CuPy stream object for the raw handle `stream_ptr`: Stream.from_external where CuPy has it
+    (ExternalStream is deprecated since CuPy 14), else ExternalStream."""
+    stream_type = _cupy.cuda.Stream
+    if hasattr(stream_type, "from_external"):
+        return stream_type.from_external(_StreamHandle(stream_ptr))
+    return _cupy.cuda.ExternalStream(stream_ptr, device)
+
+
+def scratch_f32(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:
+    """An fp32 scratch array (its owner, its pointer) in the caller's framework allocator whose
+    memory is stream-ordered on `stream_ptr`, the launch stream: dropped right after the launch,
+    its block is reused only behind the kernels that read it. Both allocators tie a block to the
+    stream current when it was allocated, so the allocation runs with the launch stream current
+    (for torch only when a `stream=` other than torch's current stream was given)."""
+    if like.framework == TORCH:
+        import torch
+
+        device = torch.device("cuda", like.device)
+        if stream_ptr == _torch_current_stream(like.device):
+            t = torch.empty(shape, dtype=torch.float32, device=device)
+        else:
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=device)):
+                t = torch.empty(shape, dtype=torch.float32, device=device)
+        return t, t.data_ptr()
+    with _cupy.cuda.Device(like.device), external_stream(stream_ptr, like.device):
+        a = _cupy.empty(shape, dtype=np.float32)
+    return a, a.data.ptr

@@ -282,9 +282,9 @@ def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any
         if not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3):
             cupy_stream = callback.streams.get((device, stream))
             if cupy_stream is None:
-                from .backward_api import _external_stream
+                from .interop import external_stream
 
-                cupy_stream = callback.streams[(device, stream)] = _external_stream(stream, device)
+                cupy_stream = callback.streams[(device, stream)] = external_stream(stream, device)
             with cupy.cuda.Device(device), cupy_stream:  # (CuPy's pool orders reuse per stream)
                 ws = cupy.empty((replay.ws_floats,), dtype=np.float32)
                 replay.run(stream, ptrs, ws.data.ptr)

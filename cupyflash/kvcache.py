@@ -23,7 +23,7 @@ from .families.decode.splits import choose_num_splits, choose_paged_num_splits, 
 from . import kvcache_plans
 from .launch_plans import current_stream_reader, lse_allocator
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
-                      resolve_stream, wrap_output)
+                      resolve_stream, scratch_f32, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
 from .validation import CHECKED_DEVICES, LOG2_E, check_device_once, index_check_env, index_check_requested
 
@@ -170,19 +170,6 @@ def _prefer_shared_memory(kernels) -> None:
         if kernel.func_ptr not in _carveout_set:
             driver.funcSetAttribute(kernel.func_ptr, _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
             _carveout_set.add(kernel.func_ptr)
-
-
-def _allocate_workspace(like: TensorView, nbytes: int) -> tuple[Any, int]:
-    """(owner, pointer) of `nbytes` of scratch in the caller's framework allocator."""
-    n = -(-nbytes // 4)
-    if like.framework == TORCH:
-        import torch
-
-        buf = torch.empty((n,), dtype=torch.float32, device=like.base.device)
-        return buf, buf.data_ptr()
-    with _cupy.cuda.Device(like.device):
-        buf = _cupy.empty((n,), dtype=_cupy.float32)
-    return buf, buf.data.ptr
 
 
 def _workspace_pointer(workspace: Any, nbytes: int) -> int:
@@ -361,7 +348,7 @@ def _launch(plan: KVCachePlan, cfg: DecodeKernelConfig, splits: int, q: TensorVi
         if workspace is not None:
             ws_ptr = _workspace_pointer(workspace, ws_bytes)
         else:
-            keep, ws_ptr = _allocate_workspace(q, ws_bytes)
+            keep, ws_ptr = scratch_f32(q, (-(-ws_bytes // 4),), stream_ptr)
     ws_lse_ptr = ws_ptr + splits * plan.total_rows * plan.d_head * 4 if ws_bytes else 0
     params = DECODE_PARAMS.pack(
         q.ptr, k.ptr, v.ptr, k_new.ptr if k_new is not None else 0, v_new.ptr if v_new is not None else 0, o.ptr,

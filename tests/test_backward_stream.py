@@ -6,7 +6,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from cupyflash.backward_api import _external_stream  # noqa: E402
+from cupyflash.interop import external_stream as _external_stream  # noqa: E402
 
 
 @pytest.mark.parametrize("handle", [0, 0x7F00_1234_5000])

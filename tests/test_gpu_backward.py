@@ -216,6 +216,35 @@ def test_torch_tensors_come_back_as_torch(rng):
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("framework", ["torch", "cupy"])
+def test_backward_on_a_side_stream_keeps_its_workspace(framework):
+    """stream= other than the caller's current stream: the workspace (dropped when the call
+    returns) must be stream-ordered on the launch stream, so that the caller's next allocations
+    on its own stream, which reuse freed blocks at once, cannot overwrite it while the kernels
+    still run. Gradients after such allocations equal those of a call on the current stream."""
+    torch = pytest.importorskip("torch")
+    q, k, v, dout = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    out, lse = cupyflash.forward(None, q, k, v, return_lse=True)
+    args = (dout, q, k, v, out, lse)
+    if framework == "cupy":
+        args = tuple(cp.from_dlpack(x) for x in args)
+    want = [torch.as_tensor(x, device="cuda") for x in cupyflash.backward(*args, deterministic=True)]
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    cp_side = cp.cuda.Stream(non_blocking=True)
+    floats = 2 * 2048 * 8 * 128  # sizes of the workspace's pieces, to ask for the same blocks
+    for _ in range(3):
+        got = cupyflash.backward(*args, deterministic=True, stream=side if framework == "torch" else cp_side)
+        for n in (2 * 8 * 2048, 2 * 8 * 2048, floats, 3 * 2 * 8 * 2048, floats + 2 * 2 * 8 * 2048):
+            if framework == "torch":
+                torch.full((n,), float("nan"), device="cuda")
+            else:
+                cp.full((n,), cp.nan, dtype=cp.float32)
+        (side if framework == "torch" else cp_side).synchronize()
+        for g, w in zip(got, want):
+            assert torch.equal(torch.as_tensor(g, device="cuda"), w)
+
+
 def test_validation_errors_name_the_argument(rng):
     dtype, d = DType.FP16, 64
     q, k, v, dout = (random_inputs(cp, dtype, (1, 64, 2, d), rng) for _ in range(4))
