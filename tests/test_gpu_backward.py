@@ -228,7 +228,7 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     args = (dout, q, k, v, out, lse)
     if framework == "cupy":
         args = tuple(cp.from_dlpack(x) for x in args)
-    want = [torch.as_tensor(x, device="cuda") for x in cupyflash.backward(*args, deterministic=True)]
+    want = cupyflash.backward(*args, deterministic=True)
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     cp_side = cp.cuda.Stream(non_blocking=True)
@@ -242,7 +242,7 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
                 cp.full((n,), cp.nan, dtype=cp.float32)
         (side if framework == "torch" else cp_side).synchronize()
         for g, w in zip(got, want):
-            assert torch.equal(torch.as_tensor(g, device="cuda"), w)
+            assert torch.equal(g, w) if framework == "torch" else bool((g.view(cp.uint16) == w.view(cp.uint16)).all())
 
 
 def test_validation_errors_name_the_argument(rng):
