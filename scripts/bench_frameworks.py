@@ -5,7 +5,9 @@ the same operator called as an OpOverload, the same body registered with torch.l
 plain cupyflash.forward, torch.compile(fullgraph=True) of attention, SDPA flash, and a bare
 cuLaunchKernel of the same kernel; for training, attention with q requiring a gradient (the lse
 variant through autograd), the attention_forward_lse and attention_backward operators, and one
-forward + backward through autograd against SDPA flash's. Each is measured
+forward + backward through autograd against SDPA flash's; and a small packed ragged batch
+(VARLEN_LENGTHS tokens, causal) through cupyflash.torch.attention_varlen, its forward with the lse
+and one forward + backward through autograd against SDPA flash on jagged nested tensors. Each is measured
 as host issue cost (calls queued behind a GPU spin, so only the host side counts) and as wall time
 of back-to-back calls, in interleaved rounds (medians).
 
@@ -13,7 +15,8 @@ JAX: cupyflash.jax.attention against jax.nn.dot_product_attention (cuDNN and XLA
 and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an unrolled chain of
 32), with the number of Python callback runs per attention call (below 1 when XLA replays the
 launch from a command buffer); for training, one forward + backward per iteration of a jitted
-fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))), the backward through each one's VJP.
+fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))), the backward through each one's VJP, and
+the same step of cupyflash.jax.attention_varlen on the packed batch.
 
     python scripts/bench_frameworks.py [--json out.json]
 """
@@ -31,6 +34,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPE = (1, 128, 8, 128)  # (batch, seq, heads, d_head)
+VARLEN_LENGTHS = (37, 90, 64, 40)  # a small packed batch (231 tokens, 8 heads, d_head 128), causal
+
+
+def _varlen_offsets() -> list[int]:
+    offsets = [0]
+    for n in VARLEN_LENGTHS:
+        offsets.append(offsets[-1] + n)
+    return offsets
 
 
 # ------------------------------------------------------------------------------------ torch
@@ -65,6 +76,18 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
     fwd_out, fwd_lse = cft.attention_forward_lse(q, k, v, False, None)
     bwd = torch.ops.cupyflash.attention_backward.default
     compiled = torch.compile(lambda q, k, v: cft.attention(q, k, v), fullgraph=True)
+    # the packed batch: cupyflash's varlen operators, and SDPA flash on jagged nested tensors
+    offsets, longest = _varlen_offsets(), max(VARLEN_LENGTHS)
+    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+    packed = [torch.randn((offsets[-1], SHAPE[2], SHAPE[3]), device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    pg = [x.clone().requires_grad_() for x in packed]
+    pdout = torch.randn_like(packed[0])
+    nested = [torch.nested.nested_tensor_from_jagged(x, offsets=cu.long(), min_seqlen=min(VARLEN_LENGTHS),
+                                                     max_seqlen=longest).transpose(1, 2) for x in pg]
+
+    def nested_step() -> None:
+        o = sdpa(*nested, is_causal=True).transpose(1, 2).values()
+        torch.autograd.grad(o, pg, pdout)
     table: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "cupyflash.forward": (lambda: cupyflash.forward(None, q, k, v), contextlib.nullcontext),
         "cupyflash.torch.attention": (lambda: cft.attention(q, k, v), contextlib.nullcontext),
@@ -77,6 +100,12 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
         "attention_backward op": (lambda: bwd(dout, q, k, v, fwd_out, fwd_lse, False, None, False), contextlib.nullcontext),
         "cupyflash fwd+bwd (autograd)": (lambda: cft.attention(qg, k, v).backward(dout), contextlib.nullcontext),
         "SDPA flash fwd+bwd (autograd)": (lambda: sdpa(qgt, kt, vt).backward(dout.transpose(1, 2)), flash),
+        "attention_varlen, return_lse": (lambda: cft.attention_varlen(*packed, cu, cu, longest, longest, causal=True,
+                                                                      return_lse=True), contextlib.nullcontext),
+        "attention_varlen fwd+bwd (autograd)": (lambda: cft.attention_varlen(*pg, cu, cu, longest, longest,
+                                                                             causal=True).backward(pdout),
+                                                contextlib.nullcontext),
+        "SDPA flash (nested) fwd+bwd (autograd)": (nested_step, flash),
     }
     for name, (call, context) in table.items():
         with context():
@@ -180,6 +209,19 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
                 entry[mode.replace("_us", "_callbacks_per_call")] = (runs["count"] - before) / ((reps + 1) * per)
         result[name] = entry
     cfj._launch = launch
+    offsets, longest = _varlen_offsets(), max(VARLEN_LENGTHS)
+    cu = jnp.asarray(offsets, jnp.int32)
+    pq, pk, pv = (jax.random.normal(kk, (offsets[-1], SHAPE[2], SHAPE[3]), jnp.bfloat16) for kk in keys)
+
+    def varlen_step(i, x):
+        loss = lambda y: cfj.attention_varlen(y, pk, pv, cu, cu, longest, longest,  # noqa: E731
+                                              causal=True).astype(jnp.float32).sum()
+        return x + (1e-3 * jax.grad(loss)(x)).astype(x.dtype)
+
+    varlen_chain = jax.jit(lambda x: jax.lax.fori_loop(0, iters, varlen_step, x))
+    varlen_chain(pq).block_until_ready()  # compile
+    result["cupyflash.jax.attention_varlen"] = {
+        "grad_fori_loop_us": _timed(lambda: varlen_chain(pq).block_until_ready(), reps) * 1e6 / iters}
     return result
 
 
@@ -225,10 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {'call':40s} | eager | jit fori_loop ({j['iters']}) | jit unrolled ({j['unroll']}) | "
               "forward + backward (jax.grad), jit fori_loop |")
         print(f"|{'-' * 42}|------:|------------------:|-----------------:|------:|")
+        cell = lambda fig, key, width: f"{fig[key]:{width}.1f}" if key in fig else f"{'-':>{width}s}"  # noqa: E731
         for name, fig in j.items():
             if isinstance(fig, dict):
-                print(f"| {name:40s} | {fig['eager_us']:5.1f} | {fig['fori_loop_us']:17.1f} | {fig['unrolled_us']:16.1f} "
-                      f"| {fig['grad_fori_loop_us']:5.1f} |")
+                print(f"| {name:40s} | {cell(fig, 'eager_us', 5)} | {cell(fig, 'fori_loop_us', 17)} | "
+                      f"{cell(fig, 'unrolled_us', 16)} | {cell(fig, 'grad_fori_loop_us', 5)} |")
         c = j.get("cupyflash.jax.attention", {})
         if c:
             print("python callback runs per cupyflash call: eager {:.2f}, fori_loop {:.2f}, unrolled {:.2f}".format(
