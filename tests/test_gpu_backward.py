@@ -223,7 +223,7 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     on its own stream, which reuse freed blocks at once, cannot overwrite it while the kernels
     still run. Gradients after such allocations equal those of a call on the current stream."""
     torch = pytest.importorskip("torch")
-    q, k, v, dout = (torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v, dout = (torch.randn(2, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = cupyflash.forward(None, q, k, v, return_lse=True)
     args = (dout, q, k, v, out, lse)
     if framework == "cupy":
@@ -232,10 +232,10 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     cp_side = cp.cuda.Stream(non_blocking=True)
-    floats = 2 * 2048 * 8 * 128  # sizes of the workspace's pieces, to ask for the same blocks
+    floats = 2 * 8192 * 8 * 128  # sizes of the workspace's pieces, to ask for the same blocks
     for _ in range(3):
         got = cupyflash.backward(*args, deterministic=True, stream=side if framework == "torch" else cp_side)
-        for n in (2 * 8 * 2048, 2 * 8 * 2048, floats, 3 * 2 * 8 * 2048, floats + 2 * 2 * 8 * 2048):
+        for n in (2 * 8 * 8192, 2 * 8 * 8192, floats, 3 * 2 * 8 * 8192, floats + 2 * 2 * 8 * 8192):
             if framework == "torch":
                 torch.full((n,), float("nan"), device="cuda")
             else:
