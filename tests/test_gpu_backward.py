@@ -221,7 +221,9 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     """stream= other than the caller's current stream: the workspace (dropped when the call
     returns) must be stream-ordered on the launch stream, so that the caller's next allocations
     on its own stream, which reuse freed blocks at once, cannot overwrite it while the kernels
-    still run. Gradients after such allocations equal those of a call on the current stream."""
+    still run. The caller's current stream is a non-blocking one of its own (the legacy default
+    stream would wait for the launch stream and hide the race). Gradients after such
+    allocations equal those of a call on the current stream, bit for bit."""
     torch = pytest.importorskip("torch")
     q, k, v, dout = (torch.randn(2, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = cupyflash.forward(None, q, k, v, return_lse=True)
@@ -230,19 +232,24 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
         args = tuple(cp.from_dlpack(x) for x in args)
     want = cupyflash.backward(*args, deterministic=True)
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    cp_side = cp.cuda.Stream(non_blocking=True)
+    if framework == "torch":
+        mine, side = torch.cuda.Stream(), torch.cuda.Stream()
+        current = torch.cuda.stream(mine)
+        fill = lambda n: torch.full((n,), float("nan"), device="cuda")  # noqa: E731
+    else:
+        mine, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        current = mine
+        fill = lambda n: cp.full((n,), cp.nan, dtype=cp.float32)  # noqa: E731
     floats = 2 * 8192 * 8 * 128  # sizes of the workspace's pieces, to ask for the same blocks
-    for _ in range(3):
-        got = cupyflash.backward(*args, deterministic=True, stream=side if framework == "torch" else cp_side)
-        for n in (2 * 8 * 8192, 2 * 8 * 8192, floats, 3 * 2 * 8 * 8192, floats + 2 * 2 * 8 * 8192):
-            if framework == "torch":
-                torch.full((n,), float("nan"), device="cuda")
-            else:
-                cp.full((n,), cp.nan, dtype=cp.float32)
-        (side if framework == "torch" else cp_side).synchronize()
-        for g, w in zip(got, want):
-            assert torch.equal(g, w) if framework == "torch" else bool((g.view(cp.uint16) == w.view(cp.uint16)).all())
+    with current:
+        for _ in range(3):
+            got = cupyflash.backward(*args, deterministic=True, stream=side)
+            for n in (2 * 8 * 8192, 2 * 8 * 8192, floats, 3 * 2 * 8 * 8192, floats + 2 * 2 * 8 * 8192):
+                fill(n)
+            side.synchronize()
+            mine.synchronize()
+            for g, w in zip(got, want):
+                assert torch.equal(g, w) if framework == "torch" else bool((g.view(cp.uint16) == w.view(cp.uint16)).all())
 
 
 def test_validation_errors_name_the_argument(rng):

@@ -422,17 +422,19 @@ def test_fast_path_returns_the_same_lse(paged, rng):
 def test_split_workspace_on_a_side_stream(rng):
     """stream= other than the current stream with several splits: the split workspace (dropped
     when the call returns) is stream-ordered on the launch stream, so the caller's next
-    allocations on its own stream cannot take it while the kernels run; the result equals the
-    current stream's bit for bit."""
+    allocations on its own (non-blocking) stream cannot take it while the kernels run; the
+    result equals the current stream's bit for bit."""
     p = Problem(rng, DType.BF16, 128, 4, 1, 32, 8, [4000, 3000, 1, 4096])
     call = dict(cache_seqlens=p.cache_seqlens, num_splits=8)
     want = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, **call)
     cp.cuda.Device().synchronize()
-    side = cp.cuda.Stream(non_blocking=True)
+    mine, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     rows = 8 * 4 * 32  # splits x batch x heads: the workspace's partial rows
-    for _ in range(3):
-        got = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, stream=side, **call)
-        for n in (rows * 128, rows * 129, rows * 128 + rows):
-            cp.full((n,), cp.nan, dtype=cp.float32)  # the current stream's next allocations
-        side.synchronize()
-        assert bool((bits(got) == bits(want)).all())
+    with mine:
+        for _ in range(3):
+            got = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, stream=side, **call)
+            for n in (rows * 128, rows * 129, rows * 128 + rows):
+                cp.full((n,), cp.nan, dtype=cp.float32)  # the current stream's next allocations
+            side.synchronize()
+            mine.synchronize()
+            assert bool((bits(got) == bits(want)).all())
