@@ -13,7 +13,7 @@ allocator, whose sizes depend on the shapes only. So a call can be captured in a
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 from .config import DType
 from .families.decode import COMBINE_THREADS, DecodeKernelConfig
@@ -23,7 +23,7 @@ from .families.decode.splits import choose_num_splits, choose_paged_num_splits, 
 from . import kvcache_plans
 from .launch_plans import current_stream_reader, lse_allocator
 from .interop import (TORCH, TensorView, _cupy, allocate_lse, allocate_output, as_view, host_copy, output_view,
-                      resolve_stream, scratch_f32, wrap_output)
+                      external_stream, resolve_stream, scratch_f32, wrap_output)
 from .kvcache_checks import KVCachePlan, check_index_values, check_kvcache_args, check_num_splits
 from .validation import CHECKED_DEVICES, LOG2_E, check_device_once, index_check_env, index_check_requested
 
@@ -240,9 +240,9 @@ def forward_kvcache(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any, b
         out (a new array in q's framework unless `out` was given), or (out, lse).
     """
     key = None
-    if stream is None and workspace is None and check_indices is None and not index_check_env():
+    if workspace is None and check_indices is None and not index_check_env():
         key, result = kvcache_plans.run(cfg, num_splits, softmax_scale, causal, return_lse, q, k_cache, v_cache,
-                                        cache_seqlens, block_table, k_new, v_new, out)
+                                        cache_seqlens, block_table, k_new, v_new, out, stream)
         if result is not None:
             return result
     qv = as_view(q, "q")
@@ -292,12 +292,21 @@ def _fast_launch(plan: KVCachePlan, splits: int, q: TensorView, heads: list, par
         ws_alloc, ws_free = _torch_workspace_allocator(torch, device)
     else:
         allocate = functools.partial(_cupy.empty, plan.out_shape, dtype=q.raw_dtype)
-        # CuPy's pool: a MemoryPointer, freed (back to the current stream's arena) when dropped
-        ws_alloc, ws_free = (lambda nbytes, stream: _cupy.cuda.alloc(nbytes)), (lambda handle: None)
+        # CuPy's pool: a MemoryPointer, freed (back to its stream's arena) when dropped
+        ws_alloc, ws_free = functools.partial(_cupy_workspace, current, device), (lambda handle: None)
     launches = kvcache_plans.build_launches(heads, _pdl_capable(device))
     return kvcache_plans.KVCacheLaunch(launches, device, params, plan.out_shape, ws_bytes,
                                        splits * plan.total_rows * plan.d_head * 4, allocate, ws_alloc, ws_free,
                                        current, lse_shape, allocate_lse)
+
+
+def _cupy_workspace(current: Callable[[], int], device: int, nbytes: int, stream: int) -> Any:
+    """`nbytes` from CuPy's pool, ordered on `stream` (the pool is per stream: a block freed after
+    the launches is reused only behind them): allocated with that stream current when it is not."""
+    if stream == current():
+        return _cupy.cuda.alloc(nbytes)
+    with external_stream(stream, device):
+        return _cupy.cuda.alloc(nbytes)
 
 
 def _torch_workspace_allocator(torch: Any, device: int):

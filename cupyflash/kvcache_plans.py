@@ -6,8 +6,9 @@ are kept with every parameter but the pointers already packed. Later calls with 
 signature read the pointers, check their alignment, allocate the output (and the split
 workspace) and launch: no views, no validation, no config lookup, no split heuristic.
 
-Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, and only
-without workspace=, stream= or the index check; everything else takes the full path.
+Only PyTorch tensors and CuPy arrays take this path (on the caller's current stream, or on a
+`stream=` given as an int handle or a CuPy / torch stream of the plan's device), and only without
+workspace= or the index check; everything else takes the full path.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, Callable
 
 from .families.decode.config import DecodeKernelConfig
 from .launch_plans import (_CUPY, _TORCH, ParamBlock, PlanTable, _kind, _kinds, cupy_meta,  # shared by every fast path
-                           driver_calls, torch_meta)
+                           driver_calls, given_stream, torch_meta)
 from .families.decode.params import DECODE_PARAMS
 
 __all__ = ["KVCacheLaunch", "build_launches", "run", "remember", "clear"]
@@ -65,8 +66,9 @@ class KVCacheLaunch(ParamBlock):
         self.ws_lse_offset = ws_lse_offset  # bytes from ws_o to ws_lse
         self.allocate = allocate            # CuPy: () -> output; torch: None (q.new_empty)
         # split workspace: ws_alloc(nbytes, stream) -> handle, an int pointer (torch: the caching
-        # allocator's raw blocks, no tensor object) or an object with .ptr (CuPy's pool); ws_free(handle)
-        # after the launches are enqueued (both allocators reuse a block in stream order)
+        # allocator's raw blocks, no tensor object) or an object with .ptr (CuPy's pool), ordered
+        # on `stream`; ws_free(handle) after the launches are enqueued (both allocators reuse a
+        # block in stream order)
         self.ws_alloc = ws_alloc
         self.ws_free = ws_free
         self.current_stream = current_stream
@@ -79,11 +81,13 @@ class KVCacheLaunch(ParamBlock):
 
 
 def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: Any, q: Any, k_cache: Any,
-        v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any) -> tuple:
+        v_cache: Any, cache_seqlens: Any, block_table: Any, k_new: Any, v_new: Any, out: Any,
+        stream: Any = None) -> tuple:
     """(key, result) of one call: `key` the plan key of these arguments (None when they cannot take
     the fast path); `result` the output (with return_lse: (output, lse)) when a plan for `key`
-    launched it, else None (no plan yet, or a pointer breaks an alignment rule this time: the full
-    path then raises the proper error, and remembers its launches under `key`).
+    launched it on `stream` (None: the caller's current stream), else None (no plan yet, a stream
+    given_stream cannot read, or a pointer that breaks an alignment rule this time: the full path
+    then raises the proper error, and remembers its launches under `key`).
 
     Key and launch in one function, the key written out per framework: on a cached call the
     tensor attribute reads, call frames and the key's hash are most of the library's host time."""
@@ -115,6 +119,8 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
         plan = _PLANS.get(key)
         if plan is None or _TABLE.get_device() != plan.device:
             return key, None
+        if stream is not None and given_stream(stream, plan.device) is None:
+            return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
         t_ptr = block_table.data_ptr() if block_table is not None else 0
         kn_ptr = k_new.data_ptr() if k_new is not None else 0
@@ -137,6 +143,8 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
         plan = _PLANS.get(key)
         if plan is None or _TABLE.get_device() != plan.device:
             return key, None
+        if stream is not None and given_stream(stream, plan.device) is None:
+            return key, None
         q_ptr, k_ptr, v_ptr, s_ptr = q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, cache_seqlens.data.ptr
         t_ptr = block_table.data.ptr if block_table is not None else 0
         kn_ptr = k_new.data.ptr if k_new is not None else 0
@@ -151,7 +159,7 @@ def run(cfg: Any, num_splits: Any, softmax_scale: Any, causal: Any, return_lse: 
         lse_ptr = lse.data.ptr if lse is not None else 0
     else:
         return None, None
-    stream = plan.current_stream()
+    stream = plan.current_stream() if stream is None else given_stream(stream, plan.device)
     if plan.ws_bytes:
         ws = plan.ws_alloc(plan.ws_bytes, stream)
         ws_ptr = ws if type(ws) is int else ws.ptr

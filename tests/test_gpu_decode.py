@@ -423,7 +423,11 @@ def test_split_workspace_on_a_side_stream(rng):
     """stream= other than the current stream with several splits: the split workspace (dropped
     when the call returns) is stream-ordered on the launch stream, so the caller's next
     allocations on its own (non-blocking) stream cannot take it while the kernels run; the
-    result equals the current stream's bit for bit."""
+    result equals the current stream's bit for bit. The calls with stream= (a CuPy stream object
+    and its handle) replay the plan of the current stream's call."""
+    from cupyflash import kvcache_plans
+
+    kvcache_plans.clear()
     p = Problem(rng, DType.BF16, 128, 4, 1, 32, 8, [4000, 3000, 1, 4096])
     call = dict(cache_seqlens=p.cache_seqlens, num_splits=8)
     want = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, **call)
@@ -431,10 +435,11 @@ def test_split_workspace_on_a_side_stream(rng):
     mine, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     rows = 8 * 4 * 32  # splits x batch x heads: the workspace's partial rows
     with mine:
-        for _ in range(3):
-            got = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, stream=side, **call)
+        for i in range(4):
+            got = cupyflash.forward_kvcache(p.q, p.k_cache, p.v_cache, stream=side if i % 2 else side.ptr, **call)
             for n in (rows * 128, rows * 129, rows * 128 + rows):
                 cp.full((n,), cp.nan, dtype=cp.float32)  # the current stream's next allocations
             side.synchronize()
             mine.synchronize()
             assert bool((bits(got) == bits(want)).all())
+    assert len(kvcache_plans._TABLE.plans) == 1
