@@ -105,9 +105,9 @@ def backward(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, *, causal: b
         (dq, dk, dv) in the framework of q.
     """
     key = None
-    if cfg is None and stream is None:
+    if cfg is None:
         key = backward_plans.signature(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dq, dk, dv)
-        result = backward_plans.run(key, dout, q, k, v, out, lse, dq, dk, dv)
+        result = backward_plans.run(key, dout, q, k, v, out, lse, dq, dk, dv, stream)
         if result is not None:
             return result
     result, replay = backward_and_replay(dout, q, k, v, out, lse, causal, softmax_scale, dq, dk, dv, deterministic,

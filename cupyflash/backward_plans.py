@@ -7,9 +7,10 @@ with the same signature read the six pointers, check their alignment, allocate d
 fp32 workspace, pack the parameter structs and launch: no views, no validation, no config
 lookup. On a tiny problem that is most of a call's host time (NOTES.md item 83).
 
-Only PyTorch tensors and CuPy arrays on the caller's current stream take this path, without
-stream= or cfg, and with all of dq/dk/dv given (their layouts then part of the signature) or none;
-everything else takes the full path.
+Only PyTorch tensors and CuPy arrays take this path (on the caller's current stream, or on a
+`stream=` given as an int handle or a CuPy / torch stream of the plan's device: the workspace is
+then allocated in that stream's order), without cfg, and with all of dq/dk/dv given (their
+layouts then part of the signature) or none; everything else takes the full path.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, meta_reader
+from .interop import stream_scratch_f32
+from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, given_stream, meta_reader
 
 __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 
@@ -139,13 +141,18 @@ def signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, causal: Any
 
 
 def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any = None, dk: Any = None,
-        dv: Any = None) -> tuple | None:
+        dv: Any = None, stream: Any = None) -> tuple | None:
     """(dq, dk, dv) through the replay for `key` (into the given outputs, when its signature has
-    them), or None (no replay, another current device, or a pointer that breaks an alignment rule
-    this time: the full path then raises the error)."""
+    them) on `stream` (None: the caller's current stream), or None (no replay, another current
+    device, a stream given_stream cannot read, or a pointer that breaks an alignment rule this
+    time: the full path then raises the error)."""
     replay = _PLANS.get(key) if key is not None else None
     if replay is None or _TABLE.get_device() != replay.device:
         return None
+    if stream is not None:
+        stream = given_stream(stream, replay.device)
+        if stream is None:
+            return None
     if replay.is_torch:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr())
     else:
@@ -155,19 +162,25 @@ def run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any
     if replay.is_torch:
         if dq is None:
             dq, dk, dv = q.new_empty(replay.q_shape), k.new_empty(replay.kv_shape), v.new_empty(replay.kv_shape)
-        ws = q.new_empty((replay.ws_floats,), dtype=replay.ws_dtype)
         out_ptrs = (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
-        ws_ptr = ws.data_ptr()
+        if stream is None:
+            ws = q.new_empty((replay.ws_floats,), dtype=replay.ws_dtype)
+            ws_ptr = ws.data_ptr()
     else:
         if dq is None:
             dq, dk, dv = (replay.allocate(replay.q_shape), replay.allocate(replay.kv_shape),
                           replay.allocate(replay.kv_shape))
-        ws = replay.allocate_ws(replay.ws_floats)
         out_ptrs = (dq.data.ptr, dk.data.ptr, dv.data.ptr)
-        ws_ptr = ws.data.ptr
+        if stream is None:
+            ws = replay.allocate_ws(replay.ws_floats)
+            ws_ptr = ws.data.ptr
     if (out_ptrs[0] | out_ptrs[1] | out_ptrs[2]) & 15:
         return None  # (only given outputs can be misaligned)
-    replay.run(replay.current_stream(), ptrs + out_ptrs, ws_ptr)
+    if stream is None:
+        stream = replay.current_stream()
+    else:  # the workspace in the given stream's order
+        ws, ws_ptr = stream_scratch_f32(replay.is_torch, replay.device, (replay.ws_floats,), stream)
+    replay.run(stream, ptrs + out_ptrs, ws_ptr)
     # the workspace is released here: both allocators order its reuse on the launch stream
     return dq, dk, dv
 

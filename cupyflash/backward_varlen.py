@@ -19,7 +19,7 @@ from .backward_validation import BackwardPlan, resolve_backward_config
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
-from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, meta_reader
+from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, given_stream, meta_reader
 from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_max_seqlen, check_varlen_args
 
@@ -152,11 +152,11 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
         (dq, dk, dv) in the framework of q.
     """
     key = None
-    if (cfg is None and stream is None and dq is None and dk is None and dv is None and check_indices is None
+    if (cfg is None and dq is None and dk is None and dv is None and check_indices is None
             and not index_check_requested(None)):
         key = _signature(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                          softmax_scale, deterministic)
-        result = _run(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        result = _run(key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, stream)
         if result is not None:
             return result
     result, replay = _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -237,8 +237,8 @@ class VarlenBackwardReplay:
     cu_seqlens_q, cu_seqlens_k: arrays laid out as the first call's were; the caller checks their
     alignment, and the current device is the plan's). The first call's views are kept without
     their arrays (XLA's buffers are only lent to a callback's run). backward_varlen keeps one per
-    signature for calls with new outputs on the current stream; cupyflash.jax one per traced
-    backward."""
+    signature for calls with new outputs (replayed on the current stream or a given one);
+    cupyflash.jax one per traced backward."""
 
     __slots__ = ("plan", "views", "tail", "device", "is_torch", "current_stream", "allocate")
 
@@ -277,12 +277,18 @@ def _signature(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
 
 
 def _run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
-         cu_k: Any) -> tuple | None:
-    """(dq, dk, dv) through the replay for `key` (new outputs, the current stream), or None (no
-    replay, another current device, or a misaligned pointer: the full path then decides)."""
+         cu_k: Any, stream: Any = None) -> tuple | None:
+    """(dq, dk, dv) through the replay for `key` (new outputs) on `stream` (None: the current
+    stream; the replay's workspace follows the launch stream), or None (no replay, another
+    current device, a stream given_stream cannot read, or a misaligned pointer: the full path
+    then decides)."""
     replay = _PLANS.get(key) if key is not None else None
     if replay is None or _TABLE.get_device() != replay.device:
         return None
+    if stream is not None:
+        stream = given_stream(stream, replay.device)
+        if stream is None:
+            return None
     q_shape, kv_shape = replay.views[6].shape, replay.views[7].shape
     if replay.is_torch:
         dq, dk, dv = q.new_empty(q_shape), k.new_empty(kv_shape), v.new_empty(kv_shape)
@@ -292,7 +298,7 @@ def _run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
         ptrs = tuple(x.data.ptr for x in (q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k))
     if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (ptrs[5] | ptrs[9] | ptrs[10]) & 3:
         return None
-    replay(replay.current_stream(), ptrs)
+    replay(replay.current_stream() if stream is None else stream, ptrs)
     return dq, dk, dv
 
 

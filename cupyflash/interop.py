@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - exercised only without the CUDA extra
 __all__ = [
     "CUPY", "TORCH", "JAX", "DLPACK", "TensorView", "as_view", "output_view", "allocate_output",
     "allocate_lse", "wrap_output", "resolve_stream", "contiguous_strides", "external_stream", "scratch_f32",
+    "stream_scratch_f32",
 ]
 
 # Framework tags: the framework the caller gets its output back in.
@@ -311,19 +312,24 @@ def external_stream(stream_ptr: int, device: int) -> Any:
 def scratch_f32(like: TensorView, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:
     """An fp32 scratch array (its owner, its pointer) in the caller's framework allocator whose
     memory is stream-ordered on `stream_ptr`, the launch stream: dropped right after the launch,
-    its block is reused only behind the kernels that read it. Both allocators tie a block to the
-    stream current when it was allocated, so the allocation runs with the launch stream current
-    (for torch only when a `stream=` other than torch's current stream was given)."""
-    if like.framework == TORCH:
+    its block is reused only behind the kernels that read it (stream_scratch_f32)."""
+    return stream_scratch_f32(like.framework == TORCH, like.device, shape, stream_ptr)
+
+
+def stream_scratch_f32(is_torch: bool, device: int, shape: tuple[int, ...], stream_ptr: int) -> tuple[Any, int]:
+    """scratch_f32 by framework and device. Both allocators tie a block to the stream current when
+    it was allocated, so the allocation runs with the launch stream current (for torch only when
+    it is not torch's current stream already)."""
+    if is_torch:
         import torch
 
-        device = torch.device("cuda", like.device)
-        if stream_ptr == _torch_current_stream(like.device):
-            t = torch.empty(shape, dtype=torch.float32, device=device)
+        where = torch.device("cuda", device)
+        if stream_ptr == _torch_current_stream(device):
+            t = torch.empty(shape, dtype=torch.float32, device=where)
         else:
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=device)):
-                t = torch.empty(shape, dtype=torch.float32, device=device)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_ptr, device=where)):
+                t = torch.empty(shape, dtype=torch.float32, device=where)
         return t, t.data_ptr()
-    with _cupy.cuda.Device(like.device), external_stream(stream_ptr, like.device):
+    with _cupy.cuda.Device(device), external_stream(stream_ptr, device):
         a = _cupy.empty(shape, dtype=np.float32)
     return a, a.data.ptr

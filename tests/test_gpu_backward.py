@@ -223,7 +223,8 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     on its own stream, which reuse freed blocks at once, cannot overwrite it while the kernels
     still run. The caller's current stream is a non-blocking one of its own (the legacy default
     stream would wait for the launch stream and hide the race). Gradients after such
-    allocations equal those of a call on the current stream, bit for bit."""
+    allocations equal those of a call on the current stream, bit for bit; the stream= calls
+    replay that call's plan."""
     torch = pytest.importorskip("torch")
     q, k, v, dout = (torch.randn(2, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = cupyflash.forward(None, q, k, v, return_lse=True)
@@ -241,6 +242,9 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
         current = mine
         fill = lambda n: cp.full((n,), cp.nan, dtype=cp.float32)  # noqa: E731
     floats = 2 * 8192 * 8 * 128  # sizes of the workspace's pieces, to ask for the same blocks
+    from cupyflash import backward_plans
+
+    plans = len(backward_plans._TABLE.plans)
     with current:
         for _ in range(3):
             got = cupyflash.backward(*args, deterministic=True, stream=side)
@@ -250,6 +254,7 @@ def test_backward_on_a_side_stream_keeps_its_workspace(framework):
             mine.synchronize()
             for g, w in zip(got, want):
                 assert torch.equal(g, w) if framework == "torch" else bool((g.view(cp.uint16) == w.view(cp.uint16)).all())
+    assert len(backward_plans._TABLE.plans) == plans  # the stream= calls replayed the current stream's plan
 
 
 def test_validation_errors_name_the_argument(rng):

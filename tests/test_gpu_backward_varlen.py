@@ -179,6 +179,33 @@ def test_new_outputs_zero_a_long_tail(rng, family, deterministic):
     check_per_sequence(dtype, q, k, v, dout, grads, hq, hk, False)
 
 
+def test_replays_on_a_given_stream(rng):
+    """stream= (a CuPy stream object or its handle) replays the current stream's plan on that
+    stream, its workspace in that stream's order: the same bits (deterministic) after the caller
+    allocated on its own non-blocking stream."""
+    from cupyflash.backward_varlen import _PLANS, clear
+
+    clear()
+    dtype, lens_q, lens_k = DType.BF16, [500, 0, 1290], [700, 3, 1290]
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
+    out, lse = forward(q, k, v, cu_q, cu_k, 1290, 1290, True)
+    dout = random_inputs(cp, dtype, q.shape, rng)
+    arrays = (dout, q, k, v, out, lse, cu_q, cu_k)
+    first = cupyflash.backward_varlen(*arrays, 1290, 1290, causal=True, deterministic=True)
+    cp.cuda.Device().synchronize()
+    mine, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with mine:
+        for i in range(4):
+            again = cupyflash.backward_varlen(*arrays, 1290, 1290, causal=True, deterministic=True,
+                                              stream=side if i % 2 else side.ptr)
+            cp.full((8 * 2048,), cp.nan, dtype=cp.float32)  # the caller's next allocations
+            side.synchronize()
+            mine.synchronize()
+            for a, b in zip(first, again):
+                assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    assert len(_PLANS) == 1
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_cfg_none_replays_its_call(rng, causal):
     """Later calls with the first one's signature (new outputs, the current stream) replay its
