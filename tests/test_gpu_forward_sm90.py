@@ -44,6 +44,13 @@ if _is_sm90():
                                   "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+emu1")]
     EXTRA += KNOBS
     CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
+    # one per mainloop (cp.async, TMA without and with the producer warpgroup, overlapped,
+    # persistent, cross-tile, per-warpgroup blocks) and per key-tile width of the defaults (64 .. 176)
+    _PROG = get_kernel_configs("prog")
+    WIDTHS = [_PROG[0], _PROG[1], _PROG[2], _PROG[5], default_config(DType.BF16, 128), default_config(DType.FP16, 64),
+              default_config(DType.BF16, 256), default_config(DType.FP16, 256, True),
+              H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile"),
+              H.parse("forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks")]
 
     from cupyflash.tuning.tables import TuningTable, default_table_path
 
@@ -51,7 +58,7 @@ if _is_sm90():
     _TABLE = TuningTable.load(default_table_path("NVIDIA H100 80GB HBM3", "forward_sm90"))
     TABLE_PICKS = sorted({(e.config, e.causal) for e in _TABLE.entries()})
 else:
-    CONFIGS, TABLE_PICKS = [], []
+    CONFIGS, TABLE_PICKS, WIDTHS = [], [], []
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,7 +70,7 @@ def prewarmed(request):
 
     mine = [item for item in request.session.items if getattr(item, "module", None) is request.module]
     named = {item.callspec.params.get("cfg") if hasattr(item, "callspec") else None for item in mine}
-    configs = [c for c in CONFIGS + [pick for pick, _ in TABLE_PICKS] if c in named]
+    configs = [c for c in CONFIGS + WIDTHS + [pick for pick, _ in TABLE_PICKS] if c in named]
     if None in named:
         configs += get_kernel_configs("defaults")
     report = prewarm(sorted(set(configs)), ["sm_90a"], progress=None, causal=(False, True))
@@ -190,3 +197,42 @@ def test_rejects_what_it_cannot_run(rng):
     q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 128)
     with pytest.raises(ValueError, match="^cfg: config dtype"):
         forward_sm90(default_config(DType.FP16, 128), q, k, v)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", WIDTHS, ids=str)
+def test_last_key_block_at_every_width(cfg, causal, rng):
+    """Key lengths ending at every 16-key step of a key block and between them (the last
+    block's mask and TMA zero fill at each width, and the whole block): alone (one block) and
+    after two whole ones, seq_q shorter and longer than seq_k, GQA, LSE."""
+    for r in sorted({*range(1, cfg.B_c + 1, 7), *range(16, cfg.B_c + 1, 16), cfg.B_c - 1}):
+        for sk in (r, 2 * cfg.B_c + r):
+            sq = 150 if sk > 150 else 2 * cfg.B_r + 5
+            q, k, v = _inputs(rng, cfg.dtype, 2, sq, sk, 4, 2, cfg.d_head)
+            out = poisoned(cp, cfg.dtype, q.shape)
+            lse = cp.full((2, 4, sq), np.nan, dtype=cp.float32)
+            forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+            check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=f"{cfg} {(sq, sk)}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", [c for c in WIDTHS if not c.cp_async], ids=str)
+def test_last_key_block_width_per_sequence(cfg, causal, rng):
+    """Packed sequences whose key lengths end at different steps of a key block: each tile
+    masks its own sequence's last block (the keys past it belong to the next sequence)."""
+    import cupyflash
+
+    lens_q = [37, 300, 1, 129, 64]
+    lens_k = [cfg.B_c + 17, 33, 2 * cfg.B_c, 3 * cfg.B_c - 1, 16]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = random_inputs(cp, cfg.dtype, (int(cu_q[-1]), 4, cfg.d_head), rng)
+    k = random_inputs(cp, cfg.dtype, (int(cu_k[-1]), 2, cfg.d_head), rng)
+    v = random_inputs(cp, cfg.dtype, (int(cu_k[-1]), 2, cfg.d_head), rng)
+    out = poisoned(cp, cfg.dtype, q.shape)
+    cupyflash.forward_varlen(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k), out=out,
+                             causal=causal, cfg=cfg)
+    for b in range(len(lens_q)):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        check_attention(cp, cfg.dtype, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                        causal=causal, context=f"{cfg} sequence {b}")
