@@ -75,8 +75,11 @@ def _fit_smem(cfg: DecodeKernelConfig, smem_limit: int) -> DecodeKernelConfig:
 
 @functools.lru_cache(maxsize=256)
 def _default_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool,
-                 smem_limit: int) -> DecodeKernelConfig:
-    return _fit_smem(decode_sets.default_config(dtype, d_head, rows_total, paged, wide), smem_limit)
+                 smem_limit: int, wave_heads: int | None = None) -> DecodeKernelConfig:
+    cfg = decode_sets.default_config(dtype, d_head, rows_total, paged, wide, wave_heads)
+    if wave_heads is not None and cfg.smem_bytes() > smem_limit:  # a smaller GPU: the wide default
+        cfg = decode_sets.default_config(dtype, d_head, rows_total, paged, wide)
+    return _fit_smem(cfg, smem_limit)
 
 
 # The tuning table's problems stream TUNING_KV_BYTES (256 MB) of K and V; below a quarter of that
@@ -87,11 +90,11 @@ TABLE_MIN_KV_BYTES = 64 << 20
 
 @functools.lru_cache(maxsize=1024)
 def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: bool, causal: bool, max_keys: int,
-                device: int, smem_limit: int, streaming: bool) -> DecodeKernelConfig:
+                device: int, smem_limit: int, streaming: bool, wave_heads: int | None = None) -> DecodeKernelConfig:
     """For a narrow, streaming (K/V >= TABLE_MIN_KV_BYTES) problem on a contiguous cache, the
     tuning table's config for this device and cache length (fitted to the packed rows and the
     device's shared memory; the table is tuned on such problems: families/decode/tuning.py);
-    else, and without a table, the heuristic default."""
+    else, and without a table, the heuristic default (`wave_heads`: decode_sets.one_wave_heads)."""
     from .tuning import tuned_config
 
     use_table = streaming and not (paged or wide)
@@ -102,7 +105,7 @@ def _choice_for(dtype: DType, d_head: int, rows_total: int, paged: bool, wide: b
             fitted = _fit_smem(fitted, smem_limit)
             if fitted.smem_bytes() <= smem_limit:
                 return fitted
-    return _default_for(dtype, d_head, rows_total, paged, wide, smem_limit)
+    return _default_for(dtype, d_head, rows_total, paged, wide, smem_limit, wave_heads)
 
 
 def is_wide(plan: KVCachePlan, num_sms: int) -> bool:
@@ -122,9 +125,12 @@ def resolve_decode_config(cfg: Any, plan: KVCachePlan, smem_limit: int = 227 * 1
         cfg = _parse(cfg)
     if cfg is None:
         kv_bytes = 2 * plan.batch * plan.max_keys * plan.n_kv_heads * plan.d_head * 2
+        streaming = kv_bytes >= TABLE_MIN_KV_BYTES
+        wave_heads = (decode_sets.one_wave_heads(plan.d_head, plan.rows_total, plan.paged, plan.batch,
+                                                 plan.n_kv_heads, num_sms) if streaming else None)
         return _choice_for(plan.dtype, plan.d_head, plan.rows_total, plan.paged, is_wide(plan, num_sms),
                            plan.causal and plan.seq_q > 1, plan.max_keys, plan.device, smem_limit,
-                           kv_bytes >= TABLE_MIN_KV_BYTES)
+                           streaming, wave_heads)
     if not isinstance(cfg, DecodeKernelConfig):
         raise TypeError(f"cfg: expected a DecodeKernelConfig, its short form, 'auto' or None, got {type(cfg).__name__}")
     if cfg.dtype is not plan.dtype:

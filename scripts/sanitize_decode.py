@@ -32,6 +32,8 @@ INTERLEAVED = "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave"
 INTERLEAVED_32 = "decode (FP16, 64, 16, 32, 8): stages_1+interleave"
 WIDE = "decode (BF16, 128, 16, 16, 4): stages_3"
 WIDE_IL = "decode (FP16, 64, 16, 32, 8): stages_2+interleave+heads_2"
+ONE_WAVE_4 = "decode (BF16, 128, 16, 32, 4): stages_2+heads_4"  # config_sets.ONE_WAVE_SHAPES
+ONE_WAVE_2 = "decode (FP16, 128, 16, 16, 4): stages_2+heads_2"
 WAVES = [0, 1, 17, 300] * 10  # 40 sequences: several waves of CTAs on an H100
 CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, splits, cfg (None: the library's)
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], None, 0, 3, None),
@@ -44,6 +46,8 @@ CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, sp
     (DType.FP16, 64, 2, 4, 16, 4, [15, 70], 16, 0, 3, INTERLEAVED_32),   # 32-key steps: two pages each
     (DType.BF16, 128, 40, 1, 32, 8, WAVES, None, 0, 1, WIDE),          # several waves of CTAs
     (DType.FP16, 64, 80, 4, 32, 8, WAVES * 2, None, 1, 3, WIDE_IL),    # ... of round-robin splits, causal
+    (DType.BF16, 128, 40, 1, 32, 8, WAVES, None, 0, 1, ONE_WAVE_4),    # one warp per head, 32-key steps
+    (DType.FP16, 128, 3, 1, 32, 8, [0, 17, 300], 16, 1, 2, ONE_WAVE_2),  # two warps per head, paged, appended
 ]
 
 

@@ -58,7 +58,7 @@ def test_mode_help_exits_0(mode, capsys):
     ["--mode", "varlen", "--total-tokens", "0"], ["--mode", "varlen", "--dtypes", "int8"],
     ["--mode", "varlen", "--iters", "0"],
     ["--mode", "decode", "--rows", "12"], ["--mode", "decode", "--rows", "x"], ["--mode", "decode", "--d-heads", "32"],
-    ["--mode", "decode", "--samples", "0"],
+    ["--mode", "decode", "--samples", "0"], ["--mode", "decode", "--rounds", "0"],
     ["--mode", "backward", "--d-heads", "80"], ["--mode", "backward", "--seqs", "0"],
     ["--mode", "backward", "--reps", "0"], ["--mode", "backward", "--impls", "cupyflash,nope"],
     ["--mode", "backward", "--sm90-config", "backward_sm90(BF16, 128)"],

@@ -19,8 +19,11 @@ def _configs():
     picks = {config_sets.default_config(DType.BF16, d) for d in (64, 128, 256)}
     picks.add(config_sets.default_config(DType.FP16, 64, 64))  # a 64-row tile
     picks.add(config_sets.default_config(DType.BF16, 256, 16, paged=True))  # 8 single-slot warps
+    picks.update(config_sets.default_config(DType.BF16, d, 4, paged=True) for d in (64, 128))  # 8 warps, interleaved
     picks.update({tune[0], tune[-1]})
     picks.update(DecodeKernelConfig(DType.BF16, 128, 16, 16, 8, st, False, 8) for st in (1, 2, 3))  # heads 8
+    picks.update(config_sets.default_config(DType.FP16, 128, 4, wide=True, wave_heads=h)  # the one-wave shapes
+                 for h in config_sets.ONE_WAVE_SHAPES)
     return sorted(picks)
 
 

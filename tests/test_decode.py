@@ -452,3 +452,41 @@ def test_tuning_table_serves_narrow_contiguous_problems_only(monkeypatch):
         assert pick(paged=False, wide=True, streaming=True) == config_sets.default_config(BF16, 128, 4, wide=True)
     finally:
         kvcache._choice_for.cache_clear()
+
+
+def test_one_wave_heads_fill_one_wave_of_multi_head_ctas():
+    """Wide contiguous d_head 128 steps with one query tile take H KV heads per CTA where
+    batch x KV heads / H lands within 0.9-1.0 CTAs per SM (config_sets.ONE_WAVE_SHAPES)."""
+    heads = functools.partial(config_sets.one_wave_heads, 128, 4, False, n_kv_heads=8, num_sms=132)
+    assert heads(64) == 4 and heads(32) == 2  # 128 CTAs each: the two measured shapes
+    assert heads(66) == 4 and heads(60) == 4  # 132 and 120 CTAs
+    assert heads(48) is None and heads(16) is None and heads(128) is None  # 96 / 192, 64 / 32, 256 / 512
+    assert config_sets.one_wave_heads(128, 4, True, 64, 8, 132) is None  # paged
+    assert config_sets.one_wave_heads(128, 32, False, 64, 8, 132) is None  # two query tiles
+    assert config_sets.one_wave_heads(64, 4, False, 64, 8, 132) is None  # d64 has its own wide shape
+    assert config_sets.one_wave_heads(128, 4, False, 96, 6, 132) is None  # 4 does not divide 6 (2: 288 CTAs)
+    four, two = (config_sets.default_config(BF16, 128, 4, wide=True, wave_heads=h) for h in (4, 2))
+    assert four.short_form() == "decode (BF16, 128, 16, 32, 4): stages_2+heads_4"
+    assert two.short_form() == "decode (BF16, 128, 16, 16, 4): stages_2+heads_2"
+
+
+def test_resolve_takes_the_one_wave_shape_only_for_streaming_contiguous_steps():
+    from types import SimpleNamespace
+
+    from cupyflash import kvcache
+
+    def plan(batch, keys, paged=False):
+        return SimpleNamespace(batch=batch, n_kv_heads=8, rows_total=4, d_head=128, dtype=BF16, paged=paged,
+                               max_keys=keys, causal=False, seq_q=1, device=0)
+    kvcache._choice_for.cache_clear()
+    try:
+        assert kvcache.resolve_decode_config(None, plan(64, 8192)).heads == 4
+        assert kvcache.resolve_decode_config(None, plan(32, 4096)).heads == 2
+        wide = config_sets.default_config(BF16, 128, 4, wide=True)
+        assert kvcache.resolve_decode_config(None, plan(64, 128)) == wide  # under 64 MB of K/V: latency-bound
+        assert kvcache.resolve_decode_config(None, plan(48, 8192)) == wide
+        assert kvcache.resolve_decode_config(None, plan(64, 8192, paged=True)).heads == 1
+        # a GPU with less shared memory than the 4-head shape needs keeps the wide default
+        assert kvcache.resolve_decode_config(None, plan(64, 8192), smem_limit=99 * 1024).heads == 1
+    finally:
+        kvcache._choice_for.cache_clear()

@@ -39,6 +39,7 @@ def prewarmed_cache():
                              for rows in (1, 32, 64)}
         # the wide-batch defaults of one-tile groups (the wide cases below and the bench's wide rows)
         by_layout[paged] |= {default_config(dt, d, 1, paged, wide=True) for dt in DType for d in (64, 128)}
+    by_layout[False] |= {default_config(dt, 128, 4, wide=True, wave_heads=h) for dt in DType for h in (2, 4)}
     # the several-heads-per-CTA cases and the tune/progression picks (paged), so no test compiles alone
     for c in HEADS_CASES:
         by_layout[c[5] is not None] |= {DecodeKernelConfig(dt, d, 16, 16, c[3], c[4], False, c[2])
@@ -443,3 +444,21 @@ def test_split_workspace_on_a_side_stream(rng):
             mine.synchronize()
             assert bool((bits(got) == bits(want)).all())
     assert len(kvcache_plans._TABLE.plans) == 1
+
+
+@pytest.mark.parametrize("dt", [B, F], ids=lambda d: d.name)
+def test_one_wave_multi_head_shapes(dt, rng):
+    """The one-wave shapes (config_sets.ONE_WAVE_SHAPES: 2 or 4 KV heads a CTA, one warp or two
+    per head): explicit on ragged lengths, one split and several, then through cfg=None on a
+    step they serve on the H100 (batch 32 x 8 KV heads of 4096 keys: 537 MB of K/V, 128 CTAs of
+    2 heads on 132 SMs)."""
+    from cupyflash.families.decode import config_sets
+
+    for heads in config_sets.ONE_WAVE_SHAPES:
+        cfg = config_sets.default_config(dt, 128, 4, wide=True, wave_heads=heads)
+        p = Problem(rng, dt, 128, 5, 1, 32, 8, [0, 1, 37, 1500, 4101])
+        for ns in (1, 3, None):
+            out, lse = p.run(cfg=cfg, num_splits=ns, return_lse=True)
+            p.check(out, lse, context=f"{cfg} num_splits={ns}")
+    p = Problem(rng, dt, 128, 32, 1, 32, 8, [4096] * 31 + [4000])
+    p.check(p.run(), context="cfg=None")

@@ -47,6 +47,17 @@ _WIDE_DEFAULTS: dict[int, tuple[int, int, int, bool]] = {  # wide contiguous
     256: (16, 4, 2, False),
 }
 _WIDE_HEADS = {64: 2, 128: 1, 256: 1}  # KV heads per CTA of the wide defaults, contiguous and paged
+# Wide contiguous d_head 128, one query tile: where the (batch, KV head) items, taken H at a time,
+# make one wave of 0.9-1.0 CTAs per SM, a CTA reads its H heads' rows of each key together (H x 256
+# contiguous bytes a key, where one head per CTA reads 256 bytes in every 2 KB) and every CTA
+# streams from start to end with no second wave. Measured on the H100 (NOTES.md item 234, bf16
+# and fp16, four fresh allocations of the cache each, ratio to SDPA cuDNN in the same process):
+# batch 64 x 8k (512 items, 4 heads a CTA: 128 CTAs) 0.994x against 1.004x for the 2-CTA-per-SM
+# shape; batch 32 x 4k (256 items, 2 heads: 128 CTAs) 0.989x against 0.999-1.004x. The same
+# configs off that fill lost: 4 heads at batch 32 x 4k (64 CTAs) 1.003-1.013x, 2 heads at batch
+# 64 x 8k (256 CTAs) 1.005x.
+ONE_WAVE_SHAPES: dict[int, tuple[int, int, int]] = {4: (32, 4, 2), 2: (16, 4, 2)}  # heads -> (B_c, n_warps, stages)
+ONE_WAVE_FILL = (0.9, 1.0)  # CTAs per SM of the one-wave shapes
 # Narrow paged caches at d_head 64 and 128 also take `interleave` (splits walk the keys
 # round-robin, so the first page-table reads go out beside the cache_seqlens read): d64 batch 1 x
 # 128k 99.5 vs 102.7 us, 8k 15.1 vs 15.3; d128 batch 1 x 8k 21.8 vs 22.0; d256 8k 37.9 vs 37.3,
@@ -145,12 +156,31 @@ def fit_to_rows(cfg: DecodeKernelConfig, packed_rows: int) -> DecodeKernelConfig
     return None
 
 
+def one_wave_heads(d_head: int, packed_rows: int, paged: bool, batch: int, n_kv_heads: int,
+                   num_sms: int) -> int | None:
+    """KV heads per CTA of a one-wave shape (ONE_WAVE_SHAPES) for this problem, or None: d_head
+    128, a contiguous cache, one 16-row query tile, and batch x n_kv_heads / H CTAs within
+    ONE_WAVE_FILL of one per SM for an H dividing n_kv_heads."""
+    if d_head != 128 or paged or packed_rows > 16:
+        return None
+    low, high = ONE_WAVE_FILL
+    for heads in ONE_WAVE_SHAPES:
+        ctas = batch * n_kv_heads / heads
+        if n_kv_heads % heads == 0 and low * num_sms <= ctas <= high * num_sms:
+            return heads
+    return None
+
+
 def default_config(dtype: DType, d_head: int, packed_rows: int = 1, paged: bool = False,
-                   wide: bool = False) -> DecodeKernelConfig:
+                   wide: bool = False, wave_heads: int | None = None) -> DecodeKernelConfig:
     """The heuristic choice for (dtype, d_head), a group of `packed_rows` query rows, the cache
-    kind and the problem's width (`wide`: batch x KV heads x row tiles >= the SM count)."""
+    kind and the problem's width (`wide`: batch x KV heads x row tiles >= the SM count);
+    `wave_heads`: the one-wave shape with that many KV heads per CTA (see one_wave_heads)."""
     if d_head not in _DEFAULTS:
         raise ValueError(f"q: d_head {d_head} is not supported by forward_kvcache; expected one of {DECODE_D_HEADS}")
+    if wave_heads is not None:
+        bc, w, st = ONE_WAVE_SHAPES[wave_heads]
+        return DecodeKernelConfig(dtype, d_head, rows_for(d_head, packed_rows), bc, w, st, False, heads=wave_heads)
     table = ((_WIDE_PAGED_DEFAULTS if wide else _PAGED_DEFAULTS) if paged
              else (_WIDE_DEFAULTS if wide else _DEFAULTS))
     bc, w, st, ev = table[d_head]
