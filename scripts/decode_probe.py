@@ -10,12 +10,21 @@ contiguous / paged cache; 'auto' for the library's own choice (cfg=None). A shor
 d_head differs from the row's is skipped. Every config is compiled first, in parallel; each
 timed call is checked once against SDPA's math backend in float32 (relative L2 <= 2e-2).
 Times: CUDA-event medians of calls queued behind a GPU spin (bench_decode.gpu_time_us).
+
+--allocs N builds each row's cache N times, each behind a fresh device allocation of random size
+(up to 256 MB): where in DRAM the cache lands moves a config's time by up to 1-2% from one
+allocation to the next at the copy rate, more than configs differ there (NOTES.md item 234). With
+--peer, the last lines give each (row, config, num_splits) its median ratio to SDPA cuDNN over
+the allocations (cuDNN: the mean of its before/after times in the same allocation).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import random
+import statistics
 import sys
 import time
 
@@ -46,6 +55,23 @@ def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
     return parts[0], parts[1], parts[2], parts[3], bool(parts[4]) if len(parts) == 5 else False
 
 
+def print_ratios(results: list[dict]) -> None:
+    """Per (row, config, num_splits): the median over allocations of its contiguous time over
+    SDPA cuDNN's (the mean of cuDNN's before/after times in that allocation), and the range."""
+    peer = {}
+    for e in results:
+        if e["config"].startswith("sdpa_cudnn_"):
+            peer.setdefault((e["row"], e["alloc"]), []).append(e["contig"])
+    ratios: dict[tuple, list[float]] = {}
+    for e in results:
+        us, cudnn = e.get("contig"), peer.get((e["row"], e["alloc"]))
+        if not e["config"].startswith("sdpa_cudnn_") and isinstance(us, float) and cudnn:
+            ratios.setdefault((e["row"], e["config"], e["num_splits"]), []).append(us / statistics.mean(cudnn))
+    for (row, name, ns), r in ratios.items():
+        print(f"{row:<18} {name[:52]:<52} s={str(ns):<4} /cudnn median {statistics.median(r):.4f} "
+              f"over {len(r)} allocations ({min(r):.4f}-{max(r):.4f})", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="0,1", help="indices into bench_decode.TABLE_ROWS")
@@ -61,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--peer", action="store_true",
                     help="also time SDPA cuDNN on each row, before and after its configs (same run, same sets)")
     ap.add_argument("--page-order", default="shuffled", help="shuffled | local | identity (bench_decode.Problem)")
+    ap.add_argument("--allocs", type=int, default=1,
+                    help="fresh allocations of each row's cache, each behind a random-size pad (see above)")
     args = ap.parse_args(argv)
 
     import torch
@@ -83,7 +111,9 @@ def main(argv=None) -> int:
     print(f"prewarmed {len(report.results)} modules in {time.time() - t0:.0f} s, "
           f"{sum(not r.ok for r in report.results)} failed", flush=True)
     results = []
-    for d, batch, seq_q, keys, causal in rows:
+    rng = random.Random(0)
+    for (d, batch, seq_q, keys, causal), alloc in itertools.product(rows, range(args.allocs)):
+        pad = torch.empty(rng.randint(1, 256) << 20, dtype=torch.uint8, device="cuda")  # moves the cache in DRAM
         p = bd.Problem(torch, tdt, d, batch, seq_q, keys, causal)
         if not args.no_paged:
             p.build_pages(args.page_order)
@@ -94,7 +124,7 @@ def main(argv=None) -> int:
         def time_peer(when: str, n_sets: int = p.n_sets) -> None:
             us = round(bd.gpu_time_us(torch, peer, n_sets, args.samples), 2)
             print(f"{label:<18} {'sdpa_cudnn (' + when + ')':<52} contig {us}", flush=True)
-            results.append({"row": label, "config": f"sdpa_cudnn_{when}", "contig": us})
+            results.append({"row": label, "config": f"sdpa_cudnn_{when}", "contig": us, "alloc": alloc})
 
         if peer is not None:
             time_peer("before")
@@ -103,7 +133,7 @@ def main(argv=None) -> int:
             if cfg == "skip":
                 continue
             for ns in splits:
-                entry = {"row": label, "config": name, "num_splits": ns}
+                entry = {"row": label, "config": name, "num_splits": ns, "alloc": alloc}
                 for paged in (False,) if args.no_paged else (False, True):
                     tag = "paged" if paged else "contig"
                     try:
@@ -121,8 +151,10 @@ def main(argv=None) -> int:
                 results.append(entry)
         if peer is not None:
             time_peer("after")
-        del p, ref
+        del p, ref, pad
         torch.cuda.empty_cache()
+    if args.peer and args.allocs > 1:
+        print_ratios(results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "dtype": args.dtype, "page_order": args.page_order,

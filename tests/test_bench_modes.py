@@ -359,3 +359,23 @@ def test_bar_plot_writes_png_or_says_why(tmp_path):
         return
     assert why is None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert common.bar_plot(["a"], {"x": [None]}, tmp_path / "q.png", "y", "t") == "no successful measurements to plot"
+
+
+def test_decode_probe_ratios_take_each_allocations_own_cudnn(capsys):
+    """decode_probe --allocs N --peer: a config's ratio in an allocation is to the mean of cuDNN's
+    before/after times of the same allocation, and the line gives the median over allocations."""
+    import decode_probe
+
+    results = [{"row": "r", "config": "sdpa_cudnn_before", "contig": 100.0, "alloc": 0},
+               {"row": "r", "config": "auto", "num_splits": None, "contig": 99.0, "alloc": 0},
+               {"row": "r", "config": "sdpa_cudnn_after", "contig": 102.0, "alloc": 0},
+               {"row": "r", "config": "sdpa_cudnn_before", "contig": 200.0, "alloc": 1},
+               {"row": "r", "config": "auto", "num_splits": None, "contig": 210.0, "alloc": 1},
+               {"row": "r", "config": "auto", "num_splits": 4, "contig": "RuntimeError: x", "alloc": 1},
+               {"row": "r", "config": "sdpa_cudnn_after", "contig": 200.0, "alloc": 1},
+               {"row": "r", "config": "auto", "num_splits": None, "contig": 101.0, "alloc": 2},
+               {"row": "r", "config": "sdpa_cudnn_before", "contig": 101.0, "alloc": 2}]
+    decode_probe.print_ratios(results)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert "auto" in line and "over 3 allocations" in line
+    assert "median 1.0000" in line and "(0.9802-1.0500)" in line
