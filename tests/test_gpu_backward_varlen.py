@@ -179,6 +179,15 @@ def test_new_outputs_zero_a_long_tail(rng, family, deterministic):
     check_per_sequence(dtype, q, k, v, dout, grads, hq, hk, False)
 
 
+def _replay_problem(rng, lens_q, lens_k, causal):
+    """The replay tests' call: its eight arrays (bf16, 8 query heads on 2 KV heads, d_head 128,
+    padding rows past the last sequence, out and lse from the forward) and the host offsets."""
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
+    out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    return (dout, q, k, v, out, lse, cu_q, cu_k), hq, hk
+
+
 def test_replays_on_a_given_stream(rng):
     """stream= (a CuPy stream object or its handle) replays the current stream's plan on that
     stream, its workspace in that stream's order: the same bits (deterministic) after the caller
@@ -186,11 +195,7 @@ def test_replays_on_a_given_stream(rng):
     from cupyflash.backward_varlen import _PLANS, clear
 
     clear()
-    dtype, lens_q, lens_k = DType.BF16, [500, 0, 1290], [700, 3, 1290]
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
-    out, lse = forward(q, k, v, cu_q, cu_k, 1290, 1290, True)
-    dout = random_inputs(cp, dtype, q.shape, rng)
-    arrays = (dout, q, k, v, out, lse, cu_q, cu_k)
+    arrays, _, _ = _replay_problem(rng, [500, 0, 1290], [700, 3, 1290], True)
     first = cupyflash.backward_varlen(*arrays, 1290, 1290, causal=True, deterministic=True)
     cp.cuda.Device().synchronize()
     mine, side = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
@@ -214,11 +219,9 @@ def test_cfg_none_replays_its_call(rng, causal):
     from cupyflash.backward_varlen import _PLANS, clear
 
     clear()
-    dtype, lens_q, lens_k = DType.BF16, [50, 0, 129], [70, 3, 129]
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
-    out, lse = forward(q, k, v, cu_q, cu_k, 129, 129, causal)
-    dout = random_inputs(cp, dtype, q.shape, rng)
-    arrays = (dout, q, k, v, out, lse, cu_q, cu_k)
+    dtype = DType.BF16
+    arrays, hq, hk = _replay_problem(rng, [50, 0, 129], [70, 3, 129], causal)
+    dout, q, k, v = arrays[:4]
 
     def call(*xs):
         return cupyflash.backward_varlen(*xs, 129, 129, causal=causal, deterministic=True)

@@ -221,18 +221,11 @@ def test_last_key_block_width_per_sequence(cfg, causal, rng):
     """Packed sequences whose key lengths end at different steps of a key block: each tile
     masks its own sequence's last block (the keys past it belong to the next sequence)."""
     import cupyflash
+    from test_gpu_varlen import check_per_sequence, packed
 
     lens_q = [37, 300, 1, 129, 64]
     lens_k = [cfg.B_c + 17, 33, 2 * cfg.B_c, 3 * cfg.B_c - 1, 16]
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q = random_inputs(cp, cfg.dtype, (int(cu_q[-1]), 4, cfg.d_head), rng)
-    k = random_inputs(cp, cfg.dtype, (int(cu_k[-1]), 2, cfg.d_head), rng)
-    v = random_inputs(cp, cfg.dtype, (int(cu_k[-1]), 2, cfg.d_head), rng)
+    q, k, v, cu_q, cu_k, hq, hk = packed(rng, cfg.dtype, lens_q, lens_k, 4, 2, cfg.d_head)
     out = poisoned(cp, cfg.dtype, q.shape)
-    cupyflash.forward_varlen(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k), out=out,
-                             causal=causal, cfg=cfg)
-    for b in range(len(lens_q)):
-        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        check_attention(cp, cfg.dtype, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                        causal=causal, context=f"{cfg} sequence {b}")
+    cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, causal=causal, cfg=cfg)
+    check_per_sequence(cfg.dtype, q, k, v, out, hq, hk, causal)
