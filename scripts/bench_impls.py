@@ -344,18 +344,29 @@ ISSUE_BURST = 128  # calls per burst: well below the driver's launch queue, so i
 GPU_HOLD_CYCLES = 40_000_000  # ~20 ms of GPU spin queued ahead of each burst (torch.cuda._sleep)
 
 
+def issue_burst_us(torch: Any, call: Callable[[], Any], calls: int = ISSUE_BURST) -> tuple[float, float]:
+    """Host time per call (us) of two bursts of `calls` back-to-back calls queued behind one ~20 ms
+    GPU spin, so every launch only enqueues and the figures are the host-side cost of a call,
+    whatever the kernel's own duration: (first burst, second burst). The first burst after a
+    synchronize runs 1.5-4 us a call slower than the second for every implementation, SDPA and a
+    bare cuLaunchKernel included (NOTES.md item 237: the host waking from its wait on the GPU);
+    the second is the steady cost of a call among other launches, as in a model's forward."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_HOLD_CYCLES)  # the GPU is busy: the calls below cannot wait on it
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    t1 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e6 / calls, (t2 - t1) * 1e6 / calls
+
+
 def _issue_us(torch: Any, call: Callable[[], Any], bursts: int) -> float:
-    """Host time to issue one call: bursts of ISSUE_BURST calls queued behind a ~20 ms GPU spin, so
-    every launch only enqueues and the figure is the host-side cost of a call, whatever the
-    kernel's own duration (median burst)."""
-    times = []
-    for _ in range(bursts):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(GPU_HOLD_CYCLES)  # the GPU is busy: the calls below cannot wait on it
-        t0 = time.perf_counter()
-        for _ in range(ISSUE_BURST):
-            call()
-        times.append((time.perf_counter() - t0) * 1e6 / ISSUE_BURST)
+    """Steady host time to issue one call: the median over `bursts` of issue_burst_us's second
+    burst (two half bursts: ISSUE_BURST calls in all behind the spin, as before the split)."""
+    times = [issue_burst_us(torch, call, ISSUE_BURST // 2)[1] for _ in range(bursts)]
     torch.cuda.synchronize()
     return statistics.median(times)
 

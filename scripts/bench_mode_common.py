@@ -70,28 +70,31 @@ def parse_impls(text: str, known: Sequence[str]) -> tuple[str, ...]:
 
 
 def host_cost_us(torch: Any, cases: dict[str, Callable[[], Any]], rounds: int = 9, calls: int = 100) -> dict:
-    """Host cost of one call of each case, in microseconds: bursts of `calls` calls queued behind a
-    GPU spin (so no call waits on the GPU and only the host side counts), in `rounds` rounds over
-    all cases (not one case after the other, so drift of the host's speed spreads over every
-    case); median of the rounds. Every case runs twice first (compile, plan, warm)."""
+    """Host cost of one call of each case, in microseconds: the steady figure of
+    bench_impls.issue_burst_us (the second of two bursts of `calls` calls queued behind a GPU
+    spin), in `rounds` rounds over all cases (not one case after the other, so drift of the host's
+    speed spreads over every case); median of the rounds. Every case runs twice first (compile,
+    plan, warm). Under "first_burst": the same cases' first bursts (the host just back from
+    waiting on the GPU), shown beside the steady figures."""
     import statistics
-    import time
+
+    from bench_impls import issue_burst_us
 
     for fn in cases.values():
         fn()
         fn()
     torch.cuda.synchronize()
-    times: dict = {name: [] for name in cases}
+    first: dict = {name: [] for name in cases}
+    steady: dict = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(40_000_000)  # the GPU stays busy while the burst is issued
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times[name].append((time.perf_counter() - t0) * 1e6 / calls)
+            cold, warm = issue_burst_us(torch, fn, calls)
+            first[name].append(cold)
+            steady[name].append(warm)
     torch.cuda.synchronize()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    out: dict = {name: statistics.median(ts) for name, ts in steady.items()}
+    out["first_burst"] = {name: statistics.median(ts) for name, ts in first.items()}
+    return out
 
 
 def check_then_time(impl: str, check: Callable[[], float], time_us: Callable[[], float], tol: float) -> dict:

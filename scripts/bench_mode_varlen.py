@@ -350,7 +350,10 @@ def format_overhead(o: dict) -> str:
     if "error" in o:
         return f"per-call host cost: not measured ({o['error']})"
     return ("per-call host cost of forward_varlen (3 sequences, 121 tokens, 8 heads, d128 bf16, cached kernel, "
-            "calls queued behind a GPU spin), us: " + ", ".join(f"{k} {v:.1f}" for k, v in o.items()))
+            "calls queued behind a GPU spin, steady), us: " +
+            ", ".join(f"{k} {v:.1f}" for k, v in o.items() if isinstance(v, (int, float))) +
+            ("; first burst after a synchronize: " + ", ".join(f"{k} {v:.1f}" for k, v in o["first_burst"].items())
+             if o.get("first_burst") else ""))
 
 
 def format_report(data: dict) -> str:

@@ -346,6 +346,46 @@ def test_decode_overhead_line():
     assert "; paged 12.5, splits4 14.0 us;" in bench_mode_decode.format_overhead(
         {"cupyflash": 11.0, "cupyflash_paged": 12.5, "cupyflash_splits4": 14.0, "sdpa": 20.0})
     assert "not measured" in bench_mode_decode.format_overhead({"error": "boom"})
+    two = bench_mode_decode.format_overhead({"cupyflash": 9.3, "sdpa": 22.6, "launch_only": 4.3,
+                                             "first_burst": {"cupyflash": 13.4, "sdpa": 28.1, "launch_only": 5.7}})
+    assert "forward_kvcache 9.3 us (ok" in two and "bare launch 4.3 us" in two
+    assert "first burst after a synchronize: forward_kvcache 13.4 us, SDPA 28.1, bare launch 5.7" in two
+
+
+class _FakeCuda:
+    """torch.cuda's synchronize/_sleep, recorded (no GPU)."""
+
+    def __init__(self):
+        self.log = []
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def _sleep(self, cycles):
+        self.log.append("sleep")
+
+
+def test_issue_burst_times_two_bursts_behind_one_spin(monkeypatch):
+    """Both bursts are issued behind the same spin, after a synchronize, and timed apart."""
+    torch = types.SimpleNamespace(cuda=_FakeCuda())
+    clock = iter([0.0, 0.002, 0.003])  # 2 ms, then 1 ms, for 100 calls each
+    monkeypatch.setattr(bench_impls.time, "perf_counter", lambda: next(clock))
+    calls = []
+    first, second = bench_impls.issue_burst_us(torch, lambda: calls.append(torch.cuda.log[:]), 100)
+    assert (first, second) == pytest.approx((20.0, 10.0))
+    assert len(calls) == 200 and all(c == ["sync", "sleep"] for c in calls)
+
+
+def test_host_cost_reports_the_steady_burst_and_the_first_one(monkeypatch):
+    torch = types.SimpleNamespace(cuda=_FakeCuda())
+    bursts = iter([(12.0, 9.0), (30.0, 22.0), (14.0, 9.5), (28.0, 23.0), (13.0, 9.2), (29.0, 22.5)])
+    monkeypatch.setattr(bench_impls, "issue_burst_us", lambda torch, fn, calls: next(bursts))
+    ran = []
+    got = common.host_cost_us(torch, {"cupyflash": lambda: ran.append("c"), "sdpa": lambda: ran.append("s")},
+                              rounds=3)
+    assert got["cupyflash"] == 9.2 and got["sdpa"] == 22.5  # medians of the second bursts
+    assert got["first_burst"] == {"cupyflash": 13.0, "sdpa": 29.0}
+    assert ran == ["c", "c", "s", "s"]  # each case warmed twice before the rounds
 
 
 def test_bar_plot_writes_png_or_says_why(tmp_path):
