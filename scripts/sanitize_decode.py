@@ -34,6 +34,7 @@ WIDE = "decode (BF16, 128, 16, 16, 4): stages_3"
 WIDE_IL = "decode (FP16, 64, 16, 32, 8): stages_2+interleave+heads_2"
 ONE_WAVE_4 = "decode (BF16, 128, 16, 32, 4): stages_2+heads_4"  # config_sets.ONE_WAVE_SHAPES
 ONE_WAVE_2 = "decode (FP16, 128, 16, 16, 4): stages_2+heads_2"
+LONG_64 = "decode (FP16, 64, 16, 64, 4): stages_2"  # page lists of 8 steps (4 sub-blocks a step)
 WAVES = [0, 1, 17, 300] * 10  # 40 sequences: several waves of CTAs on an H100
 CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, splits, cfg (None: the library's)
     (DType.BF16, 128, 3, 1, 8, 2, [0, 17, 300], None, 0, 3, None),
@@ -48,6 +49,8 @@ CASES = [  # dtype, d, batch, seq_q, heads, kv_heads, lengths, page, seq_new, sp
     (DType.FP16, 64, 80, 4, 32, 8, WAVES * 2, None, 1, 3, WIDE_IL),    # ... of round-robin splits, causal
     (DType.BF16, 128, 40, 1, 32, 8, WAVES, None, 0, 1, ONE_WAVE_4),    # one warp per head, 32-key steps
     (DType.FP16, 128, 3, 1, 32, 8, [0, 17, 300], 16, 1, 2, ONE_WAVE_2),  # two warps per head, paged, appended
+    (DType.BF16, 128, 2, 1, 8, 2, [3000, 4500], 16, 1, 1, None),       # 35 steps a warp: a second page list
+    (DType.FP16, 64, 2, 1, 8, 2, [1000, 2600], 32, 0, 1, LONG_64),      # 64-key steps: lists of 8 steps
 ]
 
 

@@ -357,6 +357,31 @@ def test_interleaved_splits(cfg_index, page_size, rng):
             p.settle_append()  # appended once (checked above); later calls attend to the cache as it is now
 
 
+# Paged walks of many steps a warp: each warp's page list (one page index a lane: 32, 16 or 8 steps
+# for 16-, 32- or 64-key steps) is replaced by the next one several times, on round-robin and on
+# contiguous splits.
+LONG_WALKS = [DecodeKernelConfig.parse(t) for t in (
+    "decode (BF16, 128, 16, 16, 8): stages_2+evict_first+interleave",
+    "decode (BF16, 64, 16, 32, 8): stages_2+interleave",
+    "decode (BF16, 64, 16, 64, 4): stages_2",
+    "decode (BF16, 256, 16, 16, 4): stages_2+evict_first")]
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("cfg_index", range(len(LONG_WALKS)))
+def test_paged_walks_longer_than_one_page_list(cfg_index, page_size, rng):
+    """One and three splits over sequences of up to 9001 keys (35-140 steps a warp at one split),
+    lengths 0 and 1 beside them, causal seq_q 4 with an append: the same results as the
+    reference, and as the contiguous cache."""
+    for dt, sq, causal, new in ((DType.BF16, 1, False, 0), (DType.FP16, 4, True, 1)):
+        cfg = LONG_WALKS[cfg_index].replace(dtype=dt)
+        p = Problem(rng, dt, cfg.d_head, 4, sq, 32, 8, [0, 1, 5000, 9001], page_size, seq_new=new, capacity=9216)
+        for ns in (1, 3):
+            out, lse = p.run(cfg=cfg, num_splits=ns, causal=causal, return_lse=True)
+            p.check(out, lse, causal=causal, context=f"{cfg} page {page_size} num_splits={ns}")
+            p.settle_append()
+
+
 # Grids of several waves of CTAs: the wide default's shape and an interleaved 8-warp one with two
 # KV heads per CTA.
 WAVES = [DecodeKernelConfig.parse(t) for t in (

@@ -22,8 +22,10 @@ struct DecodeCTA {
     using Softmax = OnlineSoftmax<Cfg::M_TILES, Cfg::S_N_TILES, true>;
     using KVTile = typename Cfg::KVTile;
     using QTile = typename Cfg::QTile;
-    // Paged: page indices are read this many warp steps ahead of the step's copies.
-    static constexpr int PAGE_PREFETCH = 3;  // run() names the three registers one by one
+    // Paged: the warp's page list lives in its lanes, one 16-key sub-block's page index a lane:
+    // a list covers LIST_STEPS consecutive steps of the warp, and the next list is read a whole
+    // list ahead (see pages_for).
+    static constexpr int LIST_STEPS = 32 / Cfg::SUB_BLOCKS;
 
     const DecodeParams& p;
     const int tid, lane, warp;
@@ -36,7 +38,7 @@ struct DecodeCTA {
                                // num_splits-th step of [0, key_end), from step `split` on)
     int my_steps;              // warp steps this warp processes
     int active;                // warps of each team that take at least one step (a prefix)
-    int pages[PAGE_PREFETCH];  // paged: page indices of the steps issued next (see run())
+    int page_list, next_list;  // paged: the pages of this warp's steps, lane-wise (pages_for)
     const u16* k_base;         // K cache at (kv_head, and batch when contiguous)
     const u16* v_base;
     u64 policy;
@@ -66,8 +68,8 @@ struct DecodeCTA {
         // reads for them go out now, beside the cache_seqlens read (entries below max_keys are
         // inside the table; those past the sequence are read but never used).
         if constexpr (PAGED && Cfg::INTERLEAVE) {
-#pragma unroll
-            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(interleaved_key(i), p.max_keys);
+            page_list = load_list(0, p.max_keys);
+            next_list = load_list(LIST_STEPS, p.max_keys);
         }
         seqlen_k = cache_len + p.seq_new;
         // Keys the tile can see: all of them, or under causal masking (bottom-right aligned) up to
@@ -161,30 +163,42 @@ struct DecodeCTA {
         }
     }
 
-    // Page of each 16-key sub-block of the step at `key`: lane j < SUB_BLOCKS loads sub-block j's
-    // entry (0 at and past `bound`, never read from the table). Loaded a step ahead of its use,
-    // so the table read's latency hides behind the step in between.
-    CF_DEVICE int load_pages(int key, int bound) const {
+    // The page list of this warp's steps first .. first + LIST_STEPS - 1: lane i holds the page of
+    // sub-block i % SUB_BLOCKS of step first + i / SUB_BLOCKS (0 at and past `bound`, never read
+    // from the table). One coalesced read per list instead of one per step.
+    CF_DEVICE int load_list(int first, int bound) const {
         int page = 0;
         if constexpr (PAGED) {
-            const int sub_key = key + 16 * lane;
-            if (lane < Cfg::SUB_BLOCKS && sub_key < bound)
-                page = p.block_table[batch * p.block_table_stride + (sub_key >> p.page_shift)];
+            const int sub_key = step_key(first + lane / Cfg::SUB_BLOCKS) + 16 * (lane % Cfg::SUB_BLOCKS);
+            if (sub_key < bound) page = p.block_table[batch * p.block_table_stride + (sub_key >> p.page_shift)];
         }
         return page;
     }
 
     // One step's K/V rows into ring slot `slot`. NEW: the step reaches the appended rows (key +
     // B_c > cache_len), which are read from k_new / v_new; the hot path (NEW false) has no such test.
-    // The pages of a step's sub-blocks, from the lanes that loaded them (load_pages), in every
-    // lane. Reading `page_reg` waits for its load: call it only when the step is issued.
+    // The pages of step s's sub-blocks in every lane, for s = 0, 1, 2, ... in turn (the steps
+    // are issued in order). Crossing into a new list takes the one read a list earlier (landed
+    // long ago: a register still waiting for its load must not even be moved, or the warp stalls
+    // there) and reads the one after it.
     struct StepPages {
         int page[Cfg::SUB_BLOCKS];
     };
-    CF_DEVICE StepPages gather_pages(int page_reg) const {
+    CF_DEVICE StepPages pages_for(int s) {
         StepPages sp;
+        if constexpr (PAGED) {
+            const int at = s & (LIST_STEPS - 1);
+            if (at == 0 && s > 0) {
+                page_list = next_list;
+                next_list = load_list(s + LIST_STEPS, key_end);
+            }
 #pragma unroll
-        for (int j = 0; j < Cfg::SUB_BLOCKS; ++j) sp.page[j] = PAGED ? __shfl_sync(0xffffffffu, page_reg, j) : 0;
+            for (int j = 0; j < Cfg::SUB_BLOCKS; ++j)
+                sp.page[j] = __shfl_sync(0xffffffffu, page_list, at * Cfg::SUB_BLOCKS + j);
+        } else {
+#pragma unroll
+            for (int j = 0; j < Cfg::SUB_BLOCKS; ++j) sp.page[j] = 0;
+        }
         return sp;
     }
 
@@ -379,52 +393,28 @@ struct DecodeCTA {
     CF_DEVICE void walk() {
         load_q();
         cp_async_commit();
-        // Paged: the page indices of the steps issued next, step j's in pages[j % PAGE_PREFETCH],
-        // read PAGE_PREFETCH issues ahead. Each access names its register at compile time (the
-        // main loop branches on j % PAGE_PREFETCH): a register still waiting for its load must not
-        // be touched (not even moved) until it is used, or the warp stalls right there (a
-        // shifting queue measured 1.9x the contiguous time).
-        if constexpr (PAGED && !Cfg::INTERLEAVE) {  // (INTERLEAVE: read in the constructor)
-#pragma unroll
-            for (int i = 0; i < PAGE_PREFETCH; ++i) pages[i] = load_pages(step_key(i), key_end);
+        // Paged: the first two page lists (INTERLEAVE: read in the constructor).
+        if constexpr (PAGED && !Cfg::INTERLEAVE) {
+            page_list = load_list(0, key_end);
+            next_list = load_list(LIST_STEPS, key_end);
         }
 #pragma unroll
         for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-            if (s < my_steps) issue_step<APPEND>(step_key(s), s, gather_pages(pages[s % PAGE_PREFETCH]));
+            const StepPages sp = pages_for(s);
+            if (s < my_steps) issue_step<APPEND>(step_key(s), s, sp);
             cp_async_commit();  // possibly empty: keeps the group count uniform for the waits
-            if constexpr (PAGED) pages[s % PAGE_PREFETCH] = load_pages(step_key(s + PAGE_PREFETCH), key_end);
         }
         cp_async_wait<Cfg::STAGES - 1>();  // this thread's Q copies have landed
         __syncthreads();                    // ... and every thread's
 
         int issue_slot = Cfg::STAGES - 1, compute_slot = 0;
         for (int k = 0; k < my_steps; ++k) {
-            // Issue step k + STAGES - 1, whose pages are in register (k + STAGES - 1) % PAGE_PREFETCH,
-            // then refill that register for step k + STAGES - 1 + PAGE_PREFETCH. Only the shuffle
-            // and the refill name the register (at compile time, per branch); the copies and
-            // compute_step exist once in the loop (unrolling the loop PAGE_PREFETCH times, as
-            // before, put three copies of both in it and missed the instruction cache: 46% of a
-            // d256 paged warp's cycles, NOTES.md item 69).
+            // Issue step k + STAGES - 1 (the copies and compute_step exist once in the loop: three
+            // copies of them, one per page register as before item 69, missed the instruction
+            // cache).
             const int issue = k + Cfg::STAGES - 1;
-            const int key = step_key(issue);
-            StepPages sp;
-            if constexpr (PAGED) {
-                const int r = issue % PAGE_PREFETCH;
-                const int ahead = step_key(issue + PAGE_PREFETCH);
-                if (r == 0) {
-                    sp = gather_pages(pages[0]);
-                    pages[0] = load_pages(ahead, key_end);
-                } else if (r == 1) {
-                    sp = gather_pages(pages[1]);
-                    pages[1] = load_pages(ahead, key_end);
-                } else {
-                    sp = gather_pages(pages[2]);
-                    pages[2] = load_pages(ahead, key_end);
-                }
-            } else {
-                sp = gather_pages(0);
-            }
-            if (issue < my_steps) issue_step<APPEND>(key, issue_slot, sp);
+            const StepPages sp = pages_for(issue);
+            if (issue < my_steps) issue_step<APPEND>(step_key(issue), issue_slot, sp);
             cp_async_commit();
             cp_async_wait<Cfg::STAGES - 1>();  // step k has landed (this lane's copies)
             __syncwarp();                       // ... and the whole warp's

@@ -50,7 +50,7 @@ struct StaticDecodeKernelConfig {
     static_assert(ROWS % 16 == 0 && BC % 16 == 0, "whole m16n8k16 tiles");
     static_assert(32 % CHUNKS_PER_ROW == 0 && BC % ROWS_PER_PASS == 0, "a warp copies whole rows per pass");
     static_assert(16 % ROWS_PER_PASS == 0, "a copy pass never straddles a 16-key sub-block");
-    static_assert(SUB_BLOCKS <= 32, "one lane per sub-block holds its page index");
+    static_assert(SUB_BLOCKS <= 32 && 32 % SUB_BLOCKS == 0, "a page list holds whole steps, a lane per sub-block");
     static_assert(N_WARPS % HEADS == 0, "every head slot has a whole team of warps");
 };
 
