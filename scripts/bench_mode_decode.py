@@ -279,16 +279,21 @@ def format_overhead(o: dict) -> str:
         return f"per-call host cost: not measured ({o.get('error')})"
     others = ", ".join(f"{k.removeprefix('cupyflash_')} {v:.1f}" for k, v in o.items()
                        if k.startswith("cupyflash_") and isinstance(v, (int, float)))
+    line = (f"per-call host cost (1x1x8x128 bf16 query, 256-row cache, cached kernel, calls queued behind a GPU "
+            f"spin, steady): forward_kvcache {o['cupyflash']:.1f} us "
+            f"({verdict(o['cupyflash'], OVERHEAD_TARGET_US, at_most=True)} <= {OVERHEAD_TARGET_US:.0f} us)"
+            + (f"; {others} us" if others else "") + _peer_costs(o, "; {} {:.1f} us"))
     first = o.get("first_burst") or {}
-    return (f"per-call host cost (1x1x8x128 bf16 query, 256-row cache, cached kernel, calls queued behind a GPU "
-            f"spin, steady): forward_kvcache {o['cupyflash']:.1f} us ({verdict(o['cupyflash'], OVERHEAD_TARGET_US, at_most=True)}"
-            f" <= {OVERHEAD_TARGET_US:.0f} us)" + (f"; {others} us" if others else "") +
-            (f"; SDPA {o['sdpa']:.1f} us" if "sdpa" in o else "") +
-            (f"; bare launch {o['launch_only']:.1f} us" if "launch_only" in o else "") +
-            (f"\n  first burst after a synchronize: forward_kvcache {first['cupyflash']:.1f} us" +
-             (f", SDPA {first['sdpa']:.1f}" if "sdpa" in first else "") +
-             (f", bare launch {first['launch_only']:.1f}" if "launch_only" in first else "")
-             if "cupyflash" in first else ""))
+    if "cupyflash" in first:
+        line += (f"\n  first burst after a synchronize: forward_kvcache {first['cupyflash']:.1f} us"
+                 + _peer_costs(first, ", {} {:.1f}"))
+    return line
+
+
+def _peer_costs(o: dict, fmt: str) -> str:
+    """SDPA's and the bare launch's figures of `o`, where measured, each through `fmt`."""
+    return "".join(fmt.format(label, o[key]) for key, label in (("sdpa", "SDPA"), ("launch_only", "bare launch"))
+                   if key in o)
 
 
 def main(argv: list[str] | None = None, host: Any = None) -> int:

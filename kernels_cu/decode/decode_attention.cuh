@@ -175,8 +175,6 @@ struct DecodeCTA {
         return page;
     }
 
-    // One step's K/V rows into ring slot `slot`. NEW: the step reaches the appended rows (key +
-    // B_c > cache_len), which are read from k_new / v_new; the hot path (NEW false) has no such test.
     // The pages of step s's sub-blocks in every lane, for s = 0, 1, 2, ... in turn (the steps
     // are issued in order). Crossing into a new list takes the one read a list earlier (landed
     // long ago: a register still waiting for its load must not even be moved, or the warp stalls
@@ -202,6 +200,8 @@ struct DecodeCTA {
         return sp;
     }
 
+    // One step's K/V rows into ring slot `slot`. NEW: the step reaches the appended rows (key +
+    // B_c > cache_len), which are read from k_new / v_new; the hot path (NEW false) has no such test.
     template <bool NEW>
     CF_DEVICE void load_step(int key, int slot, const StepPages& sp) {
         const u32 slot_offset = slot * Cfg::STAGE_BYTES;
