@@ -69,14 +69,17 @@ struct BwdConsumer {
         return descriptor_advance(smem_descriptor_sw128(tile, Cfg::BR * Cfg::ROW_BYTES, 1024), 16 * k * Cfg::ROW_BYTES);
     }
     // First key (inside the CTA's block), query row (inside the query block) and d column of
-    // this warpgroup's dQ GEMM.
-    CF_DEVICE int dq_key0() const { return Cfg::DS_SHARED ? 0 : wg * Cfg::WG_KEYS; }
-    CF_DEVICE int dq_row0() const { return DQ_ROWS ? wg * Cfg::DQ_M : 0; }
-    CF_DEVICE int dq_col0() const { return DQ_SPLIT ? wg * DQ_N : 0; }
+    // warpgroup w's dQ GEMM. The descriptors pass warp_uniform(wg), which keeps them on the
+    // uniform datapath (built from wg, each of the GEMM's wgmmas waited on two R2UR moves).
+    CF_DEVICE int dq_key0(int w) const { return Cfg::DS_SHARED ? 0 : w * Cfg::WG_KEYS; }
+    CF_DEVICE int dq_row0(int w) const { return DQ_ROWS ? w * Cfg::DQ_M : 0; }
+    CF_DEVICE int dq_col0(int w) const { return DQ_SPLIT ? w * DQ_N : 0; }
+    CF_DEVICE int dq_row0() const { return dq_row0(wg); }
+    CF_DEVICE int dq_col0() const { return dq_col0(wg); }
     CF_DEVICE u64 mnmajor_b_k(u32 k_tile, int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
         return descriptor_advance(
-            smem_descriptor_sw128(k_tile + (dq_col0() / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
-                                      dq_key0() * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
+            smem_descriptor_sw128(k_tile + (dq_col0(warp_uniform(wg)) / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                      dq_key0(warp_uniform(wg)) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
             16 * k * Cfg::ROW_BYTES);
     }
     // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
@@ -84,7 +87,8 @@ struct BwdConsumer {
     // warpgroup's 64 query rows: block dq_row0() / 64).
     CF_DEVICE u64 ds_a(u32 ds_tile, int k) const {
         return descriptor_advance(
-            smem_descriptor_sw128(ds_tile + (dq_row0() / 64) * Cfg::BC * Cfg::ROW_BYTES + dq_key0() * Cfg::ROW_BYTES,
+            smem_descriptor_sw128(ds_tile + (dq_row0(warp_uniform(wg)) / 64) * Cfg::BC * Cfg::ROW_BYTES +
+                                      dq_key0(warp_uniform(wg)) * Cfg::ROW_BYTES,
                                   Cfg::DS_BYTES, 1024),
             16 * k * Cfg::ROW_BYTES);
     }
@@ -152,7 +156,7 @@ struct BwdConsumer {
             fence_registers(dpt);
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
-                const float2 dvec = ld_shared_f32x2(smem.dvec(s) + 4 * query_col(j, 0, lane));
+                const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
             }
@@ -180,23 +184,22 @@ struct BwdConsumer {
                 // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
                 // it - 2, which every reader completed before the barrier of iteration it - 1.
                 const int buf = (it_base + it) & 1;
-                // The 128-byte row's swizzled chunk (2k + h) ^ (r & 7) is the row's chunk r & 7
-                // XOR (2k + h): one address per thread and row, XOR an immediate per store. The
-                // shared base and the thread index are opaque so that ptxas derives the address
-                // here instead of keeping it live across the loop (it spilled it).
+                // stmatrix: lane 8 i + r addresses row r of matrix i, matrices (keys 0-7, 8-15 of
+                // the warp's 16) x (queries 16 k + 0-7, + 8-15), which are dsa[k][0..3]. The
+                // 128-byte row's swizzled chunk c ^ (row & 7) for c = 2k + (i >> 1) is the lane's
+                // chunk (i >> 1) ^ (row & 7) XOR the immediate 2k % 8: one address per lane, one
+                // XOR per k. The shared base and the thread index are opaque so that ptxas
+                // derives the address here instead of keeping it live across the loop (it
+                // spilled it).
                 const u32 base = opaque(smem.base), t = opaque(tid);
-                const u32 tr = 16 * (t >> 5 & 3) + (t >> 2 & 7);  // r, from the opaque thread index
-                const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + tr * Cfg::ROW_BYTES +
-                                   (((tr & 7) << 4) ^ (4 * (t & 3)));
+                const u32 r = t & 7, i = (t >> 3) & 3;
+                const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
+                const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
                 // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
 #pragma unroll
-                for (int k = 0; k < QK; ++k) {
-                    const u32 blk = (k / 4) * Cfg::BC * Cfg::ROW_BYTES;
-                    st_shared_4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + blk, dsa[k][0]);
-                    st_shared_4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + blk + 8 * Cfg::ROW_BYTES, dsa[k][1]);
-                    st_shared_4((ds_row ^ (u32)(((2 * k + 1) % 8) << 4)) + blk, dsa[k][2]);
-                    st_shared_4((ds_row ^ (u32)(((2 * k + 1) % 8) << 4)) + blk + 8 * Cfg::ROW_BYTES, dsa[k][3]);
-                }
+                for (int k = 0; k < QK; ++k)
+                    stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
+                                dsa[k][1], dsa[k][2], dsa[k][3]);
                 fence_proxy_async_shared();
                 // Every dS^T row this dQ GEMM reads is written (and, by program order, every
                 // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
@@ -291,6 +294,12 @@ struct BwdConsumer {
     // head's last key block (KEY_TAIL) clamps the exponent at 0, which no visible score exceeds
     // (lse2 bounds them), so their P^T stays <= 1 and dS^T finite, and 0 * K's zero rows adds
     // exactly 0 to dQ. The other CTAs have no such keys and run the loop without the clamp.
+    // This lane's lse2 pair of n-tile 0 in stage s (query_col(0, 0, lane)); n-tile j is 32 j bytes
+    // on, dvec STAT_BYTES on. Opaque, so that the compiler cannot see that the lane's offset and
+    // the tile's are disjoint bits and join them with an OR per load (14 LOP3 an iteration): as
+    // an add, each tile's offset is the load's immediate.
+    CF_DEVICE u32 stats_lane(int s) const { return opaque(smem.lse2(s) + 4 * query_col(0, 0, lane)); }
+
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
         // Causal: key key_base + key_row(e) is visible to query q0 + query_col(j, e) when
@@ -302,7 +311,7 @@ struct BwdConsumer {
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            const float2 l2 = ld_shared_f32x2(smem.lse2(s) + 4 * query_col(j, 0, lane));
+            const float2 l2 = ld_shared_f32x2(stats_lane(s) + 32 * j);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float x = fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x));

@@ -38,6 +38,15 @@ CF_DEVICE u32 opaque(u32 x) {
 // the wgmma chain (C7512).
 CF_DEVICE int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
+// Four 8x8 16-bit matrices to shared memory (stmatrix .x4): register i of every lane holds its
+// pair of matrix i in the mma fragment layout (row lane / 4, columns 2 (lane % 4) and + 1), and
+// lane 8 i + r gives the address of row r of matrix i. One instruction for what takes four
+// 4-byte stores, each with its own address.
+CF_DEVICE void stmatrix_x4(u32 dst, u32 a0, u32 a1, u32 a2, u32 a3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a0), "r"(a1),
+                 "r"(a2), "r"(a3));
+}
+
 // Orders this thread's register and shared-memory accesses before the wgmma ops that follow
 // (needed before the first wgmma and whenever accumulators or A registers were touched).
 CF_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
