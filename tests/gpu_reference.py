@@ -16,6 +16,18 @@ def random_inputs(cp, dtype: DType, shape: tuple[int, ...], rng: np.random.Gener
     return cp.asarray(host)
 
 
+def packed_batch(cp, rng: np.random.Generator, dtype: DType, lens_q, lens_k, n_heads: int, n_kv_heads: int, d: int,
+                 pad_q: int = 0, pad_k: int = 0):
+    """A packed ragged batch: q (sum(lens_q) + pad_q, H, d), k/v (sum(lens_k) + pad_k, H_kv, d), the
+    int32 offsets on the GPU and on the host: (q, k, v, cu_q, cu_k, cu_q_host, cu_k_host)."""
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = random_inputs(cp, dtype, (int(cu_q[-1]) + pad_q, n_heads, d), rng)
+    k = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
+    v = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
+    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), cu_q, cu_k
+
+
 def to_float32(cp, x):
     """fp16/bf16 CuPy array -> float32, by bits for bf16 (no reliance on CuPy bf16 arithmetic)."""
     if x.dtype == np.float16:

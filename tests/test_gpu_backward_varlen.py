@@ -24,7 +24,7 @@ if has_gpu():
 
     import cupyflash
     from gpu_backward_reference import check_gradients
-    from gpu_reference import poisoned, random_inputs
+    from gpu_reference import packed_batch, poisoned, random_inputs
 
 D_HEADS = (64, 96, 128, 256)
 # the H100 table's d_head 128 pick (pipelined, one barrier per iteration) beside the defaults
@@ -60,16 +60,6 @@ def prewarmed_cache():
 @pytest.fixture
 def rng():
     return np.random.default_rng()
-
-
-def packed(rng, dtype, lens_q, lens_k, n_heads, n_kv_heads, d, pad_q=0, pad_k=0):
-    """q (sum(lens_q) + pad_q, H, d), k/v (sum(lens_k) + pad_k, H_kv, d) and the int32 offsets."""
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q = random_inputs(cp, dtype, (int(cu_q[-1]) + pad_q, n_heads, d), rng)
-    k = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
-    v = random_inputs(cp, dtype, (int(cu_k[-1]) + pad_k, n_kv_heads, d), rng)
-    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), cu_q, cu_k
 
 
 def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale=None):
@@ -138,7 +128,7 @@ def family_config(family: str, dtype: DType, d: int, causal: bool, max_q: int):
 def test_ragged_batches(rng, family, deterministic, dtype, d, causal, lens):
     lens_q, lens_k = lens
     cfg = family_config(family, dtype, d, causal, max(lens_q))
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5, pad_k=3)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5, pad_k=3)
     out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
     dout = random_inputs(cp, dtype, q.shape, rng)
     dq, dk, dv = (poisoned(cp, dtype, x.shape) for x in (q, k, v))
@@ -167,7 +157,7 @@ def test_new_outputs_zero_a_long_tail(rng, family, deterministic):
     the gradients."""
     dtype, d, lens_q, lens_k = DType.BF16, 128, [3, 40], [70, 5]
     cfg = family_config(family, dtype, d, False, max(lens_q))
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5000, pad_k=7000)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5000, pad_k=7000)
     out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), False)
     dout = random_inputs(cp, dtype, q.shape, rng)
     stale = [poisoned(cp, dtype, x.shape) for x in (q, k, v)]
@@ -182,7 +172,7 @@ def test_new_outputs_zero_a_long_tail(rng, family, deterministic):
 def _replay_problem(rng, lens_q, lens_k, causal):
     """The replay tests' call: its eight arrays (bf16, 8 query heads on 2 KV heads, d_head 128,
     padding rows past the last sequence, out and lse from the forward) and the host offsets."""
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens_q, lens_k, 8, 2, 128, pad_q=4, pad_k=2)
     out, lse = forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     return (dout, q, k, v, out, lse, cu_q, cu_k), hq, hk
@@ -252,7 +242,7 @@ def test_cfg_none_replays_its_call(rng, causal):
 def test_gqa_mqa_scale_and_configs(rng, cfg, heads):
     n_heads, n_kv = heads
     lens_q, lens_k = [50, 300, 9, 64], [80, 300, 1, 640]
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens_q, lens_k, n_heads, n_kv, 128)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens_q, lens_k, n_heads, n_kv, 128)
     out, lse = forward(q, k, v, cu_q, cu_k, 300, 640, True, scale=0.3)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 300, 640, causal=True,
@@ -307,7 +297,7 @@ def test_hopper_walks_many_tiles_and_sequences(rng, causal):
     many, dynamic claims when causal), GQA 4, both dtypes' defaults (bf16 here)."""
     family_config("sm90", DType.BF16, 128, causal, 1)  # skips off Hopper
     lens = [1, 700, 64, 1000, 0, 333, 129, 1500]
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, lens, lens, 16, 4, 128)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens, lens, 16, 4, 128)
     out, lse = forward(q, k, v, cu_q, cu_k, 1500, 1500, causal)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=causal)
@@ -316,7 +306,7 @@ def test_hopper_walks_many_tiles_and_sequences(rng, causal):
 
 def test_deterministic_is_bit_identical_run_to_run(rng):
     lens = [333, 64, 1, 700]
-    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, lens, lens, 8, 2, 128)
+    q, k, v, cu_q, cu_k, _, _ = packed_batch(cp, rng, DType.BF16, lens, lens, 8, 2, 128)
     out, lse = forward(q, k, v, cu_q, cu_k, 700, 700, True)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     runs = [cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 700, 700, causal=True,
@@ -327,7 +317,7 @@ def test_deterministic_is_bit_identical_run_to_run(rng):
 
 
 def test_index_check_refuses_bad_offsets(rng):
-    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, [10, 20], [10, 20], 2, 2, 64)
+    q, k, v, cu_q, cu_k, _, _ = packed_batch(cp, rng, DType.BF16, [10, 20], [10, 20], 2, 2, 64)
     out, lse = forward(q, k, v, cu_q, cu_k, 20, 20, False)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     with pytest.raises(ValueError, match="^max_seqlen_k"):

@@ -20,7 +20,7 @@ if has_gpu():
     import cupy as cp
 
     import cupyflash
-    from gpu_reference import check_attention, poisoned, random_inputs
+    from gpu_reference import check_attention, packed_batch, poisoned, random_inputs
 
 
 @pytest.fixture
@@ -55,16 +55,6 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
     if family == "sm90_wgblocks":
         return dataclasses.replace(default_config(dtype, d, causal), persistent=True, wg_blocks=True)
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
-
-
-def packed(rng, dtype, lens_q, lens_k, n_heads, n_kv_heads, d, pad_q=0):
-    """q (sum(lens_q) + pad_q, H, d), k/v (sum(lens_k), H_kv, d) and the int32 offsets."""
-    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-    q = random_inputs(cp, dtype, (int(cu_q[-1]) + pad_q, n_heads, d), rng)
-    k = random_inputs(cp, dtype, (int(cu_k[-1]), n_kv_heads, d), rng)
-    v = random_inputs(cp, dtype, (int(cu_k[-1]), n_kv_heads, d), rng)
-    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), cu_q, cu_k
 
 
 def check_per_sequence(dtype, q, k, v, out, cu_q, cu_k, causal, lse=None, scale=None):
@@ -102,7 +92,7 @@ RAGGED = [
 def test_ragged_batches(rng, family, dtype, d, causal, lens):
     lens_q, lens_k = lens
     cfg = family_config(family, dtype, d, causal)
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 2, d, pad_q=5)
     out = poisoned(cp, dtype, q.shape)
     got, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                         return_lse=True, out=out, cfg=cfg)
@@ -116,7 +106,7 @@ def test_ragged_batches(rng, family, dtype, d, causal, lens):
 @pytest.mark.parametrize("heads", [(8, 8), (8, 1), (16, 2)])
 def test_gqa_mqa_and_scale(rng, family, heads):
     n_heads, n_kv = heads
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [50, 300, 9], [80, 300, 1], n_heads, n_kv, 128)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, [50, 300, 9], [80, 300, 1], n_heads, n_kv, 128)
     out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 300, 300, softmax_scale=0.3,
                                    cfg=family_config(family, DType.BF16, 128, False))
     check_per_sequence(DType.BF16, q, k, v, out, hq, hk, False, scale=0.3)
@@ -157,7 +147,7 @@ def test_cuda_graph_replay_with_new_offsets(rng, family):
     """Captured once; replayed after the offsets (same total, same max) change on the device."""
     dtype = DType.BF16
     cfg = family_config(family, dtype, 64, True)
-    q, k, v, cu_q, cu_k, _, _ = packed(rng, dtype, [100, 100], [100, 100], 4, 4, 64)
+    q, k, v, cu_q, cu_k, _, _ = packed_batch(cp, rng, dtype, [100, 100], [100, 100], 4, 4, 64)
     out = poisoned(cp, dtype, q.shape)
     cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 150, 150, out=out, causal=True, cfg=cfg)  # compiles, warms up
     stream = cp.cuda.Stream(non_blocking=True)
@@ -176,7 +166,7 @@ def test_cuda_graph_replay_with_new_offsets(rng, family):
 
 
 def test_index_check_raises_before_launch(rng):
-    q, k, v, cu_q, cu_k, _, _ = packed(rng, DType.BF16, [10, 20], [10, 20], 4, 4, 64)
+    q, k, v, cu_q, cu_k, _, _ = packed_batch(cp, rng, DType.BF16, [10, 20], [10, 20], 4, 4, 64)
     with pytest.raises(ValueError, match="^max_seqlen_q: 15 is less than sequence 1"):
         cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 15, 20, check_indices=True)
     bad = cp.asarray(np.array([0, 10, 31], dtype=np.int32))
@@ -210,7 +200,7 @@ def test_repeated_calls_take_the_fast_path(rng, family):
     cfg = family_config(family, dtype, 128, True)
     lens_q, lens_k = [90, 0, 200], [100, 30, 200]
     for _ in range(3):
-        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, 128)
+        q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 4, 128)
         key = varlen_plans.signature(cfg, None, True, False, 200, 200, q, k, v, cu_q, cu_k, None)
         out = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, cfg=cfg)
         assert key in varlen_plans._TABLE.plans
@@ -224,7 +214,7 @@ def test_calls_with_stream_replay_on_that_stream(rng):
     varlen_plans.clear()
     side = cp.cuda.Stream(non_blocking=True)
     for i in range(4):
-        q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [90, 0, 200], [100, 30, 200], 8, 4, 128)
+        q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, [90, 0, 200], [100, 30, 200], 8, 4, 128)
         cp.cuda.get_current_stream().synchronize()
         out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True, return_lse=True,
                                             stream=side if i % 2 else side.ptr)
@@ -247,7 +237,7 @@ def test_repeated_lse_calls_take_the_fast_path(rng, family, framework):
     lens_q, lens_k = [90, 0, 200], [100, 30, 200]
     seen = []
     for _ in range(3):
-        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, 128)
+        q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 4, 128)
         args = (q, k, v, cu_q, cu_k)
         if framework == "torch":
             args = tuple(torch.from_dlpack(x) for x in args)
@@ -277,7 +267,7 @@ def test_kernels_zero_the_tail_when_asked(rng, family, d):
     lens_q, lens_k = [90, 0, 200, 7], [100, 30, 200, 0]
     pad = 301  # more tail rows than one CTA's share
     for run in range(2):  # the first call plans, the second replays its launch
-        q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, lens_q, lens_k, 8, 4, d, pad_q=pad)
+        q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, lens_q, lens_k, 8, 4, d, pad_q=pad)
         out = poisoned(cp, dtype, q.shape)
         lse = cp.full((8, q.shape[0]), cp.nan, dtype=cp.float32)
         stream = cp.cuda.get_current_stream().ptr
@@ -312,7 +302,7 @@ def _sm90_default(dtype, d):
 def test_batch_without_keys(rng, causal):
     """No key in any sequence (k and v have zero tokens): every query row gets 0, lse -inf."""
     dtype = DType.BF16
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, dtype, [5, 0, 40], [0, 0, 0], 4, 2, 128)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, dtype, [5, 0, 40], [0, 0, 0], 4, 2, 128)
     assert k.shape[0] == 0
     out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 40, 0, causal=causal, return_lse=True)
     check_per_sequence(dtype, q, k, v, out, hq, hk, causal, lse)
@@ -321,7 +311,7 @@ def test_batch_without_keys(rng, causal):
 def test_lse_into_a_given_array(rng):
     """lse= takes a C-contiguous float32 (n_heads, total_q) array (what the JAX operation hands
     over from XLA), fills it and returns it as given; wrong ones are refused naming lse."""
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, DType.BF16, [40, 0, 130], [40, 9, 200], 4, 2, 64)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, [40, 0, 130], [40, 9, 200], 4, 2, 64)
     lse = cp.full((4, q.shape[0]), cp.nan, dtype=cp.float32)
     out, got = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, 130, 200, causal=True, return_lse=True, lse=lse)
     assert got is lse
