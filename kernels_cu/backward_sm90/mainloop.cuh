@@ -282,6 +282,12 @@ struct BwdConsumer {
         return key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1 <= q0 + causal_offset;
     }
 
+    // This lane's lse2 pair of n-tile 0 in stage s (query_col(0, 0, lane)); n-tile j is 32 j bytes
+    // on, dvec STAT_BYTES on. Opaque, so that the compiler cannot see that the lane's offset and
+    // the tile's are disjoint bits and join them with an OR per load (14 LOP3 an iteration): as
+    // an add, each tile's offset is the load's immediate.
+    CF_DEVICE u32 stats_lane(int s) const { return opaque(smem.lse2(s) + 4 * query_col(0, 0, lane)); }
+
     // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK (causal only) zero
     // where the key is after the query's diagonal.
     // The tails need no mask: rows past seq_len_q (and rows whose forward saw no key) carry lse2
@@ -294,12 +300,6 @@ struct BwdConsumer {
     // head's last key block (KEY_TAIL) clamps the exponent at 0, which no visible score exceeds
     // (lse2 bounds them), so their P^T stays <= 1 and dS^T finite, and 0 * K's zero rows adds
     // exactly 0 to dQ. The other CTAs have no such keys and run the loop without the clamp.
-    // This lane's lse2 pair of n-tile 0 in stage s (query_col(0, 0, lane)); n-tile j is 32 j bytes
-    // on, dvec STAT_BYTES on. Opaque, so that the compiler cannot see that the lane's offset and
-    // the tile's are disjoint bits and join them with an OR per load (14 LOP3 an iteration): as
-    // an add, each tile's offset is the load's immediate.
-    CF_DEVICE u32 stats_lane(int s) const { return opaque(smem.lse2(s) + 4 * query_col(0, 0, lane)); }
-
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void probabilities(float (&st)[NT][4], int s, int key_base, int q0, int causal_offset) const {
         // Causal: key key_base + key_row(e) is visible to query q0 + query_col(j, e) when
