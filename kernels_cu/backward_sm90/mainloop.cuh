@@ -77,18 +77,19 @@ struct BwdConsumer {
     CF_DEVICE int dq_row0() const { return dq_row0(wg); }
     CF_DEVICE int dq_col0() const { return dq_col0(wg); }
     CF_DEVICE u64 mnmajor_b_k(u32 k_tile, int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
+        const int w = warp_uniform(wg);
         return descriptor_advance(
-            smem_descriptor_sw128(k_tile + (dq_col0(warp_uniform(wg)) / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
-                                      dq_key0(warp_uniform(wg)) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
+            smem_descriptor_sw128(k_tile + (dq_col0(w) / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                      dq_key0(w) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
             16 * k * Cfg::ROW_BYTES);
     }
     // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
     // are contiguous in the key, so key k of the CTA is row k of the buffer's query block (this
     // warpgroup's 64 query rows: block dq_row0() / 64).
     CF_DEVICE u64 ds_a(u32 ds_tile, int k) const {
+        const int w = warp_uniform(wg);
         return descriptor_advance(
-            smem_descriptor_sw128(ds_tile + (dq_row0(warp_uniform(wg)) / 64) * Cfg::BC * Cfg::ROW_BYTES +
-                                      dq_key0(warp_uniform(wg)) * Cfg::ROW_BYTES,
+            smem_descriptor_sw128(ds_tile + (dq_row0(w) / 64) * Cfg::BC * Cfg::ROW_BYTES + dq_key0(w) * Cfg::ROW_BYTES,
                                   Cfg::DS_BYTES, 1024),
             16 * k * Cfg::ROW_BYTES);
     }
