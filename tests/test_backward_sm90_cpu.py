@@ -33,7 +33,7 @@ def _plain(dtype, d_head):
     """The d_head default with one CTA per tile (the fifth session's, rotate, dQ in swizzled
     panels): the grid and launch tests below check that geometry; the persistent knobs and dq_frag
     have their own tests."""
-    return config_sets.default_config(dtype, d_head).replace(persistent=False, dynamic=False, rotate=True,
+    return config_sets.default_config(dtype, d_head, causal=False).replace(persistent=False, dynamic=False, rotate=True,
                                                              dq_frag=False)
 
 def test_short_form_round_trip_every_config():
@@ -47,7 +47,7 @@ def test_short_form_round_trip_every_config():
 
 
 def test_default_config_text():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.short_form() == ("backward_sm90(BF16, 128, 64, 128, 2): "
                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag")
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
@@ -56,33 +56,37 @@ def test_default_config_text():
     assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
-    d64 = config_sets.default_config(DType.FP16, 64)
+    d64 = config_sets.default_config(DType.FP16, 64, causal=False)
     assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"
     # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
     assert (d64.dq_rows, d64.dq_columns, cfg.dq_rows, cfg.dq_columns) == (64, 64, 64, 64)
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
     assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
-    # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles), but
-    # for causal calls of at least LONG_CAUSAL_ROWS query rows at d_head 128: three stages
-    # and non-causal ones of at least LONG_NONCAUSAL_ROWS rotate
+    # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles), causal
+    # calls with nomask (each head's walk in a masked and an unmasked loop), and for causal calls of
+    # at least LONG_CAUSAL_ROWS query rows at d_head 128 three stages, for non-causal ones of at
+    # least LONG_NONCAUSAL_ROWS rotate
+    assert config_sets.CAUSAL_KNOBS == {"nomask": True}
     for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
-        assert config_sets.default_config(dt, d, causal=False) == config_sets.default_config(dt, d)
+        assert config_sets.default_config(dt, d, causal=True) == config_sets.default_config(dt, d, causal=False).replace(
+            nomask=True)
     assert config_sets.LONG_CAUSAL_ROWS == {128: 4096} and config_sets.LONG_NONCAUSAL_ROWS == {128: 8192}
-    assert config_sets.default_config(DType.BF16, 128, True, 4095) == cfg
-    assert config_sets.default_config(DType.BF16, 128, True, 4096) == cfg.replace(n_stages=3)
-    assert config_sets.default_config(DType.BF16, 128, True, 1 << 16) == cfg.replace(n_stages=3)
+    causal = cfg.replace(nomask=True)
+    assert config_sets.default_config(DType.BF16, 128, True, 4095) == causal
+    assert config_sets.default_config(DType.BF16, 128, True, 4096) == causal.replace(n_stages=3)
+    assert config_sets.default_config(DType.BF16, 128, True, 1 << 16) == causal.replace(n_stages=3)
     assert config_sets.default_config(DType.BF16, 128, False, 8191) == cfg
     long_nc = config_sets.default_config(DType.BF16, 128, False, 8192)
     assert long_nc == cfg.replace(rotate=True, dynamic=False) and long_nc.persistent and long_nc.n_stages == 2
-    assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64
+    assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64.replace(nomask=True)
     assert config_sets.default_config(DType.FP16, 64, False, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 8 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
-    assert {c for c in defaults if c.n_stages == 3} == {cfg.replace(dtype=dt, n_stages=3) for dt in DType}
+    assert len(defaults) == 12 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, n_stages=3) for dt in DType}
     assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt) for dt in DType}
     prog = config_sets.progression_configs()
-    assert prog[-1] == cfg and not prog[0].rotate and not prog[0].dq_tma
+    assert prog[-1] == causal and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
     assert prog64[0].B_r == 64 and not prog64[0].dq_tma and prog64[-1] == config_sets.default_config(DType.BF16, 64)
 
@@ -111,7 +115,6 @@ def test_parse_rejects(text):
     ((DType.BF16, 128, 64, 64, 2, False, True), "dq_tma needs"),
     ((DType.BF16, 128, 64, 128, 2, True, True), "exclude each other"),
     ((DType.BF16, 128, 64, 128, 2, False, False, True), "dq_mid needs dq_tma"),
-    ((DType.BF16, 128, 64, 128, 2, False, True, True, True), "exclude each other"),
     ((DType.BF16, 128, 64, 128, 2, False, False, False, False, False, True), "pdl needs dq_tma"),
     ((DType.BF16, 128, 64, 128, 2, False, True, True, False, False, False, True), "dq_early needs pdl"),
     ((DType.BF16, 128, 64, 128, 2, True, False, False, False, False, True, True), "pdl needs dq_tma"),
@@ -147,13 +150,13 @@ def test_dq_tma_short_form_and_smem():
         (d, 64, 128, st) for d in (64, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
     # per d_head with 64-row blocks: 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch
     # knob sets on dq_mid: all at 2 stages; pdl+dq_early and the full set at 3; the block order knobs
-    # at 2 and 3)
+    # at 2 and 3; d_head 128: the swizzled twins of the causal defaults, dq_mid+nomask, at 2 and 3)
     for d in (64, 128):
         assert len([c for c in tma_cfgs if c.d_head == d and c.B_r == 64]) == 2 * (
-            3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS))
+            3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS) + (2 if d == 128 else 0))
     # 128-row blocks (d_head 64, two stages at most): plain, dq_mid, nomask at 1 and 2 stages, the
-    # launch knob sets without dq_early (lpt, pdl) and B_R128_KNOB_SETS at 2
-    assert len([c for c in tma_cfgs if c.B_r == 128]) == 2 * (3 * 2 + 2 + len(config_sets.B_R128_KNOB_SETS))
+    # launch knob sets without dq_early (lpt, pdl) and B_R128_KNOB_SETS at 2, the causal default's twin
+    assert len([c for c in tma_cfgs if c.B_r == 128]) == 2 * (3 * 2 + 2 + len(config_sets.B_R128_KNOB_SETS) + 1)
     rows = HopperBackwardKernelConfig.parse("backward_sm90(BF16, 64, 128, 128, 2): dq_tma")
     assert rows.smem_bytes() - rows.replace(dq_tma=False).smem_bytes() == 2 * 64 * 64 * 4  # two 64-row panels each
     knobs = HopperBackwardKernelConfig.parse("backward_sm90(FP16, 128, 64, 128, 2): nomask + dq_tma")
@@ -165,7 +168,7 @@ def test_dq_tma_short_form_and_smem():
 
 
 def test_dq_frag_short_form_rules_and_set():
-    cfg = config_sets.default_config(DType.BF16, 128)
+    cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
     assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
     assert cfg.smem_bytes() == cfg.replace(dq_frag=False).smem_bytes()  # the panels' bytes, in another order
@@ -184,12 +187,14 @@ def test_config_sets():
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
                                                                  "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic",
-                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"]
+                                                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag",
+                                                                 "dq_tma+dq_mid+nomask+pdl+dq_early+persistent+dynamic+dq_frag"]
     assert prog[-1] == config_sets.default_config(DType.BF16, 128)
     assert [c.short_form().partition("(")[2] for c in config_sets.progression_configs(DType.FP16, 64)] == [
         "FP16, 64, 64, 128, 2)", "FP16, 64, 128, 128, 2)", "FP16, 64, 128, 128, 2): dq_tma",
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic",
-        "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"]
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag",
+        "FP16, 64, 128, 128, 2): dq_tma+dq_mid+nomask+lpt+pdl+persistent+dynamic+dq_frag"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 96"):
@@ -594,7 +599,7 @@ def test_persistent_knob_short_form_rule_and_grid():
 
 
 def test_dynamic_knob_rule_smem_and_workspace():
-    cfg = config_sets.default_config(DType.BF16, 128).replace(lpt=True, dq_frag=False)
+    cfg = config_sets.default_config(DType.BF16, 128, causal=False).replace(lpt=True, dq_frag=False)
     text = "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+lpt+pdl+dq_early+persistent+dynamic"
     assert cfg.short_form() == text and HopperBackwardKernelConfig.parse(text) == cfg
     with pytest.raises(ValueError, match="dynamic needs persistent and pdl"):

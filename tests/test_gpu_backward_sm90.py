@@ -83,6 +83,7 @@ def prewarmed_cache():
     bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 and c.n_stages == 2
             for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
+    launch += [default_config(dt, d, True, 4096).replace(nomask=True) for dt in DType for d in D_HEADS]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[BACKWARD_SM90.variant()]),
         prewarm(DEFAULTS + bulk + launch, ["sm_90a"], jobs=jobs, progress=None,  # dense calls (varlen: its own module)
@@ -175,6 +176,27 @@ CASES = [
 def test_default_config_shapes(dtype, d_head, case, rng):
     batch, sq, sk, h, hk, causal = case
     run_case(default_config(dtype, d_head, causal), batch, sq, sk, h, hk, causal, rng)  # what cfg=None runs
+
+
+CAUSAL_CASES = [c for c in CASES if c[5]] + [(2, 1000, 1000, 8, 2, True), (1, 700, 1333, 4, 4, True)]
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}".format(*c[:5]))
+@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_nomask_on_the_causal_defaults(dtype, d_head, case, rng):
+    """nomask on the causal defaults (dq_mid, persistent, dynamic): each query head's walk runs its
+    blocks that cut the warpgroup's keys in a masked loop, the rest in an unmasked one (GQA: one
+    pair of loops per head; S_q != S_k moves the diagonal)."""
+    cfg = default_config(dtype, d_head, True, 4096).replace(nomask=True)
+    run_case(cfg, *case, rng)
+    if case == CAUSAL_CASES[0]:
+        repeats_agree(cfg, *case, rng)
+
+
+@pytest.mark.parametrize("d_head", D_HEADS)
+def test_nomask_walks_many_tiles_on_three_ctas(d_head, rng, monkeypatch):
+    walk_on_three_ctas(default_config(DType.BF16, d_head, True, 4096).replace(nomask=True), rng, monkeypatch)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))

@@ -127,160 +127,171 @@ struct BwdConsumer {
         const Seq seq = Seq::of(p, sched.batch);
         // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
         const int causal_offset = (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
-        for (int it = 0; it < n; ++it) {
-            const int s = bwd_stage(it_base + it, Cfg::STAGES);
-            const int head = sched.q_head(it);
-            const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
-            mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
-
-            float st[NT][4], dpt[NT][4];
-            // K and V descriptors derived here from an opaque copy of the shared base, not kept
-            // across the loop (at the consumers' 232 registers ptxas spilled one of them)
-            const BwdSmem<Cfg> kv{opaque(smem.base)};
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < DK; ++k)
-                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(kv.k(), k), kmajor_b(smem.q(s), k), k > 0);
-            wgmma_commit();
-#pragma unroll
-            for (int k = 0; k < DK; ++k)
-                wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b(smem.dout(s), k), k > 0);
-            wgmma_commit();
-
-            wgmma_wait<1>();  // S^T is ready; dP^T may still run
-            fence_registers(st);
-            if (CAUSAL && Cfg::NOMASK && tile_visible(key_base, q0, causal_offset))
-                probabilities<false, KEY_TAIL>(st, s, key_base, q0, causal_offset);
-            else
-                probabilities<true, KEY_TAIL>(st, s, key_base, q0, causal_offset);
-            wgmma_wait<0>();
-            fence_registers(dpt);
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
+        if constexpr (CAUSAL && Cfg::NOMASK) {
+            // Each query head's walk (causal: no rotate) starts at the diagonal: its first
+            // `masked` blocks cut this warpgroup's keys, the rest see all of them. Two loops, each
+            // with one body (a branch between two bodies in one loop made it 932 instructions
+            // long, item 88): the mask's compares and selects only where they change anything.
+            // (warp_uniform: loop bounds ptxas cannot prove uniform took the loop's descriptors
+            // off the uniform datapath, 88 R2UR per block)
+            const int last_key = key_base + warp_uniform(wg) * Cfg::WG_KEYS + Cfg::WG_KEYS - 1;
+            const int masked = min(sched.m_blocks, max(0, (last_key - causal_offset + Cfg::BR - 1) / Cfg::BR - sched.m_begin));
+            for (int head_start = 0; head_start < n; head_start += sched.m_blocks) {
+                int it = head_start;
+                for (; it < head_start + masked; ++it) block<true, KEY_TAIL>(it, key_base, causal_offset);
+                for (; it < head_start + sched.m_blocks; ++it) block<false, KEY_TAIL>(it, key_base, causal_offset);
             }
-            u32 pa[QK][4], dsa[QK][4];
-            to_fragments(st, pa);
-            to_fragments(dpt, dsa);
-
-            // dQ after the barrier below: with dq_mid, dK is issued behind it (dQ completes first)
-            constexpr bool DK_AFTER_DQ = Cfg::DQ_MID && !DETERMINISTIC;
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dv, pa[k], mnmajor_b_q(smem.dout(s), k), 1);
-            if constexpr (!DK_AFTER_DQ) {
-#pragma unroll
-                for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
-            }
-            wgmma_commit();
-
-            if constexpr (DETERMINISTIC) {
-                wgmma_wait<0>();
-                fence_registers(dv);
-                fence_registers(dk);
-                release(s);  // Q, dO, lse2, dvec of this stage are no longer read
-            } else {
-                // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
-                // it - 2, which every reader completed before the barrier of iteration it - 1.
-                const int buf = (it_base + it) & 1;
-                // stmatrix: lane 8 i + r addresses row r of matrix i, matrices (keys 0-7, 8-15 of
-                // the warp's 16) x (queries 16 k + 0-7, + 8-15), which are dsa[k][0..3]. The
-                // 128-byte row's swizzled chunk c ^ (row & 7) for c = 2k + (i >> 1) is the lane's
-                // chunk (i >> 1) ^ (row & 7) XOR the immediate 2k % 8: one address per lane, one
-                // XOR per k. The shared base and the thread index are opaque so that ptxas
-                // derives the address here instead of keeping it live across the loop (it
-                // spilled it).
-                const u32 base = opaque(smem.base), t = opaque(tid);
-                const u32 r = t & 7, i = (t >> 3) & 3;
-                const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
-                const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
-                // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
-#pragma unroll
-                for (int k = 0; k < QK; ++k)
-                    stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
-                                dsa[k][1], dsa[k][2], dsa[k][3]);
-                fence_proxy_async_shared();
-                // Every dS^T row this dQ GEMM reads is written (and, by program order, every
-                // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
-                // previous block's reductions have read the staged dQ rows).
-                if constexpr (Cfg::DQ_BULK) {
-                    if (issues_dq()) bulk_wait_group_0<true>();
-                }
-                named_barrier_sync(Cfg::DS_SHARED ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
-                // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
-                float dq[DQ_N / 8][4];
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < DQ_STEPS; ++k)
-                    wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
-                wgmma_commit();
-                if constexpr (DK_AFTER_DQ) {
-#pragma unroll
-                    for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
-                    wgmma_commit();
-                    wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
-                    fence_registers(dv);
-                    fence_registers(dq);
-                } else {
-                    wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
-                    fence_registers(dv);
-                    fence_registers(dk);
-                    release(s);
-                    wgmma_wait<0>();
-                    fence_registers(dq);
-                }
-                const int row = 16 * warp + (lane >> 2);
-                if constexpr (Cfg::DQ_FRAG) {
-                    stage_dq_fragments(dq);
-                } else if constexpr (Cfg::DQ_TMA) {
-                    stage_dq_panels(dq, row);
-                } else if constexpr (Cfg::DQ_BULK) {
-                    // Stage this half of dQ (the previous block's reductions finished reading the
-                    // rows before this iteration's dS^T barrier), then the issuing warp adds the
-                    // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
-#pragma unroll
-                    for (int j = 0; j < DQ_N / 8; ++j) {
-                        const int col = dq_col0() + 8 * j + 2 * (lane & 3);
-                        st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
-                        st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
-                    }
-                    fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
-                    if (issues_dq()) {
-                        named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
-                        float* dst = p.dq_accum +
-                                     (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
-                        bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
-                        bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
-                        bulk_commit_group();
-                    } else {
-                        named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
-                    }
-                } else {
-                    float* acc = p.dq_accum +
-                                 (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D +
-                                 dq_col0();
-#pragma unroll
-                    for (int j = 0; j < DQ_N / 8; ++j) {
-                        const int col = 8 * j + 2 * (lane & 3);
-                        red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
-                        red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
-                    }
-                }
-                if constexpr (DK_AFTER_DQ) {
-                    wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
-                    fence_registers(dk);
-                    release(s);
-                }
-            }
+        } else {
+            for (int it = 0; it < n; ++it) block<CAUSAL, KEY_TAIL>(it, key_base, causal_offset);
         }
     }
 
-    // Every (key, query) of this warpgroup's causal score tile is visible: its last key at or
-    // below the block's first query's diagonal (the tails need no mask: see probabilities).
-    CF_DEVICE bool tile_visible(int key_base, int q0, int causal_offset) const {
-        return key_base + wg * Cfg::WG_KEYS + Cfg::WG_KEYS - 1 <= q0 + causal_offset;
+    // Query block `it` of the walk (MASK: the causal diagonal's compares).
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void block(int it, int key_base, int causal_offset) {
+        const int s = bwd_stage(it_base + it, Cfg::STAGES);
+        const int head = sched.q_head(it);
+        const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
+
+        float st[NT][4], dpt[NT][4];
+        // K and V descriptors derived here from an opaque copy of the shared base, not kept
+        // across the loop (at the consumers' 232 registers ptxas spilled one of them)
+        const BwdSmem<Cfg> kv{opaque(smem.base)};
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(kv.k(), k), kmajor_b(smem.q(s), k), k > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b(smem.dout(s), k), k > 0);
+        wgmma_commit();
+
+        wgmma_wait<1>();  // S^T is ready; dP^T may still run
+        fence_registers(st);
+        probabilities<MASK, KEY_TAIL>(st, s, key_base, q0, causal_offset);
+        wgmma_wait<0>();
+        fence_registers(dpt);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
+        }
+        u32 pa[QK][4], dsa[QK][4];
+        to_fragments(st, pa);
+        to_fragments(dpt, dsa);
+
+        // dQ after the barrier below: with dq_mid, dK is issued behind it (dQ completes first)
+        constexpr bool DK_AFTER_DQ = Cfg::DQ_MID && !DETERMINISTIC;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dv, pa[k], mnmajor_b_q(smem.dout(s), k), 1);
+        if constexpr (!DK_AFTER_DQ) {
+#pragma unroll
+            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+        }
+        wgmma_commit();
+
+        if constexpr (DETERMINISTIC) {
+            wgmma_wait<0>();
+            fence_registers(dv);
+            fence_registers(dk);
+            release(s);  // Q, dO, lse2, dvec of this stage are no longer read
+        } else {
+            // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
+            // it - 2, which every reader completed before the barrier of iteration it - 1.
+            const int buf = (it_base + it) & 1;
+            // stmatrix: lane 8 i + r addresses row r of matrix i, matrices (keys 0-7, 8-15 of
+            // the warp's 16) x (queries 16 k + 0-7, + 8-15), which are dsa[k][0..3]. The
+            // 128-byte row's swizzled chunk c ^ (row & 7) for c = 2k + (i >> 1) is the lane's
+            // chunk (i >> 1) ^ (row & 7) XOR the immediate 2k % 8: one address per lane, one
+            // XOR per k. The shared base and the thread index are opaque so that ptxas
+            // derives the address here instead of keeping it live across the loop (it
+            // spilled it).
+            const u32 base = opaque(smem.base), t = opaque(tid);
+            const u32 r = t & 7, i = (t >> 3) & 3;
+            const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
+            const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
+            // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
+#pragma unroll
+            for (int k = 0; k < QK; ++k)
+                stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
+                            dsa[k][1], dsa[k][2], dsa[k][3]);
+            fence_proxy_async_shared();
+            // Every dS^T row this dQ GEMM reads is written (and, by program order, every
+            // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
+            // previous block's reductions have read the staged dQ rows).
+            if constexpr (Cfg::DQ_BULK) {
+                if (issues_dq()) bulk_wait_group_0<true>();
+            }
+            named_barrier_sync(Cfg::DS_SHARED ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
+            // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
+            float dq[DQ_N / 8][4];
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < DQ_STEPS; ++k)
+                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
+            wgmma_commit();
+            if constexpr (DK_AFTER_DQ) {
+#pragma unroll
+                for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+                wgmma_commit();
+                wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
+                fence_registers(dv);
+                fence_registers(dq);
+            } else {
+                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+                fence_registers(dv);
+                fence_registers(dk);
+                release(s);
+                wgmma_wait<0>();
+                fence_registers(dq);
+            }
+            const int row = 16 * warp + (lane >> 2);
+            if constexpr (Cfg::DQ_FRAG) {
+                stage_dq_fragments(dq);
+            } else if constexpr (Cfg::DQ_TMA) {
+                stage_dq_panels(dq, row);
+            } else if constexpr (Cfg::DQ_BULK) {
+                // Stage this half of dQ (the previous block's reductions finished reading the
+                // rows before this iteration's dS^T barrier), then the issuing warp adds the
+                // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
+#pragma unroll
+                for (int j = 0; j < DQ_N / 8; ++j) {
+                    const int col = dq_col0() + 8 * j + 2 * (lane & 3);
+                    st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
+                    st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
+                }
+                fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
+                if (issues_dq()) {
+                    named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                    float* dst = p.dq_accum +
+                                 (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
+                    bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
+                    bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
+                    bulk_commit_group();
+                } else {
+                    named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                }
+            } else {
+                float* acc = p.dq_accum +
+                             (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D +
+                             dq_col0();
+#pragma unroll
+                for (int j = 0; j < DQ_N / 8; ++j) {
+                    const int col = 8 * j + 2 * (lane & 3);
+                    red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
+                    red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
+                }
+            }
+            if constexpr (DK_AFTER_DQ) {
+                wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
+                fence_registers(dk);
+                release(s);
+            }
+        }
     }
 
     // This lane's lse2 pair of n-tile 0 in stage s (query_col(0, 0, lane)); n-tile j is 32 j bytes

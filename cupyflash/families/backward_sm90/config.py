@@ -28,8 +28,9 @@ and a writer warp of the producer warpgroup add each panel to the workspace with
 reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path.
 Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after it (dQ is
 finished, and its result handed on, while dK still runs; the default queues dV and dK before
-the barrier and dQ last); `nomask` lets a warpgroup of a causal call skip the diagonal compare
-of its score tile when every (key, query) pair of it is visible (below the diagonal). No call
+the barrier and dQ last); `nomask` splits a causal call's walk over each query head's blocks
+into two loops: the blocks that cut a warpgroup's keys with the diagonal compare, the rest (every
+(key, query) pair visible) without it (the causal defaults' since the twenty-fourth session). No call
 masks the sequence tails: the preprocess's lse2 = +inf on padding rows and TMA's zero fill past
 seq_len_k make those terms vanish or land only in rows that are never stored.
 Launch knobs: `lpt` orders causal CTAs longest first (key block 0 of every (kv head, batch) of
@@ -130,9 +131,6 @@ class HopperBackwardKernelConfig(KernelConfig):
                not self.dq_tma or self.B_c == 2 * WG_KEYS)
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
-        yield ("dq_mid and nomask exclude each other (ptxas serialised the wgmma chain at the consumers' 232 "
-               "registers, C7512; without the tail masks it compiles clean but ran causal calls 0.79-0.90x "
-               "as fast, NOTES.md item 88)", not (self.dq_mid and self.nomask))
         yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
                not self.pdl or self.dq_tma)
         yield ("dq_early needs pdl, dq_tma and B_r 64 (the writer warp counts finished blocks, one counter per "
