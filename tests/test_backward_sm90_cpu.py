@@ -33,8 +33,8 @@ def _plain(dtype, d_head):
     """The d_head default with one CTA per tile (the fifth session's, rotate, dQ in swizzled
     panels): the grid and launch tests below check that geometry; the persistent knobs and dq_frag
     have their own tests."""
-    return config_sets.default_config(dtype, d_head, causal=False).replace(persistent=False, dynamic=False, rotate=True,
-                                                             dq_frag=False)
+    return config_sets.default_config(dtype, d_head, causal=False).replace(persistent=False, dynamic=False,
+                                                                           rotate=True, dq_frag=False)
 
 def test_short_form_round_trip_every_config():
     configs = config_sets.get_kernel_configs("all")

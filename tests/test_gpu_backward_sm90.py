@@ -83,7 +83,6 @@ def prewarmed_cache():
     bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 and c.n_stages == 2
             for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
-    launch += [default_config(dt, d, True, 4096).replace(nomask=True) for dt in DType for d in D_HEADS]
     reports = [
         prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[BACKWARD_SM90.variant()]),
         prewarm(DEFAULTS + bulk + launch, ["sm_90a"], jobs=jobs, progress=None,  # dense calls (varlen: its own module)
