@@ -3,12 +3,14 @@
 
     python scripts/bench_varlen_backward.py [--dtypes bf16,fp16] [--d-heads 128] [--causal both|yes|no]
         [--total-tokens 32768] [--max-len 8192] [--heads 16] [--seed 0] [--iters 20] [--warmup 3]
-        [--sustain 0] [--json bench_varlen_backward.json]
+        [--sustain 0] [--sm90-config SHORT_FORM] [--json bench_varlen_backward.json]
 
 The batch is bench.py --mode varlen's (lengths drawn from 1..--max-len until --total-tokens), the
 same lengths for queries and keys. Implementations, each timed on the backward alone (the forward
 runs once before): cupyflash.backward_varlen with cfg=None (atomic dQ, and `cupyflash_det`:
 deterministic; on Hopper the backward_sm90 family), `cupyflash_sm80` (the mma.sync family's pick),
+`backward_sm90` (the config --sm90-config names, its dtype and d_head taken from each point: a
+same-process A/B of a backward_sm90 config against cfg=None),
 PyTorch SDPA's FLASH_ATTENTION backend on nested (jagged) views of the same packed tensors
 (torch.autograd.grad of the saved forward graph: its nested-tensor host work between kernels is
 timed, as a caller pays it), and flash_attn3_jax's varlen backward (jitted, d_head 128 only; host
@@ -32,7 +34,7 @@ from bench_mode_varlen import cu_seqlens, draw_lengths, varlen_flops
 from cupyflash.benchmarking import REL_L2_TOLERANCE, parse_dtypes
 from cupyflash.config import DType
 
-IMPLS = ("cupyflash", "cupyflash_det", "cupyflash_sm80", "sdpa_flash", "fa3")
+IMPLS = ("cupyflash", "cupyflash_det", "cupyflash_sm80", "backward_sm90", "sdpa_flash", "fa3")
 
 
 def reference_grads(torch: Any, q, k, v, dout, start: int, n: int, scale: float, causal: bool) -> tuple:
@@ -55,7 +57,8 @@ def rel_l2(a, b) -> float:
 
 
 def measure(torch: Any, jax: Any, dtype: DType, d: int, heads: int, lengths: list[int], causal: bool,
-            impls: tuple[str, ...], warmup: int, iters: int, sustain: float, seed: int) -> list[dict]:
+            impls: tuple[str, ...], warmup: int, iters: int, sustain: float, seed: int,
+            sm90_config: Any = None) -> list[dict]:
     import cupyflash
 
     tdt = {DType.BF16: torch.bfloat16, DType.FP16: torch.float16}[dtype]
@@ -80,6 +83,11 @@ def measure(torch: Any, jax: Any, dtype: DType, d: int, heads: int, lengths: lis
         from cupyflash.backward_api import _select
 
         return _select(dtype, d, max_len, max_len, torch.cuda.current_device(), causal)
+
+    def sm90_pick() -> Any:
+        if sm90_config is None:
+            raise Skip("no --sm90-config given")
+        return sm90_config.replace(dtype=dtype, d_head=d)
 
     def sdpa_flash() -> tuple[Callable[[int], Any], Callable[[Any], tuple]]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -126,6 +134,7 @@ def measure(torch: Any, jax: Any, dtype: DType, d: int, heads: int, lengths: lis
     makers = {"cupyflash": lambda: (cupyflash_run(False), lambda g: g),
               "cupyflash_det": lambda: (cupyflash_run(True), lambda g: g),
               "cupyflash_sm80": lambda: (cupyflash_run(False, sm80_pick()), lambda g: g),
+              "backward_sm90": lambda: (cupyflash_run(False, sm90_pick()), lambda g: g),
               "sdpa_flash": sdpa_flash, "fa3": fa3}
     flops = 2.5 * varlen_flops(lengths, lengths, heads, d, causal)
     point = {"dtype": dtype.name.lower(), "d_head": d, "heads": heads, "causal": causal, "batch": len(lengths),
@@ -174,8 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sustain", type=float, default=0.0, help="seconds of back-to-back calls before each timing")
+    p.add_argument("--sm90-config", default=None,
+                   help="short form of the backward_sm90 config the backward_sm90 column runs")
     p.add_argument("--json", default="bench_varlen_backward.json")
     args = p.parse_args(argv)
+    sm90_config = None
+    if args.sm90_config:
+        from cupyflash.families.backward_sm90.config import HopperBackwardKernelConfig
+
+        try:
+            sm90_config = HopperBackwardKernelConfig.parse(args.sm90_config)
+        except ValueError as exc:
+            p.error(f"--sm90-config: {exc}")
     impls = tuple(x.strip() for x in args.impls.split(",") if x.strip())
     unknown = set(impls) - set(IMPLS)
     if unknown:
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in (int(x) for x in args.d_heads.split(",")):
             for causal in causals:
                 records += measure(torch, jax, dtype, d, args.heads, lengths, causal, impls, args.warmup,
-                                   args.iters, args.sustain, args.seed)
+                                   args.iters, args.sustain, args.seed, sm90_config)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "lengths": lengths, "records": records}, f, indent=1)
     print("\nbackward_varlen: TFLOP/s (2.5x forward FLOPs, visible pairs), ratio = cupyflash / peer")

@@ -153,7 +153,8 @@ def test_varlen_is_a_template_flag_of_every_role():
 def test_varlen_defaults_of_the_hopper_family():
     """backward_varlen's cfg=None on Hopper: default_config but, at d_head 128, causal without
     dq_frag and non-causal with dynamic claims and without dq_mid (the instances ptxas would
-    serialise, C7512, avoided); every one persistent with dynamic claims."""
+    serialise, C7512, avoided); every one persistent with dynamic claims, causal ones with nomask
+    as the dense defaults."""
     from cupyflash.families.backward_sm90.config_sets import (default_config as dense, varlen_default_config,
                                                               varlen_default_launches)
 
@@ -162,11 +163,11 @@ def test_varlen_defaults_of_the_hopper_family():
             for causal in (False, True):
                 for rows in (0, 4096, 8192):
                     got = varlen_default_config(dtype, d, causal, rows)
-                    want = dense(dtype, d, causal, rows).replace(nomask=False)  # (nomask: dense calls only)
+                    want = dense(dtype, d, causal, rows)
                     if d == 128:
                         want = (want.replace(dq_frag=False) if causal else
                                 want.replace(dq_mid=False, rotate=False, dynamic=True))
-                    assert got == want and got.persistent and got.dynamic
+                    assert got == want and got.persistent and got.dynamic and got.nomask == causal
     assert all(not cfg.dq_frag for cfg, causal in varlen_default_launches() if causal and cfg.d_head == 128)
 
 

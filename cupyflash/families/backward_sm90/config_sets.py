@@ -161,10 +161,14 @@ def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
 #   the static walk and 466.7 with rotate; fp16 499.9 / 462.5 / 457.2.
 # - d64 non-causal: the default (its `dynamic` now claims non-causal varlen tiles too) 469.5 / 461.6
 #   against 431.2 / 421.8 for the static walk.
+# - causal: `nomask` as the dense defaults (twenty-fifth session, NOTES.md item 249; the same batch,
+#   the default and its twin without nomask in one process, two passes, 0.3 s sustain): d128 bf16
+#   493.0 / 493.8 against 457.3 / 470.3 (+5-8%), fp16 475.1 / 486.3 against 449.8 / 453.8 (+6-7%);
+#   d64 level (bf16 433.5 / 420.2 against 428.7 / 432.8, fp16 415.4 / 411.2 against 418.8 / 408.6).
 def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     """The config backward_varlen's cfg=None runs (seq_len_q: max_seqlen_q): default_config with
     the varlen exceptions above."""
-    cfg = default_config(dtype, d_head, causal, seq_len_q).replace(nomask=False)  # (measured on dense calls only)
+    cfg = default_config(dtype, d_head, causal, seq_len_q)
     if d_head == 128:
         if causal:
             cfg = cfg.replace(dq_frag=False)
