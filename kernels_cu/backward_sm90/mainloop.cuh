@@ -129,13 +129,17 @@ struct BwdConsumer {
         const int causal_offset = (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
         if constexpr (CAUSAL && Cfg::NOMASK) {
             // Each query head's walk (causal: no rotate) starts at the diagonal: its first
-            // `masked` blocks cut this warpgroup's keys, the rest see all of them. Two loops, each
-            // with one body (a branch between two bodies in one loop made it 932 instructions
-            // long, item 88): the mask's compares and selects only where they change anything.
-            // (warp_uniform: loop bounds ptxas cannot prove uniform took the loop's descriptors
-            // off the uniform datapath, 88 R2UR per block)
-            const int last_key = key_base + warp_uniform(wg) * Cfg::WG_KEYS + Cfg::WG_KEYS - 1;
-            const int masked = min(sched.m_blocks, max(0, (last_key - causal_offset + Cfg::BR - 1) / Cfg::BR - sched.m_begin));
+            // `masked` blocks cut the CTA's keys, the rest see all of them. Two loops, each with
+            // one body (a branch between two bodies in one loop made it 932 instructions long,
+            // item 88): the mask's compares and selects only where they change anything. One
+            // count for every warpgroup (the last one's, whose keys are cut longest): the
+            // dS^T barrier both warpgroups meet in each block must be the same instruction for
+            // all of them (bar.sync is aligned; per-warpgroup counts met it from two loops,
+            // which synccheck reports, item 251). (warp_uniform: loop bounds ptxas cannot prove
+            // uniform took the loop's descriptors off the uniform datapath, 88 R2UR per block)
+            const int last_key = key_base + Cfg::BC - 1;
+            const int masked = warp_uniform(
+                min(sched.m_blocks, max(0, (last_key - causal_offset + Cfg::BR - 1) / Cfg::BR - sched.m_begin)));
             for (int head_start = 0; head_start < n; head_start += sched.m_blocks) {
                 int it = head_start;
                 for (; it < head_start + masked; ++it) block<true, KEY_TAIL>(it, key_base, causal_offset);
@@ -183,6 +187,14 @@ struct BwdConsumer {
         to_fragments(st, pa);
         to_fragments(dpt, dsa);
 
+        // dS^T to shared memory (the dQ GEMMs' A operand). The buffer was last read by the dQ
+        // GEMMs of iteration it - 2, which every reader completed before the barrier of
+        // iteration it - 1. 128-query tiles store it before the dV GEMM is issued, so that the
+        // proxy fence behind that issue finds the stores landed (d64 +1.4-3.4% in two runs);
+        // 64-query tiles store it after it (stored before, d128 lost 1-4%; item 250).
+        [[maybe_unused]] const int buf = (it_base + it) & 1;
+        constexpr bool DS_BEFORE_DV = NT > 8;
+        if constexpr (!DETERMINISTIC && DS_BEFORE_DV) store_ds(dsa, buf);
         // dQ after the barrier below: with dq_mid, dK is issued behind it (dQ completes first)
         constexpr bool DK_AFTER_DQ = Cfg::DQ_MID && !DETERMINISTIC;
         wgmma_fence();
@@ -200,25 +212,7 @@ struct BwdConsumer {
             fence_registers(dk);
             release(s);  // Q, dO, lse2, dvec of this stage are no longer read
         } else {
-            // dS^T to shared memory. This buffer was last read by the dQ GEMMs of iteration
-            // it - 2, which every reader completed before the barrier of iteration it - 1.
-            const int buf = (it_base + it) & 1;
-            // stmatrix: lane 8 i + r addresses row r of matrix i, matrices (keys 0-7, 8-15 of
-            // the warp's 16) x (queries 16 k + 0-7, + 8-15), which are dsa[k][0..3]. The
-            // 128-byte row's swizzled chunk c ^ (row & 7) for c = 2k + (i >> 1) is the lane's
-            // chunk (i >> 1) ^ (row & 7) XOR the immediate 2k % 8: one address per lane, one
-            // XOR per k. The shared base and the thread index are opaque so that ptxas
-            // derives the address here instead of keeping it live across the loop (it
-            // spilled it).
-            const u32 base = opaque(smem.base), t = opaque(tid);
-            const u32 r = t & 7, i = (t >> 3) & 3;
-            const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
-            const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
-            // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
-#pragma unroll
-            for (int k = 0; k < QK; ++k)
-                stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
-                            dsa[k][1], dsa[k][2], dsa[k][3]);
+            if constexpr (!DS_BEFORE_DV) store_ds(dsa, buf);
             fence_proxy_async_shared();
             // Every dS^T row this dQ GEMM reads is written (and, by program order, every
             // reader's dQ GEMM of the previous iteration has completed; with dq_bulk, the
@@ -299,6 +293,26 @@ struct BwdConsumer {
     // the tile's are disjoint bits and join them with an OR per load (14 LOP3 an iteration): as
     // an add, each tile's offset is the load's immediate.
     CF_DEVICE u32 stats_lane(int s) const { return opaque(smem.lse2(s) + 4 * query_col(0, 0, lane)); }
+
+    // dS^T of this warpgroup's keys into dS buffer `buf` (one stmatrix.x4 per k-step).
+    CF_DEVICE void store_ds(const u32 (&dsa)[QK][4], int buf) const {
+        // stmatrix: lane 8 i + r addresses row r of matrix i, matrices (keys 0-7, 8-15 of
+        // the warp's 16) x (queries 16 k + 0-7, + 8-15), which are dsa[k][0..3]. The
+        // 128-byte row's swizzled chunk c ^ (row & 7) for c = 2k + (i >> 1) is the lane's
+        // chunk (i >> 1) ^ (row & 7) XOR the immediate 2k % 8: one address per lane, one
+        // XOR per k. The shared base and the thread index are opaque so that ptxas
+        // derives the address here instead of keeping it live across the loop (it
+        // spilled it).
+        const u32 base = opaque(smem.base), t = opaque(tid);
+        const u32 r = t & 7, i = (t >> 3) & 3;
+        const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
+        const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
+        // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
+#pragma unroll
+        for (int k = 0; k < QK; ++k)
+            stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
+                        dsa[k][1], dsa[k][2], dsa[k][3]);
+    }
 
     // S^T -> P^T in place: exp2(S^T * scale * log2 e - lse2[q]), with MASK (causal only) zero
     // where the key is after the query's diagonal.
