@@ -18,7 +18,8 @@ What it compiles, each family for its own target on that compute capability (sm_
 Hopper families, sm_90 for the others on cc 9.0), with every variant of each config:
 - every config named by the shipped tuning tables (cupyflash/tuning/*.json), so cfg=None on the
   tables' GPU runs from the cache;
-- every family's default config for each (dtype, d_head) it supports;
+- every family's default config for each (dtype, d_head) it supports (and its `defaults` and
+  `varlen_defaults` sets: backward_varlen's Hopper picks are not the dense ones);
 - with --sets FAMILY:SET[,SET...], those config sets too (e.g. forward_sm90:tune for an autotune
   call);
 - with --configs, the '|'-separated short forms given (e.g. the configs a probe script names).
@@ -51,14 +52,16 @@ def table_configs(tables_dir: Path) -> list:
 
 
 def default_configs(cc: int) -> list:
-    """Each family's default config per (dtype, d_head), and its `defaults` set where it has one
-    (e.g. both masks' defaults), for the families that run on `cc`."""
+    """Each family's default config per (dtype, d_head), and its `defaults` and `varlen_defaults`
+    sets where it has them (e.g. both masks' defaults; backward_sm90's picks for backward_varlen,
+    which differ from the dense ones), for the families that run on `cc`."""
     out = []
     for fam in FAMILIES.values():
         if not fam.supports(cc):
             continue
-        if "defaults" in getattr(fam, "set_keys", ()):
-            out += list(fam.config_set("defaults"))
+        for key in ("defaults", "varlen_defaults"):
+            if key in getattr(fam, "set_keys", ()):
+                out += list(fam.config_set(key))
         for dtype in DType:
             for d_head in SUPPORTED_D_HEADS:
                 try:

@@ -28,3 +28,15 @@ def test_defaults_follow_the_compute_capability():
 def test_refuses_another_nvrtc(capsys):
     assert prewarm_offdevice.main(["--expect-nvrtc", "0.1", "--families", "decode"]) == 2
     assert "0.1 expected" in capsys.readouterr().err
+
+
+def test_defaults_hold_backward_varlens_picks():
+    """backward_varlen's Hopper picks (the varlen_defaults set) differ from the dense defaults (at
+    d_head 128 causal without dq_frag, non-causal without dq_mid): prewarmed too, so a warm
+    backward_varlen compiles nothing."""
+    from cupyflash.families.backward_sm90 import config_sets
+
+    varlen = {cfg for cfg, _ in config_sets.varlen_default_launches()}
+    assert set(config_sets.get_kernel_configs("varlen_defaults")) == varlen
+    assert varlen - set(config_sets.get_kernel_configs("defaults"))  # not covered by the dense set
+    assert varlen <= set(prewarm_offdevice.default_configs(90))

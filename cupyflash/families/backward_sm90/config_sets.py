@@ -13,7 +13,7 @@ __all__ = ["KERNEL_SET_KEYS", "LONG_CAUSAL_ROWS", "LONG_NONCAUSAL_ROWS", "all_co
            "default_config", "default_configs", "default_launches", "varlen_default_config", "varlen_default_launches",
            "get_kernel_configs", "companion_config"]
 
-KERNEL_SET_KEYS = ("all", "defaults", "tune", "prog")
+KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 
 # (B_r, B_c, n_stages, knobs) per d_head: two consumer warpgroups (128 keys, FA3's d128 tile) and a
 # double Q/dO ring. d_head 128: dQ by the writer warp's TMA tensor reductions with the dV | dQ, dK
@@ -220,6 +220,8 @@ def get_kernel_configs(key: str) -> list[HopperBackwardKernelConfig]:
         return all_configs()
     if k == "defaults":
         return default_configs()
+    if k == "varlen_defaults":  # backward_varlen's cfg=None (prewarm_offdevice builds both sets)
+        return sorted({cfg for cfg, _ in varlen_default_launches()})
     if k == "tune":
         return tune_configs()
     if k == "prog":
