@@ -29,7 +29,7 @@ reduction (cp.reduce.async.bulk.tensor, 8 KiB), off the consumers' critical path
 Schedule knobs: `dq_mid` issues dV before the dS^T barrier and dQ then dK after it (dQ is
 finished, and its result handed on, while dK still runs; the default queues dV and dK before
 the barrier and dQ last); `nomask` splits a causal call's walk over each query head's blocks
-into two loops: the blocks that cut a warpgroup's keys with the diagonal compare, the rest (every
+into two loops: the blocks that cut the CTA's keys with the diagonal compare, the rest (every
 (key, query) pair visible) without it (the causal defaults' since the twenty-fourth session). No call
 masks the sequence tails: the preprocess's lse2 = +inf on padding rows and TMA's zero fill past
 seq_len_k make those terms vanish or land only in rows that are never stored.

@@ -50,7 +50,7 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # against the swizzled panels, d128 +3-5% at 4k and 16k (both masks), +1% causal 1k, level
 # non-causal 1k; d64 +2-4% at 1k and 4k.
 # Since the twenty-fourth session (NOTES.md item 246) causal calls take `nomask`: each query head's
-# walk runs the blocks that cut a warpgroup's keys in a masked loop and the rest in an unmasked
+# walk runs the blocks that cut the CTA's keys in a masked loop and the rest in an unmasked
 # one (the d128 loop 517 -> 418 instructions, d64 716 -> 586). H100, 3 rounds, the default and
 # its nomask twin in one process beside FA3: d128 bf16 / fp16 causal 2k +1.8% / +3.1%, 4k +4.0% /
 # +6.1%, 1k level, 16k +1.3% / -0.6%; d64 bf16 2k +1.4%, 4k-16k level.
