@@ -13,7 +13,7 @@ from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import (TensorView, _cupy, allocate_output, as_view, output_view, resolve_stream,
                       scratch_f32 as _workspace, wrap_output)
 
-__all__ = ["backward", "hopper_reason"]
+__all__ = ["backward", "hopper_reason", "plan_backward", "prepared_replay"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,27 +123,12 @@ def backward_and_replay(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, c
     """backward's full path: ((dq, dk, dv), the call's replay, or None when it launched nothing).
     The replay relaunches the same plan on new pointers of arrays with these shapes, strides,
     dtypes and device (backward_plans; cupyflash.jax keeps one per traced backward)."""
-    from .api import _check_device, _checked_devices, _ensure_gpu
-    from . import api as _api
-
-    if not _api._gpu_ready:
-        _ensure_gpu()
-    config = resolve_backward_config(cfg)
     dov, qv, kv, vv = as_view(dout, "dout"), as_view(q, "q"), as_view(k, "k"), as_view(v, "v")
     ov, lv = as_view(out, "out"), as_view(lse, "lse")
     dqv = output_view(dq, "dq") if dq is not None else None
     dkv = output_view(dk, "dk") if dk is not None else None
     dvv = output_view(dv, "dv") if dv is not None else None
-    if qv.device not in _checked_devices:
-        _check_device(qv.device)
-    if config is None and hopper_reason(dov, qv, kv, vv) is None:
-        config = _hopper_default(qv.dtype, qv.shape[3], causal is True, qv.shape[1])
-    plan = check_backward_args(config, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, softmax_scale, causal,
-                               deterministic, select=_select)
-    if isinstance(plan.cfg, HopperBackwardKernelConfig):
-        from .families.backward_sm90.launch import check_sm90_problem
-
-        check_sm90_problem(plan, qv, kv, vv, dov, _api._compute_capability(plan.device))
+    plan = plan_backward(cfg, dov, qv, kv, vv, ov, lv, dqv, dkv, dvv, causal, softmax_scale, deterministic)
     stream_ptr = resolve_stream(stream, qv)
     if dqv is None:
         dqv = allocate_output(qv, tuple(qv.shape))
@@ -154,6 +139,42 @@ def backward_and_replay(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, c
     replay = _launch(plan, (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv), stream_ptr) if plan.launch else None
     return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
             dv if dv is not None else wrap_output(dvv)), replay
+
+
+def plan_backward(cfg: Any, dout: TensorView, q: TensorView, k: TensorView, v: TensorView, out: TensorView,
+                  lse: TensorView, dq: TensorView | None, dk: TensorView | None, dv: TensorView | None, causal: Any,
+                  softmax_scale: Any, deterministic: Any) -> BackwardPlan:
+    """backward's validation and config choice on views (dq/dk/dv None: arrays backward would
+    allocate): the plan, or the argument's TypeError/ValueError. Launches nothing."""
+    from .api import _check_device, _checked_devices, _ensure_gpu
+    from . import api as _api
+
+    if not _api._gpu_ready:
+        _ensure_gpu()
+    config = resolve_backward_config(cfg)
+    if q.device not in _checked_devices:
+        _check_device(q.device)
+    if config is None and hopper_reason(dout, q, k, v) is None:
+        config = _hopper_default(q.dtype, q.shape[3], causal is True, q.shape[1])
+    plan = check_backward_args(config, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, causal,
+                               deterministic, select=_select)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import check_sm90_problem
+
+        check_sm90_problem(plan, q, k, v, dout, _api._compute_capability(plan.device))
+    return plan
+
+
+def prepared_replay(plan: BackwardPlan, q: TensorView, k: TensorView, v: TensorView,
+                    dout: TensorView) -> backward_plans.BackwardReplay | None:
+    """The replay of `plan` for arrays of these views' layouts with its kernels compiled and
+    loaded now, so that its runs only pack and launch (cupyflash.jax prepares it while tracing:
+    a command buffer may record those runs); None when the plan launches nothing."""
+    if not plan.launch:
+        return None
+    replay = backward_plans.BackwardReplay(plan, q, k, v, dout)
+    replay.prepare()
+    return replay
 
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> backward_plans.BackwardReplay:

@@ -73,6 +73,14 @@ class BackwardReplay:
         self.allocate_ws: Callable[[int], Any] | None = None
         self.ws_dtype: Any = None
 
+    def prepare(self) -> None:
+        """Compile and load the plan's kernels and resolve its launches now (the mma.sync family's
+        launcher is loaded when the replay is made), so that a run only packs and launches."""
+        if isinstance(self.plan.cfg, HopperBackwardKernelConfig):
+            from .families.backward_sm90.launch import plan_launch
+
+            plan_launch(self.plan)
+
     def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
         """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and one workspace of
         ws_floats laid out as lse2, dvec, dq_accum."""

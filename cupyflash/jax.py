@@ -19,10 +19,10 @@ the mapped size first.
 Gradients: `attention(..., return_lse=False)` is a `jax.custom_vjp` whose forward also keeps the
 log-sum-exp and whose backward runs `cupyflash.backward` (backward_sm90 on Hopper where it applies, else
 backward_sm80) in a second
-buffer_callback on XLA's buffers and stream (not command-buffer compatible: the backward takes
-its fp32 scratch from CuPy's stream-ordered allocator); a traced backward's first run plans the
-call through cupyflash.backward and its later runs relaunch that plan on the new buffers (the
-full path's validation is most of a small call's host time). `jax.grad`, `jax.jit(jax.grad(...))` and
+buffer_callback on XLA's buffers and stream. The backward is planned while tracing (cupyflash.
+backward's validation and config choice, its errors raised to the caller, its kernels compiled and
+loaded) and its fp32 workspace is a scratch result XLA allocates, so a run only packs pointers and
+launches: it is command-buffer compatible like the forward. `jax.grad`, `jax.jit(jax.grad(...))` and
 `jax.vmap(jax.grad(...))` work: the backward is a `custom_vmap` operation too, folding the mapped
 axis into the batch as the forward does.
 
@@ -240,15 +240,19 @@ def _operation(causal: bool, softmax_scale: float | None, with_lse: bool) -> Any
 
 # ------------------------------------------------------------------ gradients
 class _BackwardCallback:
-    """buffer_callback body of the backward: wraps XLA's buffers (dtypes known from tracing) as
-    CuPy arrays, zero copy, and runs cupyflash.backward into the dq/dk/dv output buffers on
-    XLA's stream."""
+    """buffer_callback body of the backward: one traced call's replay (planned, with its kernels
+    loaded, while tracing), relaunched on each run's buffers: XLA's q, k, v, out, dout, lse, the
+    dq, dk, dv results and an fp32 scratch result as the workspace. A run only reads pointers,
+    packs and launches, so XLA may record it into a command buffer."""
 
-    def __init__(self, dtype: np.dtype, causal: bool, softmax_scale: float | None) -> None:
+    def __init__(self, dtype: np.dtype, causal: bool, softmax_scale: float | None, specs: tuple,
+                 device: int, replay: Any) -> None:
         self.dtype, self.causal, self.softmax_scale = dtype, causal, softmax_scale
-        # the first run's plan per device, replayed on later runs' buffers (same shapes: one trace)
-        self.replays: dict[int, Any] = {}
-        self.streams: dict[tuple[int, int], Any] = {}  # (device, XLA's stream) -> a CuPy stream object
+        self.specs = specs  # (dout, q, k, v, out, lse) _Specs: another device plans its own replay
+        # device -> backward_plans.BackwardReplay (None: the call launches nothing); the trace
+        # device's is made while tracing, another device's at its first run
+        self.replays: dict[int, Any] = {device: replay}
+        self.ws_floats = replay.ws_floats if replay is not None else 0  # the scratch result's size
 
     def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any) -> None:
         _backward_launch(self, ctx, outs, dout, q, k, v, out, lse)
@@ -264,46 +268,57 @@ def _cupy_array(buf: Any, dtype: np.dtype) -> Any:
     return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
+def _backward_replay(dout: _Spec, q: _Spec, k: _Spec, v: _Spec, out: _Spec, lse: _Spec, causal: bool,
+                     softmax_scale: float | None, device: int) -> Any:
+    """While tracing: cupyflash.backward's validation and config choice for these shapes (its
+    errors reach the caller), and the plan's replay with its kernels compiled and loaded; None
+    when the call launches nothing. (GPU-facing; the CPU tests patch it.)"""
+    from .backward_api import plan_backward, prepared_replay
+
+    views = [_view(spec, device) for spec in (dout, q, k, v, out)] + [
+        TensorView(0, lse.shape, contiguous_strides(lse.shape), None, lse.dtype, device, JAX, None)]
+    dov, qv, kv, vv, ov, lv = views
+    plan = plan_backward(None, dov, qv, kv, vv, ov, lv, None, None, None, causal, softmax_scale, False)
+    return prepared_replay(plan, qv, kv, vv, dov)
+
+
 def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any,
                      out: Any, lse: Any) -> None:
-    """The first run of a traced backward goes through cupyflash.backward's full path (validation,
-    config choice, plan) and keeps its replay; later runs relaunch it on the new buffers with a
-    workspace from CuPy's pool on XLA's stream (about the host cost of backward's own fast path;
-    the full path's validation is most of a call on small problems)."""
+    """Relaunch the traced call's replay on this run's buffers (outs: dq, dk, dv, workspace) on
+    XLA's stream."""
     import cupy
 
-    from .backward_api import backward_and_replay
-
-    stream = int(_stream_of(ctx))
     device = q.__dlpack_device__()[1]
-    replay = callback.replays.get(device)
-    if replay is not None:
-        ptrs = tuple(b.__cuda_array_interface__["data"][0] for b in (q, k, v, out, dout, lse, *outs))
-        if not ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3):
-            cupy_stream = callback.streams.get((device, stream))
-            if cupy_stream is None:
-                from .interop import external_stream
-
-                cupy_stream = callback.streams[(device, stream)] = external_stream(stream, device)
-            with cupy.cuda.Device(device), cupy_stream:  # (CuPy's pool orders reuse per stream)
-                ws = cupy.empty((replay.ws_floats,), dtype=np.float32)
-                replay.run(stream, ptrs, ws.data.ptr)
-            return
-    dt, f32 = callback.dtype, np.dtype(np.float32)
+    if device in callback.replays:
+        replay = callback.replays[device]
+    else:  # a device the trace did not plan for (e.g. one shard of a multi-GPU program)
+        replay = callback.replays[device] = _backward_replay(*callback.specs, callback.causal,
+                                                             callback.softmax_scale, device)
+    if replay is None:
+        return
+    if replay.ws_floats > callback.ws_floats:
+        raise ValueError(f"cupyflash.jax backward: device {device} plans a {replay.ws_floats}-float workspace, "
+                         f"the traced program allocated {callback.ws_floats} (GPUs of different kinds)")
+    ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, out, dout, lse, *outs[:3]))
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3:
+        raise ValueError(f"cupyflash.jax backward: XLA buffer addresses {ptrs} break the 16-byte alignment the "
+                         "kernels read with (4 bytes for lse)")
     with cupy.cuda.Device(device):
-        arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, f32)]
-        dq, dk, dv = (_cupy_array(b, dt) for b in outs)
-        _, replay = backward_and_replay(*arrays, callback.causal, callback.softmax_scale, dq, dk, dv, False, stream,
-                                        None)
-    if replay is not None:
-        callback.replays[device] = replay
+        replay.run(_stream_of(ctx), ptrs, _buffer_ptr(outs[3]))
 
 
 def _backward_call(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
                    causal: bool, softmax_scale: float | None) -> tuple[jax.Array, ...]:
-    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    run = buffer_callback(_BackwardCallback(np.dtype(q.dtype), causal, softmax_scale), results)
-    return tuple(run(dout.astype(q.dtype), q, k, v, out, lse))
+    dout = dout.astype(q.dtype)
+    specs = [_spec(x, name) for x, name in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"))]
+    specs.append(_Spec(tuple(int(n) for n in lse.shape), np.dtype(lse.dtype)))
+    device = _trace_device()
+    callback = _BackwardCallback(np.dtype(q.dtype), causal, softmax_scale, tuple(specs), device,
+                                 _backward_replay(*specs, causal, softmax_scale, device))
+    workspace = jax.ShapeDtypeStruct((callback.ws_floats,), jnp.float32)
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (workspace,)
+    run = buffer_callback(callback, results, command_buffer_compatible=True)
+    return tuple(run(dout, q, k, v, out, lse))[:3]
 
 
 @functools.lru_cache(maxsize=256)

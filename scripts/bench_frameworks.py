@@ -15,7 +15,8 @@ JAX: cupyflash.jax.attention against jax.nn.dot_product_attention (cuDNN and XLA
 and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an unrolled chain of
 32), with the number of Python callback runs per attention call (below 1 when XLA replays the
 launch from a command buffer); for training, one forward + backward per iteration of a jitted
-fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))), the backward through each one's VJP, and
+fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))) and in an unrolled chain of 16 such steps
+(with the backward callback's runs per step), the backward through each one's VJP, and
 the same step of cupyflash.jax.attention_varlen on the packed batch.
 
     python scripts/bench_frameworks.py [--json out.json]
@@ -166,6 +167,14 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
         launch(*args)
 
     cfj._launch = counted  # the callback looks the name up at each run
+    backward_runs = {"count": 0}
+    backward_launch = cfj._backward_launch
+
+    def counted_backward(*args: Any) -> None:
+        backward_runs["count"] += 1
+        backward_launch(*args)
+
+    cfj._backward_launch = counted_backward
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(kk, SHAPE, jnp.bfloat16) for kk in keys)
     impls: dict[str, Callable[..., Any]] = {"cupyflash.jax.attention": lambda q, k, v: cfj.attention(q, k, v)}
@@ -178,8 +187,8 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
             print(f"dot_product_attention({impl}) unavailable: {type(exc).__name__}: {exc}")
     ref = jax.nn.dot_product_attention(q, k, v)
     err = float(jnp.abs(cfj.attention(q, k, v).astype(jnp.float32) - ref.astype(jnp.float32)).max())
-    unroll = 32
-    result: dict[str, Any] = {"iters": iters, "unroll": unroll, "max_abs_vs_dpa": err}
+    unroll, unroll_grad = 32, 16
+    result: dict[str, Any] = {"iters": iters, "unroll": unroll, "unroll_grad": unroll_grad, "max_abs_vs_dpa": err}
     for name, fn in impls.items():
         eager = fn if name.startswith("cupyflash") else jax.jit(fn)
         chain = jax.jit(lambda x, k, v, fn=fn: jax.lax.fori_loop(0, iters, lambda i, x: fn(x, k, v), x))
@@ -196,19 +205,31 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
             return x + (1e-3 * g).astype(x.dtype)
 
         grad_chain = jax.jit(lambda x: jax.lax.fori_loop(0, iters, grad_step, x))
+
+        def grad_unrolled_body(x):
+            for i in range(unroll_grad):
+                x = grad_step(i, x)
+            return x
+
+        grad_unrolled = jax.jit(grad_unrolled_body)
         entry: dict[str, float] = {}
         for mode, run, per in (
                 ("eager_us", lambda: jax.block_until_ready([eager(q, k, v) for _ in range(iters)]), iters),
                 ("fori_loop_us", lambda: chain(q, k, v).block_until_ready(), iters),
                 ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll),
-                ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters)):
+                ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters),
+                ("grad_unrolled_us", lambda: grad_unrolled(q).block_until_ready(), unroll_grad)):
             run()  # compile
-            before = runs["count"]
+            before, before_backward = runs["count"], backward_runs["count"]
             entry[mode] = _timed(run, reps) * 1e6 / per
             if name.startswith("cupyflash"):
                 entry[mode.replace("_us", "_callbacks_per_call")] = (runs["count"] - before) / ((reps + 1) * per)
+                if mode.startswith("grad"):
+                    entry[mode.replace("_us", "_backward_callbacks_per_call")] = (
+                        (backward_runs["count"] - before_backward) / ((reps + 1) * per))
         result[name] = entry
     cfj._launch = launch
+    cfj._backward_launch = backward_launch
     offsets, longest = _varlen_offsets(), max(VARLEN_LENGTHS)
     cu = jnp.asarray(offsets, jnp.int32)
     pq, pk, pv = (jax.random.normal(kk, (offsets[-1], SHAPE[2], SHAPE[3]), jnp.bfloat16) for kk in keys)
@@ -265,17 +286,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nJAX {data['jax_version']} (us per attention call; median of {args.jax_reps}; max |diff| vs "
               f"dot_product_attention {j['max_abs_vs_dpa']:.3g})")
         print(f"| {'call':40s} | eager | jit fori_loop ({j['iters']}) | jit unrolled ({j['unroll']}) | "
-              "forward + backward (jax.grad), jit fori_loop |")
-        print(f"|{'-' * 42}|------:|------------------:|-----------------:|------:|")
+              f"forward + backward (jax.grad), jit fori_loop | forward + backward, jit unrolled ({j['unroll_grad']}) |")
+        print(f"|{'-' * 42}|------:|------------------:|-----------------:|------:|------:|")
         cell = lambda fig, key, width: f"{fig[key]:{width}.1f}" if key in fig else f"{'-':>{width}s}"  # noqa: E731
         for name, fig in j.items():
             if isinstance(fig, dict):
                 print(f"| {name:40s} | {cell(fig, 'eager_us', 5)} | {cell(fig, 'fori_loop_us', 17)} | "
-                      f"{cell(fig, 'unrolled_us', 16)} | {cell(fig, 'grad_fori_loop_us', 5)} |")
+                      f"{cell(fig, 'unrolled_us', 16)} | {cell(fig, 'grad_fori_loop_us', 5)} | "
+                      f"{cell(fig, 'grad_unrolled_us', 5)} |")
         c = j.get("cupyflash.jax.attention", {})
         if c:
             print("python callback runs per cupyflash call: eager {:.2f}, fori_loop {:.2f}, unrolled {:.2f}".format(
                 c["eager_callbacks_per_call"], c["fori_loop_callbacks_per_call"], c["unrolled_callbacks_per_call"]))
+            print("python backward callback runs per training step: fori_loop {:.2f}, unrolled {:.2f}".format(
+                c["grad_fori_loop_backward_callbacks_per_call"], c["grad_unrolled_backward_callbacks_per_call"]))
     return 0
 
 

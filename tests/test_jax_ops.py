@@ -51,6 +51,11 @@ class ReferenceLaunches:
             np.asarray(lse)[...] = l
 
 
+class _CpuReplay:
+    def __init__(self, ws_floats: int) -> None:
+        self.ws_floats = ws_floats
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
     """The operation with a NumPy stand-in for the GPU steps, on JAX's CPU device."""
@@ -59,6 +64,8 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(cfj, "_select", lambda dtype, d_head, *_: default_config(dtype, d_head))
     monkeypatch.setattr(cfj, "_prepare_kernel", lambda callback: None)
     monkeypatch.setattr(cfj, "_launch", launches)
+    # the backward's trace-time plan: a workspace size is all the CPU stand-ins need of it
+    monkeypatch.setattr(cfj, "_backward_replay", lambda *args: _CpuReplay(ws_floats=8))
     _clear_caches()
     with jax.default_device(jax.devices("cpu")[0]):
         yield launches
@@ -383,9 +390,9 @@ def test_grad_on_the_gpu_matches_the_reference(causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_grad_reruns_replay_the_first_plan(causal):
-    """A jitted grad run again on new inputs: the traced backward's later runs relaunch the first
-    run's plan on XLA's new buffers (cupyflash.jax keeps it per device), and every run's gradients
-    match the float64 reference."""
+    """A jitted grad run again on new inputs: every run relaunches the plan made while tracing on
+    XLA's new buffers (and its scratch workspace), and every run's gradients match the float64
+    reference."""
     _clear_caches()
     step = None
     for seed in (21, 22, 23):
@@ -400,6 +407,40 @@ def test_grad_reruns_replay_the_first_plan(causal):
             got = np.asarray(got, np.float64)
             rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
             assert rel <= 1e-2, (seed, name, rel)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["fori_loop", "unrolled"])
+def test_grad_steps_replayed_from_command_buffers(loop):
+    """Training steps x <- x - lr * grad(loss)(x) inside one jit (a fori_loop, or unrolled): XLA may
+    record the backward's launches into a command buffer and replay them on the loop's changing
+    buffers; the result must equal the same steps run one jitted step at a time."""
+    _clear_caches()
+    q, k, v = _inputs(31, q_shape=(2, 77, 8, 128), kv_shape=(2, 130, 2, 128))
+    w = jax.random.normal(jax.random.PRNGKey(32), q.shape, jnp.float32)
+
+    def step(i, x):
+        g = jax.grad(lambda y: (cfj.attention(y, k, v, causal=True).astype(jnp.float32) * w).sum())(x)
+        return (x.astype(jnp.float32) - 0.05 * g.astype(jnp.float32)).astype(x.dtype)
+
+    steps = 6
+    if loop == "fori_loop":
+        many = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
+    else:
+        def unrolled(x):
+            for i in range(steps):
+                x = step(i, x)
+            return x
+        many = jax.jit(unrolled)
+    one = jax.jit(lambda x: step(0, x))
+    want = q
+    for _ in range(steps):
+        want = one(want)
+    for _ in range(2):  # a second run replays whatever the first recorded
+        got = many(q)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    assert not np.allclose(np.asarray(want, np.float32), np.asarray(q, np.float32), atol=1e-3)  # the steps moved x
 
 
 # ----------------------------------------------------------------------------- packed ragged batches
