@@ -41,6 +41,7 @@ cache_seqlens, block_table?, k_new?, v_new?, causal, softmax_scale, num_splits?)
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -241,11 +242,27 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
     return backward(*args, **kwargs)
 
 
+_bound = threading.local()
+
+
+def _bind_context() -> None:
+    """Make the current device's primary context current on this thread, once per thread. The
+    backward operators run on autograd's device threads, where torch may not have made a runtime
+    call yet (its set_device skips a device that is already current): the library's driver calls
+    (cuTensorMapEncodeTiled, cuLaunchKernel) would find no context (CUresult 201)."""
+    if not getattr(_bound, "done", False):
+        import cupy
+
+        cupy.cuda.runtime.free(0)  # cudaFree(0): binds the primary context to the calling thread
+        _bound.done = True
+
+
 def _attention_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, causal: bool = False,
                              softmax_scale: float | None = None,
                              deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # cfg=None: after a signature's first call, backward replays its plan (backward_plans)
+    _bind_context()
     return _backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
 
 
@@ -301,6 +318,7 @@ def _attention_varlen_backward_cuda(dout: torch.Tensor, q: torch.Tensor, k: torc
                                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .backward_varlen import backward_varlen
 
+    _bind_context()
     return backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
 
@@ -481,9 +499,14 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale = causal, softmax_scale
     ctx.mark_non_differentiable(lse)  # FlashAttention-style: no gradient flows back through the lse
+    # the backward never reads the lse's gradient: without this autograd fills a zero tensor for
+    # it on every step (aten::zeros + fill_, ~48 us of a tiny step's host time on an H200 host)
+    ctx.set_materialize_grads(False)
 
 
 def _attention_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    if dout is None:  # the loss does not depend on out (grads are not materialised)
+        return None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     # autograd may hand a gradient of any layout (an expanded zero, a transposed view): the
     # kernels take a contiguous last dimension with 16-byte aligned rows.
@@ -505,9 +528,12 @@ def _setup_varlen_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     ctx.max_seqlens, ctx.causal, ctx.softmax_scale = (max_seqlen_q, max_seqlen_k), causal, softmax_scale
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # as _setup_context: no zero lse gradient per step
 
 
 def _attention_varlen_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple:
+    if dout is None:
+        return (None,) * 9
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.cupyflash.attention_varlen_backward.default(
         dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal,

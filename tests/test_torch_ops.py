@@ -747,3 +747,24 @@ def test_kvcache_operator_on_the_gpu():
     torch._dynamo.reset()
     f = torch.compile(lambda *a: cft.attention_kvcache(a[0], a[1], a[2], cache_seqlens=a[3]), fullgraph=True)
     assert torch.equal(f(q, kc, vc, lens), cft.attention_kvcache(q, kc, vc, cache_seqlens=lens))
+
+
+_FRESH_PROCESS_BACKWARD = """
+import torch, cupyflash.torch as cft
+q, k, v, dout = (torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+q.requires_grad_()
+cft.attention(q, k, v, causal=True).backward(dout)  # autograd's device thread: its first CUDA work
+torch.cuda.synchronize()
+assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+print("ok")
+"""
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_backward_on_a_fresh_autograd_thread():
+    """In a new process the backward operator is the first CUDA work of autograd's device thread,
+    which torch has not bound to a context (the lse's gradient is not materialised, so no zero
+    fill runs before it): the operator binds it before its driver calls."""
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_BACKWARD], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
