@@ -201,6 +201,7 @@ def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 
 def _attention_lse_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _bind_context()  # the training forward: activation checkpointing reruns it on autograd's thread
     result = _run_forward(q, k, v, causal, softmax_scale, True)
     if result is None:
         result = _forward(None, q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
@@ -305,6 +306,7 @@ def _attention_varlen_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 def _attention_varlen_lse_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool = False,
                               softmax_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    _bind_context()  # as _attention_lse_cuda
     from .varlen import forward_varlen
 
     return forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,

@@ -186,6 +186,7 @@ def mocked_launch(monkeypatch):
     monkeypatch.setattr(cft._TABLE, "get_device", lambda: 0)
     monkeypatch.setattr(cft, "_raw_stream", lambda device: 77)
     monkeypatch.setattr(cft, "as_view", _host_view)
+    monkeypatch.setattr(cft, "_bind_context", lambda: None)  # no CUDA context to bind on the host
     cft.clear_plans()
     yield recorder
     cft.clear_plans()
@@ -767,4 +768,27 @@ def test_backward_on_a_fresh_autograd_thread():
     which torch has not bound to a context (the lse's gradient is not materialised, so no zero
     fill runs before it): the operator binds it before its driver calls."""
     run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_BACKWARD], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+_FRESH_PROCESS_CHECKPOINT = """
+import torch, cupyflash.torch as cft
+from torch.utils.checkpoint import checkpoint
+q, k, v, dout = (torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+q.requires_grad_()
+out = checkpoint(lambda q, k, v: cft.attention(q, k, v, causal=True), q, k, v, use_reentrant=False)
+out.backward(dout)  # autograd's device thread reruns the forward, then runs the backward
+torch.cuda.synchronize()
+assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+print("ok")
+"""
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_checkpointed_attention_on_a_fresh_autograd_thread():
+    """Activation checkpointing reruns the training forward on autograd's device thread: in a new
+    process that is the thread's first CUDA work, so the forward operator binds its context too."""
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_CHECKPOINT], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
