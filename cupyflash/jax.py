@@ -245,9 +245,8 @@ class _BackwardCallback:
     dq, dk, dv results and an fp32 scratch result as the workspace. A run only reads pointers,
     packs and launches, so XLA may record it into a command buffer."""
 
-    def __init__(self, dtype: np.dtype, causal: bool, softmax_scale: float | None, specs: tuple,
-                 device: int, replay: Any) -> None:
-        self.dtype, self.causal, self.softmax_scale = dtype, causal, softmax_scale
+    def __init__(self, causal: bool, softmax_scale: float | None, specs: tuple, device: int, replay: Any) -> None:
+        self.causal, self.softmax_scale = causal, softmax_scale
         self.specs = specs  # (dout, q, k, v, out, lse) _Specs: another device plans its own replay
         # device -> backward_plans.BackwardReplay (None: the call launches nothing); the trace
         # device's is made while tracing, another device's at its first run
@@ -275,9 +274,7 @@ def _backward_replay(dout: _Spec, q: _Spec, k: _Spec, v: _Spec, out: _Spec, lse:
     when the call launches nothing. (GPU-facing; the CPU tests patch it.)"""
     from .backward_api import plan_backward, prepared_replay
 
-    views = [_view(spec, device) for spec in (dout, q, k, v, out)] + [
-        TensorView(0, lse.shape, contiguous_strides(lse.shape), None, lse.dtype, device, JAX, None)]
-    dov, qv, kv, vv, ov, lv = views
+    dov, qv, kv, vv, ov, lv = (_view(spec, device) for spec in (dout, q, k, v, out, lse))
     plan = plan_backward(None, dov, qv, kv, vv, ov, lv, None, None, None, causal, softmax_scale, False)
     return prepared_replay(plan, qv, kv, vv, dov)
 
@@ -310,11 +307,11 @@ def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any
 def _backward_call(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
                    causal: bool, softmax_scale: float | None) -> tuple[jax.Array, ...]:
     dout = dout.astype(q.dtype)
-    specs = [_spec(x, name) for x, name in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"))]
-    specs.append(_Spec(tuple(int(n) for n in lse.shape), np.dtype(lse.dtype)))
+    specs = tuple(_spec(x, name) for x, name in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                 (lse, "lse")))
     device = _trace_device()
-    callback = _BackwardCallback(np.dtype(q.dtype), causal, softmax_scale, tuple(specs), device,
-                                 _backward_replay(*specs, causal, softmax_scale, device))
+    replay = _backward_replay(*specs, causal, softmax_scale, device)
+    callback = _BackwardCallback(causal, softmax_scale, specs, device, replay)
     workspace = jax.ShapeDtypeStruct((callback.ws_floats,), jnp.float32)
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (workspace,)
     run = buffer_callback(callback, results, command_buffer_compatible=True)

@@ -159,22 +159,19 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
 
     import cupyflash.jax as cfj
 
-    runs = {"count": 0}
-    launch = cfj._launch
+    # the forward and backward callbacks look these names up at each run: count the runs
+    originals = {name: getattr(cfj, name) for name in ("_launch", "_backward_launch")}
+    runs = dict.fromkeys(originals, 0)
 
-    def counted(*args: Any) -> None:
-        runs["count"] += 1
-        launch(*args)
+    def counting(name: str) -> Callable[..., None]:
+        def counted(*args: Any) -> None:
+            runs[name] += 1
+            originals[name](*args)
 
-    cfj._launch = counted  # the callback looks the name up at each run
-    backward_runs = {"count": 0}
-    backward_launch = cfj._backward_launch
+        return counted
 
-    def counted_backward(*args: Any) -> None:
-        backward_runs["count"] += 1
-        backward_launch(*args)
-
-    cfj._backward_launch = counted_backward
+    for name in originals:
+        setattr(cfj, name, counting(name))
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(kk, SHAPE, jnp.bfloat16) for kk in keys)
     impls: dict[str, Callable[..., Any]] = {"cupyflash.jax.attention": lambda q, k, v: cfj.attention(q, k, v)}
@@ -220,16 +217,16 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
                 ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters),
                 ("grad_unrolled_us", lambda: grad_unrolled(q).block_until_ready(), unroll_grad)):
             run()  # compile
-            before, before_backward = runs["count"], backward_runs["count"]
+            before, before_backward = runs["_launch"], runs["_backward_launch"]
             entry[mode] = _timed(run, reps) * 1e6 / per
             if name.startswith("cupyflash"):
-                entry[mode.replace("_us", "_callbacks_per_call")] = (runs["count"] - before) / ((reps + 1) * per)
+                entry[mode.replace("_us", "_callbacks_per_call")] = (runs["_launch"] - before) / ((reps + 1) * per)
                 if mode.startswith("grad"):
                     entry[mode.replace("_us", "_backward_callbacks_per_call")] = (
-                        (backward_runs["count"] - before_backward) / ((reps + 1) * per))
+                        (runs["_backward_launch"] - before_backward) / ((reps + 1) * per))
         result[name] = entry
-    cfj._launch = launch
-    cfj._backward_launch = backward_launch
+    for name, original in originals.items():
+        setattr(cfj, name, original)
     offsets, longest = _varlen_offsets(), max(VARLEN_LENGTHS)
     cu = jnp.asarray(offsets, jnp.int32)
     pq, pk, pv = (jax.random.normal(kk, (offsets[-1], SHAPE[2], SHAPE[3]), jnp.bfloat16) for kk in keys)

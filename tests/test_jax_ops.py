@@ -8,6 +8,7 @@ SPEC §5 rule.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -51,11 +52,6 @@ class ReferenceLaunches:
             np.asarray(lse)[...] = l
 
 
-class _CpuReplay:
-    def __init__(self, ws_floats: int) -> None:
-        self.ws_floats = ws_floats
-
-
 @pytest.fixture
 def on_cpu(monkeypatch):
     """The operation with a NumPy stand-in for the GPU steps, on JAX's CPU device."""
@@ -65,7 +61,7 @@ def on_cpu(monkeypatch):
     monkeypatch.setattr(cfj, "_prepare_kernel", lambda callback: None)
     monkeypatch.setattr(cfj, "_launch", launches)
     # the backward's trace-time plan: a workspace size is all the CPU stand-ins need of it
-    monkeypatch.setattr(cfj, "_backward_replay", lambda *args: _CpuReplay(ws_floats=8))
+    monkeypatch.setattr(cfj, "_backward_replay", lambda *args: SimpleNamespace(ws_floats=8))
     _clear_caches()
     with jax.default_device(jax.devices("cpu")[0]):
         yield launches

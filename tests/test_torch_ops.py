@@ -767,7 +767,11 @@ def test_backward_on_a_fresh_autograd_thread():
     """In a new process the backward operator is the first CUDA work of autograd's device thread,
     which torch has not bound to a context (the lse's gradient is not materialised, so no zero
     fill runs before it): the operator binds it before its driver calls."""
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_BACKWARD], capture_output=True, text=True, timeout=300)
+    _run_in_a_fresh_process(_FRESH_PROCESS_BACKWARD)
+
+
+def _run_in_a_fresh_process(script: str) -> None:
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 
@@ -789,6 +793,4 @@ print("ok")
 def test_checkpointed_attention_on_a_fresh_autograd_thread():
     """Activation checkpointing reruns the training forward on autograd's device thread: in a new
     process that is the thread's first CUDA work, so the forward operator binds its context too."""
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_CHECKPOINT], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    _run_in_a_fresh_process(_FRESH_PROCESS_CHECKPOINT)
