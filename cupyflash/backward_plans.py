@@ -15,7 +15,7 @@ layouts then part of the signature) or none; everything else takes the full path
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
@@ -27,19 +27,12 @@ __all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
 _ALIGN = 256  # bytes between the workspace's three arrays (lse2, dvec, dq_accum)
 
 
-class _Operand(NamedTuple):
-    """What pack_dkdv reads of an input view: its pointer, shape and element strides."""
-
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-
-
 class BackwardReplay:
     """One signature's validated plan and what a call needs besides its six pointers."""
 
     __slots__ = ("plan", "device", "is_torch", "raw_dtype", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
-                 "lse2_off", "dvec_off", "acc_off", "acc_shape", "launch", "current_stream", "allocate", "allocate_ws", "ws_dtype")
+                 "lse2_off", "dvec_off", "acc_off", "acc_shape", "launch", "packed", "current_stream", "allocate",
+                 "allocate_ws", "ws_dtype")
 
     def __init__(self, plan: BackwardPlan, q: Any, k: Any, v: Any, dout: Any) -> None:
         self.plan = plan
@@ -66,6 +59,8 @@ class BackwardReplay:
             acc = _round_up(4 * functools.reduce(lambda a, b: a * b, self.acc_shape, 1)) // 4
         self.ws_floats = 2 * stats + acc
         self.launch = _launcher(plan)
+        # the Hopper family's parameter blocks packed once (prepare()), None: pack per call
+        self.packed: Any = None
         # set by remember() for replays: the caller's current stream, and the allocators (CuPy:
         # allocate/allocate_ws; torch: q.new_empty with ws_dtype for the workspace)
         self.current_stream: Callable[[], int] | None = None
@@ -75,17 +70,25 @@ class BackwardReplay:
 
     def prepare(self) -> None:
         """Compile and load the plan's kernels and resolve its launches now (the mma.sync family's
-        launcher is loaded when the replay is made), so that a run only packs and launches."""
+        launcher is loaded when the replay is made), so that a run only stores pointers and
+        launches: the Hopper family's two parameter blocks are packed once here, with the words
+        a run stores its pointers into (backward_sm90.launch.packed_launch; where the driver's
+        descriptor format hides the addresses, each run packs them)."""
         if isinstance(self.plan.cfg, HopperBackwardKernelConfig):
-            from .families.backward_sm90.launch import plan_launch
+            from .families.backward_sm90.launch import packed_launch, plan_launch
 
             plan_launch(self.plan)
+            if self.packed is None:
+                self.packed = packed_launch(self.plan, self.shapes, self.strides)
 
     def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
         """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and one workspace of
         ws_floats laid out as lse2, dvec, dq_accum."""
         acc = 0 if self.plan.deterministic else ws_ptr + self.acc_off
-        self.launch_on(stream, ptrs, acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off)
+        if self.packed is not None:
+            self.packed.launch(stream, ptrs + (acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off))
+        else:
+            self.launch_on(stream, ptrs, acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off)
 
     def launch_on(self, stream: int, ptrs: tuple[int, ...], acc: int, lse2: int, dvec: int) -> None:
         """Pack both parameter structs and launch (the current device is plan.device): every
@@ -101,12 +104,12 @@ def _round_up(nbytes: int) -> int:
 def _launcher(plan: BackwardPlan) -> Callable[..., None]:
     """(replay, stream, BackwardParams bytes, pointers, acc, lse2, dvec) -> the call's launches."""
     if isinstance(plan.cfg, HopperBackwardKernelConfig):
-        from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
+        from .families.backward_sm90.launch import Operand, launch_backward_sm90, pack_dkdv
 
         def hopper(replay: BackwardReplay, stream: int, params: bytes, ptrs: tuple[int, ...], acc: int, lse2: int,
                    dvec: int) -> None:
             shapes, strides = replay.shapes, replay.strides
-            q, k, v, dout = (_Operand(p, s, t) for p, s, t in zip((ptrs[0], ptrs[1], ptrs[2], ptrs[4]), shapes, strides))
+            q, k, v, dout = (Operand(p, s, t) for p, s, t in zip((ptrs[0], ptrs[1], ptrs[2], ptrs[4]), shapes, strides))
             hopper_params = pack_dkdv(plan, q, k, v, dout, ptrs[7], ptrs[8], acc, lse2, dvec)
             launch_backward_sm90(plan, params, hopper_params, stream)
 
@@ -211,6 +214,7 @@ def remember(key: tuple | None, replay: BackwardReplay) -> None:
 
         replay.allocate = functools.partial(cupy.empty, dtype=replay.raw_dtype)
         replay.allocate_ws = functools.partial(cupy.empty, dtype=np.float32)
+    replay.prepare()  # the full path launched it: its kernels are loaded, this packs the blocks
     _TABLE.remember(key, replay)
 
 

@@ -19,7 +19,7 @@ from . import launch_plans
 from .interop import TensorView
 from .validation import LaunchPlan
 
-__all__ = ["POINTERS", "OpLaunch", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views",
+__all__ = ["POINTERS", "MAX_POINTERS", "OpLaunch", "pointer_words", "address_offsets", "address_writer", "hopper_plan", "leading_writer", "plan_views",
            "make_launch", "repack_writer", "embedded_pointers"]
 
 POINTERS = struct.Struct("<5Q")  # q, k, v, o, lse: the first five ForwardParams fields
@@ -64,29 +64,35 @@ def leading_writer(buf: Any) -> Any:
 
 
 _WORD = struct.Struct("<Q")
-# Distinct, 16-byte aligned stand-in addresses with low and high bits set, seven per set (q, k,
-# v, o, lse, and the varlen kernels' cu_seqlens_q/k); never dereferenced: they only go through
-# cuTensorMapEncodeTiled.
+# Distinct, 16-byte aligned stand-in addresses with low and high bits set, twelve per set (the
+# forward kernels' q, k, v, o, lse and the varlen kernels' cu_seqlens_q/k; the backward's q, k,
+# v, out, dout, lse, dq, dk, dv and its three workspaces); never dereferenced: they only go
+# through the parameter packs and cuTensorMapEncodeTiled.
 _PROBES = ((0x1_0000_0000, 0x2_0000_0100, 0x3_0000_0200, 0x4_0000_0300, 0x5_0000_0400, 0x6_0000_0500,
-            0x7_0000_0600),
+            0x7_0000_0600, 0x8_0000_0700, 0x9_0000_0800, 0xA_0000_0900, 0xB_0000_0A00, 0xC_0000_0B00),
            (0x7F12_3456_7800, 0x7F00_0000_0010, 0x1_0000_0020, 0x2000_0000_0030, 0x40, 0x7E00_1111_0050,
-            0x3_3333_3360),
-           (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670, 0x4444_0000_0070, 0x80),
-           (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000, 0x90, 0x1_2345_6780))
+            0x3_3333_3360, 0x6000_0000_0080, 0x7F12_0000_00A0, 0x55_0000_00B0, 0x3000_0000_00C0,
+            0x7EFF_FFFF_FFD0),
+           (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670, 0x4444_0000_0070, 0x80,
+            0x6666_6666_6660, 0x1000_0000_0000, 0x3_0000_00E0, 0x7777_7777_7770, 0xABC_DEF0),
+           (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000, 0x90, 0x1_2345_6780,
+            0x30, 0x7ABC_0000_0040, 0x1111_1111_1110, 0x60, 0x2468_ACE0_0000))
+MAX_POINTERS = len(_PROBES[0])
 
 
-def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, ...], bytes] | None:
+def pointer_words(repack: Any, size: int, count: int) -> tuple[tuple[tuple[int, ...], ...], bytes] | None:
     """Where each of `repack`'s `count` pointer arguments lands in its parameter block, if nothing
-    else in the block depends on them: ((byte offset per pointer), template), else None. For the
-    forward kernels the pointers are q, k, v, o, lse; the varlen kernels add cu_seqlens_q/k.
+    else in the block depends on them: ((byte offsets of every 8-byte word holding pointer i, for
+    each i), template), else None. A pointer may fill several words (the backward's outputs and
+    workspaces appear in both of its parameter structs) but must fill at least one.
 
-    The TMA descriptor format is opaque (CUtensorMap); this measures it instead of assuming it:
-    the block is encoded for several sets of addresses, each pointer must appear as one 8-byte word
-    holding exactly its value, and writing the words into the first block must give, byte for
-    byte, the block the driver encodes for every other set. Otherwise (another driver, another
-    format) the caller re-encodes per call."""
-    if not 1 <= count <= len(_PROBES[0]):
-        raise ValueError(f"count: 1..{len(_PROBES[0])} pointers, got {count}")
+    The TMA descriptor format is opaque (CUtensorMap): this measures it instead of assuming it.
+    The block is encoded for several sets of addresses; a pointer's words are those that hold
+    exactly its value in the first two sets, and writing the words into the first block must give,
+    byte for byte, the block the driver encodes for every other set. Otherwise (another driver,
+    another format) the caller re-encodes per call."""
+    if not 1 <= count <= MAX_POINTERS:
+        raise ValueError(f"count: 1..{MAX_POINTERS} pointers, got {count}")
     probes = [probe[:count] for probe in _PROBES]
     try:
         blocks = [bytes(repack(*probe)) for probe in probes]
@@ -96,19 +102,30 @@ def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, 
         return None
     offsets = []
     for i in range(count):
-        found = [off for off in range(0, size - 7, 8)
-                 if all(_WORD.unpack_from(b, off)[0] == probe[i] for b, probe in zip(blocks[:2], probes[:2]))]
-        if len(found) != 1:
+        found = tuple(off for off in range(0, size - 7, 8)
+                      if all(_WORD.unpack_from(b, off)[0] == probe[i] for b, probe in zip(blocks[:2], probes[:2])))
+        if not found:
             return None
-        offsets.append(found[0])
+        offsets.append(found)
     template = blocks[0]
     for block, probe in zip(blocks[1:], probes[1:]):
         patched = bytearray(template)
-        for off, ptr in zip(offsets, probe):
-            _WORD.pack_into(patched, off, ptr)
+        for words, ptr in zip(offsets, probe):
+            for off in words:
+                _WORD.pack_into(patched, off, ptr)
         if bytes(patched) != block:
             return None
     return tuple(offsets), template
+
+
+def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, ...], bytes] | None:
+    """pointer_words for blocks where each pointer fills exactly one word: ((byte offset per
+    pointer), template), else None. For the forward kernels the pointers are q, k, v, o, lse; the
+    varlen kernels add cu_seqlens_q/k."""
+    found = pointer_words(repack, size, count)
+    if found is None or any(len(words) != 1 for words in found[0]):
+        return None
+    return tuple(words[0] for words in found[0]), found[1]
 
 
 def address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:

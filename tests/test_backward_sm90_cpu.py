@@ -412,6 +412,64 @@ def test_pack_dkdv_dq_tma_map(monkeypatch):
     assert launch.dq_descriptor(frag, p, 0x30) == bytes(128)  # dq_frag: 1-D bulk reductions, no map
 
 
+@pytest.mark.parametrize("knobs, deterministic", [("dq_tma", False), ("dq_tma+pdl+dq_early", False),
+                                                   ("dq_tma+pdl+dq_frag", False), ("dq_tma", True)])
+def test_packed_launch_stores_what_a_pack_would(monkeypatch, knobs, deterministic):
+    """A replay's packed blocks (stand-in descriptors with the address in one word): for any
+    twelve pointers, each launch reads, byte for byte, the BackwardParams or HopperBackwardParams
+    a pack of those pointers gives, the workspace map's address word included."""
+    import ctypes
+
+    from fake_views import stand_in_encoder
+
+    launch.tma.clear_cache()
+    monkeypatch.setattr(launch.tma, "encode", stand_in_encoder(lambda a: (a, 0)))
+    cfg = HopperBackwardKernelConfig.parse(f"backward_sm90(BF16, 128, 64, 128, 2): {knobs}")
+    p, a = _plan(cfg, deterministic, causal=True, b=2, sq=100, sk=200, h=4, hk=2)
+    monkeypatch.setattr(launch, "get_kernels", lambda *args: {s.role: s.role for s in launch.launch_sequence(p)})
+    launched = []
+
+    def argv_launcher(role, grid, block, smem, pdl):
+        def go(stream, argv):
+            block_ptr = ctypes.c_void_p.from_address(argv).value
+            size = PARAMS_SIZE if role == "dkdv" else len(p.pack((0,) * 12))
+            launched.append((role, pdl, stream, ctypes.string_at(block_ptr, size)))
+        return go
+
+    monkeypatch.setattr(launch, "argv_launcher", argv_launcher)
+    shapes = tuple(tuple(a[n].shape) for n in ("q", "k", "v", "dout"))
+    strides = tuple(tuple(a[n].strides) for n in ("q", "k", "v", "dout"))
+    packed = launch.packed_launch(p, shapes, strides)
+    assert packed is not None
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        ptrs = tuple(int(x) * 16 for x in rng.integers(1, 1 << 43, 12))
+        if deterministic:
+            ptrs = ptrs[:9] + (0,) + ptrs[10:]
+        launched.clear()
+        packed.launch(99, ptrs)
+        inputs = (launch.Operand(ptr, s, t) for ptr, s, t in zip(ptrs[:3] + ptrs[4:5], shapes, strides))
+        hopper = launch.pack_dkdv(p, *inputs, *ptrs[7:9], *ptrs[9:])
+        steps = launch.launch_sequence(p)
+        assert [(r, pdl, s) for r, pdl, s, _ in launched] == [(s.role, s.pdl, 99) for s in steps]
+        for (role, _, _, raw), step in zip(launched, steps):
+            assert raw == (hopper if step.hopper_params else p.pack(ptrs)), role
+    launch.tma.clear_cache()
+
+
+def test_packed_launch_refused_when_descriptors_hide_the_address(monkeypatch):
+    from fake_views import stand_in_encoder
+
+    launch.tma.clear_cache()
+    monkeypatch.setattr(launch.tma, "encode", stand_in_encoder(lambda a: (a >> 4, 0)))
+    p, a = _plan(_plain(DType.BF16, 128), b=1, sq=64, sk=64, h=2, hk=2)
+    monkeypatch.setattr(launch, "get_kernels", lambda *args: pytest.fail("no kernels for a refused pack"))
+    shapes = tuple(tuple(a[n].shape) for n in ("q", "k", "v", "dout"))
+    strides = tuple(tuple(a[n].strides) for n in ("q", "k", "v", "dout"))
+    assert launch.packed_launch(p, shapes, strides) is None
+    launch.tma.clear_cache()
+
+
 def test_check_sm90_problem():
     cfg = _plain(DType.BF16, 128)
     p, a = _plan(cfg)

@@ -8,6 +8,7 @@ once per plan: `plan_launch`). Only an explicit `cfg` of this family reaches it 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from typing import Callable, NamedTuple
@@ -17,11 +18,11 @@ from ...validation import LOG2_E
 from ..forward_sm90 import tma
 from . import BACKWARD_SM90, roles_for
 from .config import D_HEADS, DQ_TMA_COLS, HopperBackwardKernelConfig
-from .params import pack_params
-from .pdl_launch import pdl_launcher
+from .params import PARAMS_SIZE, pack_params
+from .pdl_launch import argv_launcher, pdl_launcher
 
 __all__ = ["check_sm90_problem", "pack_dkdv", "dq_tma_spec", "dq_descriptor", "LaunchStep", "launch_sequence", "dq_workspace_shape",
-           "launch_backward_sm90", "plan_launch", "get_kernels"]
+           "launch_backward_sm90", "plan_launch", "get_kernels", "Operand", "PackedLaunch", "packed_launch"]
 
 
 def check_sm90_problem(plan: BackwardPlan, q, k, v, dout, compute_capability: int | None) -> None:
@@ -184,3 +185,68 @@ def launch_backward_sm90(plan: BackwardPlan, sm80_params: bytes, hopper_params: 
     """Launch the variant's kernels in order on `stream_ptr` (the current device is plan.device):
     `sm80_params` (BackwardParams) for the reused kernels, `hopper_params` for dkdv."""
     plan_launch(plan)(sm80_params, hopper_params, stream_ptr)
+
+
+class Operand(NamedTuple):
+    """What pack_dkdv reads of an input view: its pointer, shape and element strides."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+class PackedLaunch:
+    """A plan's BackwardParams and HopperBackwardParams packed once for inputs of fixed layouts,
+    relaunched by `launch(stream, pointers)` with one call's twelve pointers (q, k, v, out, dout,
+    lse, dq, dk, dv, dq_accum, lse2, dvec) stored into the words of the two blocks that hold them:
+    no re-pack, no TMA descriptor lookup or encoding, no copy into the kernels' own buffers. Its
+    launchers are its own (a PDL launcher keeps its stream), so one lock covers the stores and the
+    launches (the driver copies the parameters before a launch returns)."""
+
+    __slots__ = ("buf", "words", "slots", "steps", "lock", "_argvs")
+
+    def __init__(self, template: bytes, hopper_at: int, slots: tuple[tuple[int, int], ...],
+                 steps: list[tuple[Callable[..., None], bool]]) -> None:
+        self.buf = ctypes.create_string_buffer(template, len(template))
+        self.words = memoryview(self.buf).cast("B").cast("Q")
+        self.slots = slots  # (word index, pointer index) per stored word
+        base = ctypes.addressof(self.buf)
+        self._argvs = [(ctypes.c_void_p * 1)(base), (ctypes.c_void_p * 1)(base + hopper_at)]
+        sm80_argv, hopper_argv = (ctypes.addressof(argv) for argv in self._argvs)
+        self.steps = tuple((go, hopper_argv if hopper else sm80_argv) for go, hopper in steps)
+        self.lock = threading.Lock()
+
+    def launch(self, stream: int, ptrs: tuple[int, ...]) -> None:
+        words = self.words
+        with self.lock:
+            for at, i in self.slots:
+                words[at] = ptrs[i]
+            for go, argv in self.steps:
+                go(stream, argv)
+
+
+def packed_launch(plan: BackwardPlan, shapes: tuple[tuple[int, ...], ...],
+                  strides: tuple[tuple[int, ...], ...]) -> PackedLaunch | None:
+    """The PackedLaunch of a dense plan whose q, k, v, dout have these shapes and element strides
+    (its kernels compiled and loaded now), or None when the driver's descriptor format hides the
+    addresses (op_launch.pointer_words): such calls keep re-packing both blocks."""
+    from ...op_launch import pointer_words
+
+    if plan.varlen:
+        raise ValueError("plan: a varlen plan's launches take the cu_seqlens pointers too")
+    hopper_at = -(-len(plan.pack((0,) * 12)) // 64) * 64  # the HopperBackwardParams block's offset
+
+    def repack(*ptrs: int) -> bytes:
+        inputs = (Operand(ptr, shape, stride) for ptr, shape, stride in zip(ptrs[:3] + ptrs[4:5], shapes, strides))
+        hopper = pack_dkdv(plan, *inputs, ptrs[7], ptrs[8], ptrs[9], ptrs[10], ptrs[11])
+        return plan.pack(ptrs).ljust(hopper_at, b"\0") + hopper
+
+    found = pointer_words(repack, hopper_at + PARAMS_SIZE, 12)
+    if found is None:
+        return None
+    offsets, template = found
+    slots = tuple((off // 8, i) for i, words in enumerate(offsets) for off in words)
+    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    steps = [(argv_launcher(kernels[step.role], step.grid, step.block, step.smem, step.pdl), step.hopper_params)
+             for step in launch_sequence(plan)]
+    return PackedLaunch(template, hopper_at, slots, steps)

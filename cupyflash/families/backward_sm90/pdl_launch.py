@@ -16,7 +16,24 @@ from typing import Callable
 from ...kvcache_pdl import PDLLaunch
 from ...registry import LoadedKernel
 
-__all__ = ["pdl_launcher"]
+__all__ = ["pdl_launcher", "argv_launcher"]
+
+
+def argv_launcher(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int,
+                  pdl: bool) -> Callable[..., None]:
+    """(stream, argv_ptr) -> `kernel` launched from the parameter block that argv_ptr's array
+    points at (no copy): as a programmatic dependent of the previous kernel on the stream when
+    `pdl`, else plainly. A PDL launcher keeps its stream in its launch config, so each caller
+    owns its own and serialises its calls."""
+    from ...launch_plans import driver_calls
+
+    launch_kernel = driver_calls()[0]
+    func, (gx, gy, gz) = kernel.func_ptr, grid
+
+    def plain(stream: int, argv: int, extra: int = 0) -> None:
+        launch_kernel(func, gx, gy, gz, block, 1, 1, smem, stream, argv, extra)
+
+    return PDLLaunch(func, grid, block, smem, plain) if pdl else plain
 
 
 class _Launcher:
@@ -26,19 +43,12 @@ class _Launcher:
     __slots__ = ("pdl", "buf", "argv", "argv_ptr", "size", "lock")
 
     def __init__(self, kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int) -> None:
-        from ...registry import _launch_kernel
-
         self.size = kernel.params_size
         self.buf = ctypes.create_string_buffer(self.size)
         self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.buf))
         self.argv_ptr = ctypes.addressof(self.argv)
         self.lock = threading.Lock()
-        func, (gx, gy, gz) = kernel.func_ptr, grid
-
-        def plain(stream: int, argv: int, extra: int = 0) -> None:
-            _launch_kernel(func, gx, gy, gz, block, 1, 1, smem, stream, argv, extra)
-
-        self.pdl = PDLLaunch(func, grid, block, smem, plain)
+        self.pdl = argv_launcher(kernel, grid, block, smem, True)
 
 
 _lock = threading.Lock()
