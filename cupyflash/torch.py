@@ -14,7 +14,11 @@ hang off the variant that saves the lse.
 
 They are defined with `torch.library.Library` + `impl` (a C++ dispatcher entry calling a Python
 kernel): on the H100 it costs about 5 us per call on top of `forward`, against 22-25 us for the
-same body registered with `torch.library.custom_op` (`scripts/bench_frameworks.py`). The CUDA kernels call `cupyflash.forward`, which
+same body registered with `torch.library.custom_op` (`scripts/bench_frameworks.py`). Eager calls
+of `attention()` (and its training forward and backward) whose signature has a launch plan skip
+even that when nothing could observe the dispatch (`_dispatch_free`: plain tensors, no torch
+function or dispatch mode, no functorch transform, no TorchScript tracing, no profiler); everything
+else, torch.compile included, calls the operators. The CUDA kernels call `cupyflash.forward`, which
 launches on torch's current stream (the capture stream inside `torch.cuda.graph`) and allocates
 its outputs with torch (the graph's pool during capture). The fake (meta) kernels apply the same
 argument rules as `forward` to the tensors' metadata, so shape and dtype errors surface while
@@ -188,6 +192,45 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
         fast.write_pointers(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
         _TABLE.launch_kernel(*fast.launch_head, stream, fast.argv_ptr, 0)
     return (out, lse) if with_lse else out
+
+
+def _dispatch_free_checks() -> Any:
+    """The predicate `_dispatch_free` uses, or one that is always False where this torch lacks
+    one of the checks (then every call goes through the dispatcher)."""
+    try:
+        from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+        function_modes, dispatch_modes = torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack
+        transforms, tracing = torch._C._functorch.peek_interpreter_stack, torch._C._get_tracing_state
+        profiler = torch.autograd.profiler
+        profiler._is_profiler_enabled  # noqa: B018 (present, as read below)
+    except AttributeError:
+        return lambda q, k, v: False
+    tensor = torch.Tensor
+
+    def dispatch_free(q: Any, k: Any, v: Any) -> bool:
+        return (type(q) is tensor and type(k) is tensor and type(v) is tensor and not function_modes()
+                and not dispatch_modes() and not is_in_torch_dispatch_mode() and transforms() is None
+                and tracing() is None and not profiler._is_profiler_enabled)
+
+    return dispatch_free
+
+
+# Eager calls skip the dispatcher (~4 us of a ~14 us call on the H200 host, NOTES.md item 268)
+# when nothing between a call and the operator's CUDA kernel could observe or change it: plain
+# tensors (no subclass, fake or functorch wrapper), no torch function or dispatch mode (fake,
+# proxy and functional tracing included), no functorch transform, no TorchScript tracing, no
+# profiler. Callers check torch.compiler.is_compiling() first, which Dynamo folds to True while
+# tracing, so a compiled graph always holds the operator.
+_dispatch_free = _dispatch_free_checks()
+
+
+def _eager_cuda(q: Any, k: Any, v: Any, *others: Any) -> bool:
+    """True when an eager call may run an operator's CUDA kernel body itself: CUDA tensors, not
+    under torch.compile, `_dispatch_free`, and the call's other tensor arguments (None where
+    optional) plain tensors too."""
+    return (not torch.compiler.is_compiling() and q.is_cuda and _dispatch_free(q, k, v)
+            and all(x is None or type(x) is torch.Tensor for x in others))
 
 
 def _attention_cuda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -512,8 +555,12 @@ def _attention_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | N
     q, k, v, out, lse = ctx.saved_tensors
     # autograd may hand a gradient of any layout (an expanded zero, a transposed view): the
     # kernels take a contiguous last dimension with 16-byte aligned rows.
-    dq, dk, dv = torch.ops.cupyflash.attention_backward.default(dout.contiguous(), q, k, v, out, lse, ctx.causal,
-                                                                ctx.softmax_scale, deterministic_backward)
+    dout = dout.contiguous()
+    if _eager_cuda(dout, q, k, v, out, lse):
+        dq, dk, dv = _attention_backward_cuda(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                              deterministic_backward)
+    else:
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, deterministic_backward)
     return dq, dk, dv, None, None
 
 
@@ -557,8 +604,11 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                 softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch._C._AutoDispatchBelowAutograd():  # straight to the CUDA (or meta/fake) kernel
-            out, lse = attention_forward_lse(q, k, v, causal, softmax_scale)
+        if _eager_cuda(q, k, v):
+            out, lse = _attention_lse_cuda(q, k, v, causal, softmax_scale)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():  # straight to the CUDA (or meta/fake) kernel
+                out, lse = attention_forward_lse(q, k, v, causal, softmax_scale)
         _setup_context(ctx, (q, k, v, causal, softmax_scale), (out, lse))
         return out, lse
 
@@ -606,6 +656,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         else:
             result = _AttentionFunction.apply(q, k, v, causal, softmax_scale)
         return result if return_lse else result[0]
+    if _eager_cuda(q, k, v):  # the operators' CUDA kernels, without the dispatcher
+        return (_attention_lse_cuda if return_lse else _attention_cuda)(q, k, v, causal, softmax_scale)
     if return_lse:
         return attention_forward_lse(q, k, v, causal, softmax_scale)
     return attention_forward(q, k, v, causal, softmax_scale)
@@ -633,6 +685,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         result = attention_varlen_lse_op(*args)  # the lse variant saves what the backward needs
         return result if return_lse else result[0]
+    if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k):
+        return _attention_varlen_cuda(*args)
     return attention_varlen_op(*args)
 
 
@@ -651,5 +705,7 @@ def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         from .kvcache_checks import check_num_splits
 
         num_splits = check_num_splits(num_splits)
-    return attention_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, softmax_scale,
-                                num_splits)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, causal, softmax_scale, num_splits)
+    if _eager_cuda(q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new):
+        return _attention_kvcache_cuda(*args)  # (k_cache/v_cache mutated in place, as the operator declares)
+    return attention_kvcache_op(*args)

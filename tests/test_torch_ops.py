@@ -7,6 +7,7 @@ opcheck, torch.compile with Inductor, CUDA graph capture and replay.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import subprocess
 import sys
@@ -267,6 +268,48 @@ def test_replayed_outputs_are_row_major_whatever_q_is(mocked_launch, monkeypatch
     assert out.shape == (1, 40, 4, 64) and out.stride() == (40 * 4 * 64, 4 * 64, 64, 1)
 
 
+def _watched_contexts():
+    """Contexts under which an eager call must reach the operator (something observes the dispatch)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    class Function(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return {"dispatch mode": Dispatch, "function mode": Function,
+            "profiler": lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])}
+
+
+@pytest.mark.parametrize("watcher", ["dispatch mode", "function mode", "profiler"])
+def test_dispatch_free_refuses_watched_calls(watcher):
+    """Under anything that observes the dispatcher, eager calls go through the operators."""
+    q, k, v = _inputs("cpu")
+    assert cft._dispatch_free(q, k, v)
+    with _watched_contexts()[watcher]():
+        assert not cft._dispatch_free(q, k, v)
+    assert cft._dispatch_free(q, k, v)
+    assert not cft._eager_cuda(q, k, v)  # host tensors: the operator (its CPU kernel refuses them)
+
+
+def test_dispatch_free_refuses_wrapped_and_traced_tensors():
+    q, k, v = _inputs("cpu")
+    assert cft._dispatch_free(q, k, v)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fq = mode.from_tensor(q)
+        assert not cft._dispatch_free(fq, k, v)
+    assert torch.func.vmap(lambda x: torch.tensor(float(cft._dispatch_free(x, k, v))))(q).sum() == 0
+    seen = []
+    torch.jit.trace(lambda x: seen.append(cft._dispatch_free(x, k, v)) or x * 2, (q,), check_trace=False)
+    assert seen == [False]
+
+
 # ----------------------------------------------------------------------------- GPU
 PROBLEMS = [(DType.BF16, 128, 256, 256, False), (DType.BF16, 128, 256, 256, True),
             (DType.FP16, 128, 256, 256, False)]
@@ -514,6 +557,35 @@ def test_gradients_on_the_gpu_match_the_reference(dtype, causal):
 
 @needs_gpu
 @pytest.mark.gpu
+def test_training_calls_skip_the_dispatcher(monkeypatch):
+    """Eager training steps with planned signatures: the forward with the lse and the backward
+    launch without their operators (stand-ins in their place see no call) and give the operators'
+    bits (deterministic backward); under a dispatch mode both go through the operators."""
+    q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    dout = torch.randn_like(q)
+    monkeypatch.setattr(cft, "deterministic_backward", True)
+
+    def step():
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = cft.attention(*leaves, causal=True)
+        out.backward(dout)
+        return [out.detach()] + [x.grad for x in leaves]
+
+    step()  # plans both signatures
+    want = step()
+    seen = []
+    forward_op, backward_op = cft.attention_forward_lse, cft.attention_backward
+    monkeypatch.setattr(cft, "attention_forward_lse", lambda *a: seen.append("forward") or forward_op(*a))
+    monkeypatch.setattr(cft, "attention_backward", lambda *a: seen.append("backward") or backward_op(*a))
+    got = step()
+    assert seen == [] and all(torch.equal(a, b) for a, b in zip(want, got))
+    with _watched_contexts()["dispatch mode"]():
+        got = step()
+    assert seen == ["forward", "backward"] and all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_deterministic_gradients_are_bit_identical(monkeypatch):
     """deterministic_backward: the same bits on every run (the replayed plan, no dQ accumulator),
     and the same gradients as the atomic path within bf16 rounding."""
@@ -748,6 +820,35 @@ def test_kvcache_operator_on_the_gpu():
     torch._dynamo.reset()
     f = torch.compile(lambda *a: cft.attention_kvcache(a[0], a[1], a[2], cache_seqlens=a[3]), fullgraph=True)
     assert torch.equal(f(q, kc, vc, lens), cft.attention_kvcache(q, kc, vc, cache_seqlens=lens))
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_inference_calls_skip_the_dispatcher(monkeypatch):
+    """Eager inference calls run the operators' CUDA kernels without the dispatcher (stand-ins in
+    the operators' place see no call) and give the operators' results; under a dispatch mode they
+    go through the operators (dense with and without the lse, varlen, kvcache)."""
+    q, k, v = _inputs("cuda", shape=(2, 256, 4, 128), kv=(2, 256, 4, 128))
+    vq, vk, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs("cuda", (90, 0, 200, 33), (100, 7, 200, 0), (8, 2), 128)
+    kq, kc, vc, lens, _, _ = _kvcache_inputs("cuda", d=128)
+    calls = {
+        "attention_forward": lambda: cft.attention(q, k, v, causal=True),
+        "attention_forward_lse": lambda: cft.attention(q, k, v, return_lse=True),
+        "attention_varlen_op": lambda: cft.attention_varlen(vq, vk, vv, cu_q, cu_k, max_q, max_k, causal=True),
+        "attention_kvcache_op": lambda: cft.attention_kvcache(kq, kc, vc, cache_seqlens=lens),
+    }
+    want = {name: call() for name, call in calls.items()}  # through the operators' planning calls too
+    seen = []
+    for name in calls:
+        op = getattr(cft, name)
+        monkeypatch.setattr(cft, name, lambda *a, _op=op, _name=name: seen.append(_name) or _op(*a))
+    for watched in (False, True):
+        with _watched_contexts()["dispatch mode"]() if watched else contextlib.nullcontext():
+            got = {name: call() for name, call in calls.items()}
+        assert seen == (list(calls) if watched else []), watched
+        for name, result in got.items():
+            pairs = zip(result, want[name]) if isinstance(result, tuple) else [(result, want[name])]
+            assert all(torch.equal(a, b) for a, b in pairs), (name, watched)
 
 
 _FRESH_PROCESS_BACKWARD = """
