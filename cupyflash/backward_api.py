@@ -179,19 +179,17 @@ def prepared_replay(plan: BackwardPlan, q: TensorView, k: TensorView, v: TensorV
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], stream_ptr: int) -> backward_plans.BackwardReplay:
     """Launch the planned call on `views` (q, k, v, out, dout, lse, dq, dk, dv) with its own
-    workspaces, through the packing and launches a later call of this signature replays; returns
-    that replay."""
+    workspace block (backward_plans.workspace_layout), through the replay a later call of this
+    signature makes; returns that replay."""
     q, k, v, _, dout = views[:5]
     replay = backward_plans.BackwardReplay(plan, q, k, v, dout)
-    lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    acc, acc_ptr = _workspace(q, replay.acc_shape, stream_ptr) if replay.acc_shape else (None, 0)
+    ws, ws_ptr = _workspace(q, (replay.ws_floats,), stream_ptr)
     ptrs = tuple(view.ptr for view in views)
     if isinstance(plan.cfg, HopperBackwardKernelConfig) or _cupy.cuda.runtime.getDevice() != plan.device:
         with _cupy.cuda.Device(plan.device):
-            replay.launch_on(stream_ptr, ptrs, acc_ptr, lse2_ptr, dvec_ptr)
+            replay.run(stream_ptr, ptrs, ws_ptr)
     else:
-        replay.launch_on(stream_ptr, ptrs, acc_ptr, lse2_ptr, dvec_ptr)
-    # The workspaces are released here; both allocators order their reuse on the launch stream.
-    del lse2, dvec, acc
+        replay.run(stream_ptr, ptrs, ws_ptr)
+    # The workspace is released here; both allocators order its reuse on the launch stream.
+    del ws
     return replay

@@ -15,24 +15,55 @@ layouts then part of the signature) or none; everything else takes the full path
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import math
+from typing import Any, Callable, NamedTuple
 
 from .backward_validation import BackwardPlan
 from .families.backward_sm90.config import HopperBackwardKernelConfig
 from .interop import stream_scratch_f32
 from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, given_stream, meta_reader
 
-__all__ = ["BackwardReplay", "signature", "run", "remember", "clear"]
+__all__ = ["BackwardReplay", "WorkspaceLayout", "workspace_layout", "signature", "run", "remember", "clear"]
 
 _ALIGN = 256  # bytes between the workspace's three arrays (lse2, dvec, dq_accum)
+
+
+class WorkspaceLayout(NamedTuple):
+    """Where a plan's fp32 workspaces lie in one block: byte offsets of lse2, dvec and dq_accum
+    (with the Hopper family's counters behind it; -1: none, deterministic), 256-byte aligned, and
+    the block's size in floats."""
+
+    lse2: int
+    dvec: int
+    acc: int
+    floats: int
+
+    def pointers(self, base: int) -> tuple[int, int, int]:
+        """(dq_accum, lse2, dvec) pointers in a block at `base` (dq_accum 0 when there is none)."""
+        return (base + self.acc if self.acc >= 0 else 0), base + self.lse2, base + self.dvec
+
+
+def workspace_layout(plan: BackwardPlan) -> WorkspaceLayout:
+    """The plan's workspaces in one block: lse2 and dvec (plan.stats_shape) and, unless
+    deterministic, dq_accum (backward_sm90: launch.dq_workspace_shape, its counters included)."""
+    align = lambda nbytes: -(-nbytes // _ALIGN) * _ALIGN  # noqa: E731
+    stats = align(4 * math.prod(plan.stats_shape))
+    if plan.deterministic:
+        return WorkspaceLayout(0, stats, -1, 2 * stats // 4)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
+        from .families.backward_sm90.launch import dq_workspace_shape
+
+        acc_shape = dq_workspace_shape(plan)
+    else:
+        acc_shape = plan.dq_accum_shape
+    return WorkspaceLayout(0, stats, 2 * stats, (2 * stats + align(4 * math.prod(acc_shape))) // 4)
 
 
 class BackwardReplay:
     """One signature's validated plan and what a call needs besides its six pointers."""
 
     __slots__ = ("plan", "device", "is_torch", "raw_dtype", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
-                 "lse2_off", "dvec_off", "acc_off", "acc_shape", "launch", "packed", "current_stream", "allocate",
-                 "allocate_ws", "ws_dtype")
+                 "layout", "launch", "packed", "current_stream", "allocate", "allocate_ws", "ws_dtype")
 
     def __init__(self, plan: BackwardPlan, q: Any, k: Any, v: Any, dout: Any) -> None:
         self.plan = plan
@@ -44,20 +75,8 @@ class BackwardReplay:
         # q, k, v, dout as pack_dkdv reads them (the Hopper family's TMA descriptors)
         self.shapes = tuple(tuple(x.shape) for x in (q, k, v, dout))
         self.strides = tuple(tuple(x.strides) for x in (q, k, v, dout))
-        stats = _round_up(plan.batch * plan.n_heads * plan.seq_len_q_pad * 4) // 4
-        self.lse2_off, self.dvec_off, self.acc_off = 0, stats * 4, 2 * stats * 4
-        # the dQ accumulator (with dq_early's counters behind it), None when deterministic
-        self.acc_shape: tuple[int, ...] | None = None
-        acc = 0
-        if not plan.deterministic:
-            if isinstance(plan.cfg, HopperBackwardKernelConfig):
-                from .families.backward_sm90.launch import dq_workspace_shape
-
-                self.acc_shape = dq_workspace_shape(plan)
-            else:
-                self.acc_shape = plan.dq_accum_shape
-            acc = _round_up(4 * functools.reduce(lambda a, b: a * b, self.acc_shape, 1)) // 4
-        self.ws_floats = 2 * stats + acc
+        self.layout = workspace_layout(plan)
+        self.ws_floats = self.layout.floats
         self.launch = _launcher(plan)
         # the Hopper family's parameter blocks packed once (prepare()), None: pack per call
         self.packed: Any = None
@@ -84,21 +103,17 @@ class BackwardReplay:
     def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
         """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and one workspace of
         ws_floats laid out as lse2, dvec, dq_accum."""
-        acc = 0 if self.plan.deterministic else ws_ptr + self.acc_off
+        workspace = self.layout.pointers(ws_ptr)
         if self.packed is not None:
-            self.packed.launch(stream, ptrs + (acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off))
+            self.packed.launch(stream, ptrs + workspace)
         else:
-            self.launch_on(stream, ptrs, acc, ws_ptr + self.lse2_off, ws_ptr + self.dvec_off)
+            self.launch_on(stream, ptrs, *workspace)
 
     def launch_on(self, stream: int, ptrs: tuple[int, ...], acc: int, lse2: int, dvec: int) -> None:
         """Pack both parameter structs and launch (the current device is plan.device): every
         backward launch, the full path's included, goes through here."""
         params = self.plan.pack(ptrs + (acc, lse2, dvec))
         self.launch(self, stream, params, ptrs, acc, lse2, dvec)
-
-
-def _round_up(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _launcher(plan: BackwardPlan) -> Callable[..., None]:

@@ -11,14 +11,15 @@ sequence's end do nothing.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
-import numpy as np
-
+from .backward_plans import workspace_layout
 from .backward_validation import BackwardPlan, resolve_backward_config
 from .families.backward_sm80.config import BackwardKernelConfig
 from .families.backward_sm90.config import HopperBackwardKernelConfig
-from .interop import TensorView, _cupy, allocate_output, as_view, host_copy, output_view, resolve_stream, wrap_output
+from .interop import (TORCH, TensorView, _cupy, allocate_output, as_view, contiguous_strides, host_copy, output_view,
+                      resolve_stream, stream_scratch_f32, wrap_output)
 from .launch_plans import _TORCH, PlanTable, _kind, current_stream_reader, given_stream, meta_reader
 from .validation import CHECKED_DEVICES, _dtype_name, _is_float32, check_device_once, check_flag, index_check_requested
 from .varlen_checks import VarlenProblem, _check_packed, check_index_values, check_max_seqlen, check_varlen_args
@@ -111,17 +112,6 @@ def check_backward_varlen_args(cfg: BackwardKernelConfig | None, dout: TensorVie
     return VarlenBackwardPlan(problem, plan)
 
 
-def _new_output(like: TensorView, shape: tuple[int, int, int], stream_ptr: int, zero: bool) -> TensorView:
-    """A new contiguous array of `shape`, with `zero` zeroed on the launch stream: tokens past
-    cu_seqlens[-1] belong to no sequence and get a zero gradient rather than whatever the
-    allocator held (without `zero` the preprocess kernel writes those rows)."""
-    view = allocate_output(like, shape)
-    nbytes = int(np.prod(shape)) * 2
-    if zero and nbytes:
-        _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
-    return view
-
-
 def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                     max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                     softmax_scale: float | None = None, dq: Any = None, dk: Any = None, dv: Any = None,
@@ -161,7 +151,7 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
             return result
     result, replay = _backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                       max_seqlen_k, causal, softmax_scale, dq, dk, dv, deterministic, stream, cfg,
-                                      check_indices, False, key is not None)
+                                      check_indices, key is not None)
     if key is not None and replay is not None:  # later calls with this signature replay it
         _remember(key, replay)
     return result
@@ -170,88 +160,155 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
 def _backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
                      max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float | None, dq: Any,
                      dk: Any, dv: Any, deterministic: bool, stream: Any, cfg: Any, check_indices: bool | None,
-                     zero_given: bool, keep: bool) -> tuple[tuple[Any, Any, Any], VarlenBackwardReplay | None]:
-    """backward_varlen (`zero_given`: given outputs, contiguous as XLA's buffers of cupyflash.jax
-    are, get zeros past cu_seqlens[-1] too, as new outputs do), and with `keep`, for a call whose
-    kernels zero those rows and that skips the index check, its VarlenBackwardReplay (else None)."""
-    from . import api as _api
-
-    if not _api._gpu_ready:
-        _api._ensure_gpu()
-    config = resolve_backward_config(cfg)
+                     keep: bool) -> tuple[tuple[Any, Any, Any], VarlenBackwardReplay | None]:
+    """backward_varlen, and with `keep`, for a call with new outputs whose kernels zero their rows
+    past cu_seqlens[-1] and that skips the index check, its VarlenBackwardReplay (else None)."""
     qv = as_view(q, "q")
-    if qv.device not in CHECKED_DEVICES:
-        check_device_once(qv.device)
     views = [as_view(x, name) for x, name in ((dout, "dout"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"),
                                               (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
     dov, kv, vv, ov, lv, cqv, ckv = views
     dqv = output_view(dq, "dq") if dq is not None else None
     dkv = output_view(dk, "dk") if dk is not None else None
     dvv = output_view(dv, "dv") if dv is not None else None
+    problem, plan = plan_backward_varlen(cfg, dov, qv, kv, vv, ov, lv, cqv, ckv, max_seqlen_q, max_seqlen_k, dqv, dkv,
+                                         dvv, softmax_scale, causal, deterministic)
+    checked = index_check_requested(check_indices)
+    if checked:
+        check_index_values(problem, host_copy(cqv), host_copy(ckv))
+    stream_ptr = resolve_stream(stream, qv)
+    zero = (dqv is None, dkv is None, dvv is None)  # new outputs get zeros past the last sequence
+    with _cupy.cuda.Device(plan.device):
+        if dqv is None:
+            dqv = allocate_output(qv, (problem.total_q, problem.n_heads, problem.d_head))
+        if dkv is None:
+            dkv = allocate_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head))
+        if dvv is None:
+            dvv = allocate_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head))
+        launched = (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv)
+        replay = VarlenBackwardReplay(problem, plan, launched, zero)
+        replay.run(stream_ptr, tuple(view.ptr for view in launched) + (cqv.ptr, ckv.ptr))
+    return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
+            dv if dv is not None else wrap_output(dvv)), replay if keep and replay.tail and not checked else None
+
+
+def plan_backward_varlen(cfg: Any, dout: TensorView, q: TensorView, k: TensorView, v: TensorView, out: TensorView,
+                         lse: TensorView, cu_q: TensorView, cu_k: TensorView, max_seqlen_q: Any, max_seqlen_k: Any,
+                         dq: TensorView | None, dk: TensorView | None, dv: TensorView | None, softmax_scale: Any,
+                         causal: Any, deterministic: Any) -> VarlenBackwardPlan:
+    """backward_varlen's validation and family and config choice on views (dq/dk/dv None: arrays
+    it would allocate): the plan, or the argument's TypeError/ValueError. Launches nothing."""
+    from . import api as _api
     from .backward_api import _select
 
-    if config is None and _hopper_reason(qv, kv, vv, dov) is None:
+    if not _api._gpu_ready:
+        _api._ensure_gpu()
+    config = resolve_backward_config(cfg)
+    if q.device not in CHECKED_DEVICES:
+        check_device_once(q.device)
+    if config is None and _hopper_reason(q, k, v, dout) is None:
         from .families.backward_sm90.config_sets import varlen_default_config
 
-        config = varlen_default_config(qv.dtype, qv.shape[2], causal is True,
+        config = varlen_default_config(q.dtype, q.shape[2], causal is True,
                                        check_max_seqlen(max_seqlen_q, "max_seqlen_q"))
-    checked = check_backward_varlen_args(config, dov, qv, kv, vv, ov, lv, cqv, ckv, max_seqlen_q, max_seqlen_k,
-                                         dqv, dkv, dvv, softmax_scale, causal, deterministic, select=_select)
-    problem, plan = checked
+    checked = check_backward_varlen_args(config, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                         dq, dk, dv, softmax_scale, causal, deterministic, select=_select)
+    plan = checked.plan
     if isinstance(plan.cfg, HopperBackwardKernelConfig):
         from .families.backward_sm90.launch import check_sm90_problem
 
-        check_sm90_problem(plan, *(_as_4d(x) for x in (qv, kv, vv, dov)), _api._compute_capability(plan.device))
-    if index_check_requested(check_indices):
-        check_index_values(problem, host_copy(cqv), host_copy(ckv))
-    stream_ptr = resolve_stream(stream, qv)
-    # New outputs (and with zero_given, given ones) get zeros past the last sequence: from the
-    # preprocess kernel when it runs (it does for every call with a query) and all three need
-    # them, else from a memset of each (the kernels then write the sequences' rows).
-    zero = [x is None or zero_given for x in (dqv, dkv, dvv)]
-    tail = (problem.total_q, problem.total_k) if all(zero) and plan.launch and problem.max_seqlen_q > 0 else None
-    with _cupy.cuda.Device(plan.device):
-        if dqv is None:
-            dqv = _new_output(qv, (problem.total_q, problem.n_heads, problem.d_head), stream_ptr, not tail)
-        if dkv is None:
-            dkv = _new_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr, not tail)
-        if dvv is None:
-            dvv = _new_output(qv, (problem.total_k, problem.n_kv_heads, problem.d_head), stream_ptr, not tail)
-        if zero_given and not tail:
-            for given, view in zip((dq, dk, dv), (dqv, dkv, dvv)):
-                nbytes = int(np.prod(view.shape)) * 2
-                if given is not None and nbytes:
-                    _cupy.cuda.runtime.memsetAsync(view.ptr, 0, nbytes, stream_ptr)
-        launched = (qv, kv, vv, ov, dov, lv, dqv, dkv, dvv)
-        if plan.launch:
-            _launch(plan, launched, cqv.ptr, ckv.ptr, stream_ptr, tail or (0, 0))
-    replay = (VarlenBackwardReplay(plan, launched, tail)
-              if keep and tail and not index_check_requested(check_indices) else None)
-    return (dq if dq is not None else wrap_output(dqv), dk if dk is not None else wrap_output(dkv),
-            dv if dv is not None else wrap_output(dvv)), replay
+        check_sm90_problem(plan, *(_as_4d(x) for x in (q, k, v, dout)), _api._compute_capability(plan.device))
+    return checked
+
+
+def prepared_replay(dout: TensorView, q: TensorView, k: TensorView, v: TensorView, out: TensorView, lse: TensorView,
+                    cu_q: TensorView, cu_k: TensorView, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: float | None) -> VarlenBackwardReplay:
+    """cupyflash.jax's traced varlen backward: backward_varlen(cfg=None)'s plan for views of the
+    traced shapes (their pointers are not read), into contiguous outputs zeroed past the last
+    sequence (XLA's buffers come uninitialised), with its kernels compiled and loaded now, so that
+    a run only packs and launches (`run` with one workspace of `layout.floats`)."""
+    checked = plan_backward_varlen(None, dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q, max_seqlen_k, None, None,
+                                   None, softmax_scale, causal, False)
+    problem = checked.problem
+    outputs = tuple(q._replace(shape=shape, strides=contiguous_strides(shape), base=None)
+                    for shape in ((problem.total_q, problem.n_heads, problem.d_head),
+                                  (problem.total_k, problem.n_kv_heads, problem.d_head),
+                                  (problem.total_k, problem.n_kv_heads, problem.d_head)))
+    replay = VarlenBackwardReplay(problem, checked.plan, (q, k, v, out, dout, lse, *outputs), (True, True, True))
+    replay.prepare()
+    return replay
 
 
 class VarlenBackwardReplay:
-    """A validated backward_varlen call whose kernels zero the outputs' rows past the last
-    sequence, relaunched by `replay(stream, pointers)` (q, k, v, out, dout, lse, dq, dk, dv,
-    cu_seqlens_q, cu_seqlens_k: arrays laid out as the first call's were; the caller checks their
-    alignment, and the current device is the plan's). The first call's views are kept without
-    their arrays (XLA's buffers are only lent to a callback's run). backward_varlen keeps one per
-    signature for calls with new outputs (replayed on the current stream or a given one);
+    """One validated backward_varlen call, relaunched by `run(stream, pointers)` (q, k, v, out,
+    dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k: arrays laid out as the first call's were;
+    the caller checks their alignment, and the current device is the plan's). Outputs to be zeroed
+    past the last sequence get those rows from the preprocess kernel (`tail`) when it runs and all
+    three need them, else memsets of the whole outputs first (`memsets`; the kernels then write
+    the sequences' rows). The first call's views are kept without their arrays (XLA's buffers are
+    only lent to a callback's run). backward_varlen keeps one per signature for calls with new
+    outputs whose kernels zero the tail (replayed on the current stream or a given one);
     cupyflash.jax one per traced backward."""
 
-    __slots__ = ("plan", "views", "tail", "device", "is_torch", "current_stream", "allocate")
+    __slots__ = ("plan", "views", "tail", "memsets", "layout", "packed", "device", "is_torch", "current_stream",
+                 "allocate")
 
-    def __init__(self, plan: BackwardPlan, views: tuple[TensorView, ...], tail: tuple[int, int]) -> None:
-        self.plan, self.tail, self.device = plan, tail, plan.device
+    def __init__(self, problem: VarlenProblem, plan: BackwardPlan, views: tuple[TensorView, ...],
+                 zero: tuple[bool, bool, bool]) -> None:
+        self.plan, self.device = plan, plan.device
         self.views = tuple(view._replace(base=None) for view in views)
-        self.is_torch = False
+        self.tail = ((problem.total_q, problem.total_k) if all(zero) and plan.launch and problem.max_seqlen_q > 0
+                     else None)
+        # (pointer index, bytes) of each output memset before the launch (contiguous outputs)
+        self.memsets = () if self.tail else tuple((6 + i, 2 * math.prod(views[6 + i].shape))
+                                                  for i in range(3) if zero[i] and math.prod(views[6 + i].shape))
+        self.layout = workspace_layout(plan)
+        self.packed: Any = None  # the Hopper family's blocks packed once (prepare()); None: pack per run
+        self.is_torch = views[0].framework == TORCH
         self.current_stream: Callable[[], int] | None = None  # set by _remember
         self.allocate: Callable[[tuple[int, ...]], Any] | None = None  # CuPy outputs (torch: q.new_empty)
 
-    def __call__(self, stream_ptr: int, ptrs: tuple[int, ...]) -> None:
-        _launch(self.plan, tuple(view._replace(ptr=ptr) for view, ptr in zip(self.views, ptrs)), ptrs[9], ptrs[10],
-                stream_ptr, self.tail)
+    @property
+    def ws_floats(self) -> int:
+        """Size of the workspace block `run` takes, in floats."""
+        return self.layout.floats
+
+    def prepare(self) -> None:
+        """Compile and load the plan's kernels and resolve their launches now (off a run's path);
+        the Hopper family's two parameter blocks are packed once, a run storing its pointers into
+        them (backward_sm90.launch.packed_launch, as the dense replays)."""
+        if not self.plan.launch:
+            return
+        if isinstance(self.plan.cfg, HopperBackwardKernelConfig):
+            from .families.backward_sm90.launch import packed_launch, plan_launch
+
+            plan_launch(self.plan)
+            if self.packed is None:
+                q, k, v, dout = (_as_4d(self.views[i]) for i in (0, 1, 2, 4))
+                self.packed = packed_launch(self.plan, (q.shape, k.shape, v.shape, dout.shape),
+                                            (q.strides, k.strides, v.strides, dout.strides), self.tail or (0, 0))
+        else:
+            from .families.backward_sm80.kernels import get_launcher
+
+            get_launcher(self.plan.cfg, self.plan.device, self.plan.causal, self.plan.deterministic, varlen=True)
+
+    def run(self, stream_ptr: int, ptrs: tuple[int, ...], ws_ptr: int | None = None) -> None:
+        """The memsets and launches on `stream_ptr` with these pointers and the workspace block at
+        `ws_ptr` (`layout.floats` fp32; None: one from the pool of the arrays' framework, ordered
+        on the launch stream). Memsets and launches only: a CUDA graph may record them."""
+        for at, nbytes in self.memsets:
+            _cupy.cuda.runtime.memsetAsync(ptrs[at], 0, nbytes, stream_ptr)
+        if not self.plan.launch:
+            return
+        ws = None
+        if ws_ptr is None:
+            ws, ws_ptr = stream_scratch_f32(self.is_torch, self.device, (self.layout.floats,), stream_ptr)
+        if self.packed is not None:
+            self.packed.launch(stream_ptr, ptrs[:9] + self.layout.pointers(ws_ptr) + ptrs[9:11])
+        else:
+            _launch(self.plan, tuple(view._replace(ptr=ptr) for view, ptr in zip(self.views, ptrs)), ptrs[9],
+                    ptrs[10], stream_ptr, self.tail or (0, 0), self.layout.pointers(ws_ptr))
+        del ws  # released after the launches: both allocators order its reuse on the launch stream
 
 
 _TABLE = PlanTable()  # backward_varlen's replays by signature
@@ -298,7 +355,7 @@ def _run(key: tuple | None, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: An
         ptrs = tuple(x.data.ptr for x in (q, k, v, out, dout, lse, dq, dk, dv, cu_q, cu_k))
     if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4]) & 15 or (ptrs[5] | ptrs[9] | ptrs[10]) & 3:
         return None
-    replay(replay.current_stream() if stream is None else stream, ptrs)
+    replay.run(replay.current_stream() if stream is None else stream, ptrs)
     return dq, dk, dv
 
 
@@ -308,6 +365,7 @@ def _remember(key: tuple, replay: VarlenBackwardReplay) -> None:
     replay.current_stream = current_stream_reader(is_torch, replay.device)
     if not is_torch:
         replay.allocate = functools.partial(_cupy.empty, dtype=replay.views[1].raw_dtype)
+    replay.prepare()  # the full path launched it: its kernels are loaded, this packs the blocks
     _TABLE.remember(key, replay)
 
 
@@ -344,28 +402,15 @@ def _hopper_reason(q: TensorView, k: TensorView, v: TensorView, dout: TensorView
 
 
 def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: int, stream_ptr: int,
-            tail: tuple[int, int] = (0, 0)) -> None:
-    """Workspaces (lse2, dvec: (n_heads, rows); dq_accum: (n_heads, rows, d_head), with the
-    Hopper family's counters behind it, unless deterministic) from the pool of q's framework on
-    the launch stream, then the varlen variant's kernels of the plan's family; `tail` (total_q,
-    total_k): the preprocess zeroes the output rows past the last sequence ((0, 0): none)."""
-    from .interop import scratch_f32 as _workspace
-
+            tail: tuple[int, int], workspace: tuple[int, int, int]) -> None:
+    """The varlen variant's kernels of the plan's family on `views` (q, k, v, out, dout, lse, dq,
+    dk, dv) with the workspaces at `workspace` (dq_accum: 0 when deterministic, lse2, dvec;
+    workspace_layout); `tail` (total_q, total_k): the preprocess zeroes the output rows past the
+    last sequence ((0, 0): none)."""
     q, k, v, _, dout = views[:5]
-    lse2, lse2_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    dvec, dvec_ptr = _workspace(q, plan.stats_shape, stream_ptr)
-    hopper = isinstance(plan.cfg, HopperBackwardKernelConfig)
-    if plan.deterministic:
-        acc, acc_ptr = None, 0
-    elif hopper:
-        from .families.backward_sm90.launch import dq_workspace_shape
-
-        acc, acc_ptr = _workspace(q, dq_workspace_shape(plan), stream_ptr)
-    else:
-        acc, acc_ptr = _workspace(q, plan.dq_accum_shape, stream_ptr)
-    ptrs = tuple(view.ptr for view in views) + (acc_ptr, lse2_ptr, dvec_ptr)
-    params = plan.pack(ptrs, (cu_q, cu_k), tail)
-    if hopper:
+    acc_ptr, lse2_ptr, dvec_ptr = workspace
+    params = plan.pack(tuple(view.ptr for view in views) + workspace, (cu_q, cu_k), tail)
+    if isinstance(plan.cfg, HopperBackwardKernelConfig):
         from .families.backward_sm90.launch import launch_backward_sm90, pack_dkdv
 
         hopper_params = pack_dkdv(plan, *(_as_4d(x) for x in (q, k, v, dout)), views[7].ptr, views[8].ptr, acc_ptr,
@@ -377,5 +422,3 @@ def _launch(plan: BackwardPlan, views: tuple[TensorView, ...], cu_q: int, cu_k: 
         launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic, varlen=True)
         launcher.launch(params, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q, plan.seq_len_k,
                         stream_ptr)
-    # the workspaces are released here; both allocators order their reuse on the launch stream
-    del lse2, dvec, acc

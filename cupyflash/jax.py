@@ -29,10 +29,15 @@ axis into the batch as the forward does.
 Packed ragged batches: `attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, ...)` runs `cupyflash.forward_varlen` in a buffer_callback on XLA's buffers and
 stream, and its `jax.custom_vjp` backward `cupyflash.backward_varlen`; the max lengths and options
-are static, the offsets are device arrays. Both callbacks call the library's Python entry point
-on every run (not command-buffer compatible) and zero their outputs first on XLA's stream, so
-tokens past cu_seqlens[-1] come back as 0 (out, lse and gradients) rather than as whatever XLA's
-buffer held.
+are static, the offsets are device arrays. Both are planned while tracing, as the dense ones:
+forward_varlen's and backward_varlen's validation and config choice on the traced shapes (their
+errors raised to the caller), kernels compiled and loaded, launches packed but for the pointers;
+the backward's fp32 workspaces (lse2, dvec, dq_accum and the Hopper family's counters, which its
+preprocess kernel resets) are one scratch result XLA allocates. A run only reads pointers, stores
+them and launches on XLA's stream, so both callbacks are command-buffer compatible. Tokens past
+cu_seqlens[-1] come back as 0 (out, lse and gradients) rather than as whatever XLA's buffer held:
+the forward kernel and the backward's preprocess kernel zero them (memsets on XLA's stream where
+nothing would launch or the preprocess does not run).
 """
 from __future__ import annotations
 
@@ -106,6 +111,11 @@ def _prepare_kernel(callback: "_Callback") -> None:
 
 def _buffer_ptr(buf: Any) -> int:
     return buf.__cuda_array_interface__["data"][0]
+
+
+def _stream_of(ctx: Any) -> int:
+    stream = ctx.stream
+    return int(stream() if callable(stream) else stream)  # a method in jaxlib 0.10/0.11
 
 
 _POINTERS = op_launch.POINTERS  # q, k, v, o, lse: the first five ForwardParams fields
@@ -257,16 +267,6 @@ class _BackwardCallback:
         _backward_launch(self, ctx, outs, dout, q, k, v, out, lse)
 
 
-def _cupy_array(buf: Any, dtype: np.dtype) -> Any:
-    import cupy
-
-    cai = buf.__cuda_array_interface__
-    shape = tuple(cai["shape"])
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(cai["data"][0], nbytes, buf)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
-
-
 def _backward_replay(dout: _Spec, q: _Spec, k: _Spec, v: _Spec, out: _Spec, lse: _Spec, causal: bool,
                      softmax_scale: float | None, device: int) -> Any:
     """While tracing: cupyflash.backward's validation and config choice for these shapes (its
@@ -289,19 +289,25 @@ def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any
     if device in callback.replays:
         replay = callback.replays[device]
     else:  # a device the trace did not plan for (e.g. one shard of a multi-GPU program)
-        replay = callback.replays[device] = _backward_replay(*callback.specs, callback.causal,
-                                                             callback.softmax_scale, device)
+        replay = _backward_replay(*callback.specs, callback.causal, callback.softmax_scale, device)
+        _check_workspace(callback, replay, device)
+        callback.replays[device] = replay
     if replay is None:
         return
-    if replay.ws_floats > callback.ws_floats:
-        raise ValueError(f"cupyflash.jax backward: device {device} plans a {replay.ws_floats}-float workspace, "
-                         f"the traced program allocated {callback.ws_floats} (GPUs of different kinds)")
     ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, out, dout, lse, *outs[:3]))
     if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3:
         raise ValueError(f"cupyflash.jax backward: XLA buffer addresses {ptrs} break the 16-byte alignment the "
                          "kernels read with (4 bytes for lse)")
     with cupy.cuda.Device(device):
         replay.run(_stream_of(ctx), ptrs, _buffer_ptr(outs[3]))
+
+
+def _check_workspace(callback: Any, replay: Any, device: int) -> None:
+    """A replay planned at a device's first run must fit the scratch workspace the traced program
+    allocates (its size came from the trace device's plan)."""
+    if replay is not None and replay.ws_floats > callback.ws_floats:
+        raise ValueError(f"cupyflash.jax backward: device {device} plans a {replay.ws_floats}-float workspace, "
+                         f"the traced program allocated {callback.ws_floats} (GPUs of different kinds)")
 
 
 def _backward_call(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
@@ -395,108 +401,154 @@ class _VarlenOptions(NamedTuple):
     softmax_scale: float | None
 
 
-def _check_varlen(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, options: _VarlenOptions) -> Any:
-    """forward_varlen's argument rules on shapes and dtypes (the TypeError/ValueError it raises)."""
+_VARLEN_NAMES = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _varlen_problem(specs: tuple[_Spec, ...], options: _VarlenOptions, device: int) -> tuple[Any, tuple]:
+    """forward_varlen's argument rules on views of the traced shapes (q, k, v, cu_seqlens_q/k):
+    (the VarlenProblem, the views), or the TypeError/ValueError forward_varlen raises."""
     from .varlen_checks import check_varlen_args
 
-    device = _trace_device()
-    views = [_view(_spec(x, name), device) for x, name in ((q, "q"), (k, "k"), (v, "v"), (cu_q, "cu_seqlens_q"),
-                                                             (cu_k, "cu_seqlens_k"))]
+    views = tuple(_view(spec, device) for spec in specs)
     return check_varlen_args(*views, options.max_seqlen_q, options.max_seqlen_k, None, options.softmax_scale,
-                             options.causal)
+                             options.causal), views
 
 
-def _stream_of(ctx: Any) -> int:
-    stream = ctx.stream
-    return int(stream() if callable(stream) else stream)  # a method in jaxlib 0.10/0.11
+def _varlen_forward_plan(problem: Any, views: tuple, with_lse: bool) -> Any:
+    """While tracing (or at a new device's first run): forward_varlen(cfg=None)'s config for the
+    validated problem, its kernel compiled and loaded and its launch packed but for the pointers
+    (varlen_plans.VarlenLaunch, the kernel zeroing the tokens past cu_seqlens_q[-1]); None when
+    there is nothing to launch. (GPU-facing; the CPU tests patch it.)"""
+    from .varlen import prepared_launch
+
+    return prepared_launch(problem, *views[:3], with_lse)
 
 
 class _VarlenForwardCallback:
-    """buffer_callback body of the varlen forward: XLA's buffers as CuPy arrays (zero copy),
-    forward_varlen into the out (and lse) buffers on XLA's stream. The shapes are fixed per trace,
-    so later runs relaunch the first run's validated launch (varlen_plans.VarlenLaunch.replay) on
-    the new buffers."""
+    """buffer_callback body of the varlen forward: the launch planned while tracing, relaunched on
+    each run's buffers (XLA's q, k, v, cu_seqlens_q/k and the out, lse results) on XLA's stream. A
+    run only reads pointers, stores them and launches (a problem with nothing to launch: memsets
+    of the results), so XLA may record it into a command buffer."""
 
-    def __init__(self, dtype: np.dtype, options: _VarlenOptions, with_lse: bool) -> None:
-        self.dtype, self.options, self.with_lse = dtype, options, with_lse
-        self.launches: dict[int, Any] = {}  # device -> the first run's launch
+    def __init__(self, specs: tuple[_Spec, ...], options: _VarlenOptions, with_lse: bool, problem: Any,
+                 device: int, launch: Any) -> None:
+        self.specs, self.options, self.with_lse = specs, options, with_lse  # another device plans its own
+        self.problem = problem  # the output shapes, for zero_outputs
+        self.launches: dict[int, Any] = {device: launch}  # device -> VarlenLaunch (None: nothing to launch)
 
     def __call__(self, ctx: Any, outs: Any, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any) -> None:
-        import cupy
-
-        from .varlen import _forward_varlen
-
-        stream, o = _stream_of(ctx), self.options
-        device = q.__dlpack_device__()[1]
-        with cupy.cuda.Device(device):
-            launch = self.launches.get(device)
-            if launch is not None:
-                ptrs = [b.__cuda_array_interface__["data"][0] for b in (q, k, v, outs[0], cu_q, cu_k)]
-                lse_ptr = outs[1].__cuda_array_interface__["data"][0] if self.with_lse else 0
-                if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 and not (ptrs[4] | ptrs[5] | lse_ptr) & 3:
-                    launch.replay(stream, *ptrs[:4], lse_ptr, ptrs[4], ptrs[5])
-                    return
-            qa, ka, va = (_cupy_array(b, self.dtype) for b in (q, k, v))
-            cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
-            out = _cupy_array(outs[0], self.dtype)
-            lse = _cupy_array(outs[1], np.dtype(np.float32)) if self.with_lse else None
-            # the tokens past cu_seqlens[-1] get out 0 and lse 0 from the kernel (zero_tail)
-            _, launch = _forward_varlen(qa, ka, va, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, o.causal,
-                                        o.softmax_scale, self.with_lse, out, lse, stream, None, None, True, True)
-        if launch is not None:
-            self.launches[device] = launch
+        _varlen_forward_launch(self, ctx, outs, q, k, v, cu_q, cu_k)
 
 
-class _VarlenBackwardCallback:
-    """buffer_callback body of the varlen backward: backward_varlen into the dq/dk/dv buffers (the
-    tokens past cu_seqlens[-1] get zeros, as backward_varlen's new outputs do). As the dense
-    backward's, a traced callback's later runs replay its first run's call on the new buffers."""
+def _varlen_forward_launch(callback: _VarlenForwardCallback, ctx: Any, outs: Any, q: Any, k: Any, v: Any, cu_q: Any,
+                           cu_k: Any) -> None:
+    """Relaunch the traced call's launch on this run's buffers (outs: out, and lse) on XLA's stream;
+    the tokens past cu_seqlens_q[-1] get out 0 and lse 0 (the kernel's zero_tail, or memsets)."""
+    import cupy
 
-    def __init__(self, dtype: np.dtype, options: _VarlenOptions) -> None:
-        self.dtype, self.options = dtype, options
-        self.replays: dict[int, Any] = {}  # device -> the first run's replay
+    device = q.__dlpack_device__()[1]
+    if device in callback.launches:
+        launch = callback.launches[device]
+    else:  # a device the trace did not plan for (e.g. one shard of a multi-GPU program)
+        problem, views = _varlen_problem(callback.specs, callback.options, device)
+        launch = callback.launches[device] = _varlen_forward_plan(problem, views, callback.with_lse)
+    ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, outs[0], cu_q, cu_k))
+    lse_ptr = _buffer_ptr(outs[1]) if callback.with_lse else 0
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 or (ptrs[4] | ptrs[5] | lse_ptr) & 3:
+        raise ValueError(f"cupyflash.jax attention_varlen: XLA buffer addresses {ptrs + (lse_ptr,)} break the 16-byte "
+                         "alignment the kernel reads with (4 bytes for cu_seqlens and lse)")
+    with cupy.cuda.Device(device):
+        if launch is None:
+            from .varlen import zero_outputs
 
-    def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
-                 cu_k: Any) -> None:
-        import cupy
+            zero_outputs(callback.problem, ptrs[3], lse_ptr, _stream_of(ctx))
+        else:
+            launch.replay(_stream_of(ctx), *ptrs[:4], lse_ptr, ptrs[4], ptrs[5])
 
-        from .backward_varlen import _backward_varlen
 
-        stream, o, dt = _stream_of(ctx), self.options, self.dtype
-        device = q.__dlpack_device__()[1]
-        replay = self.replays.get(device)
-        if replay is not None:
-            ptrs = tuple(b.__cuda_array_interface__["data"][0] for b in (q, k, v, out, dout, lse, *outs, cu_q, cu_k))
-            if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 and \
-                    not (ptrs[5] | ptrs[9] | ptrs[10]) & 3:
-                with cupy.cuda.Device(device):
-                    replay(stream, ptrs)
-                return
-        with cupy.cuda.Device(device):
-            arrays = [_cupy_array(b, dt) for b in (dout, q, k, v, out)] + [_cupy_array(lse, np.dtype(np.float32))]
-            cqa, cka = (_cupy_array(b, np.dtype(np.int32)) for b in (cu_q, cu_k))
-            dq, dk, dv = (_cupy_array(b, dt) for b in outs)
-            _, replay = _backward_varlen(*arrays, cqa, cka, o.max_seqlen_q, o.max_seqlen_k, o.causal, o.softmax_scale,
-                                         dq, dk, dv, False, stream, None, None, True, True)
-        if replay is not None:
-            self.replays[device] = replay
+@functools.lru_cache(maxsize=1024)
+def _varlen_prepared(specs: tuple[_Spec, ...], options: _VarlenOptions, with_lse: bool,
+                     device: int) -> tuple[_VarlenForwardCallback, tuple[jax.ShapeDtypeStruct, ...]]:
+    """(callback, result types) for one traced signature: validated and planned once (one callback
+    object per plan, so XLA's lowering and compile caches hit across traces)."""
+    problem, views = _varlen_problem(specs, options, device)
+    callback = _VarlenForwardCallback(specs, options, with_lse, problem, device,
+                                      _varlen_forward_plan(problem, views, with_lse))
+    results = (jax.ShapeDtypeStruct(problem.out_shape, specs[0].dtype),)
+    if with_lse:
+        results += (jax.ShapeDtypeStruct(problem.lse_shape, np.float32),)
+    return callback, results
 
 
 def _varlen_forward(q: jax.Array, k: jax.Array, v: jax.Array, cu_q: jax.Array, cu_k: jax.Array,
                     options: _VarlenOptions, with_lse: bool) -> tuple[jax.Array, ...]:
-    problem = _check_varlen(q, k, v, cu_q, cu_k, options)
-    results = (jax.ShapeDtypeStruct(problem.out_shape, q.dtype),)
-    if with_lse:
-        results += (jax.ShapeDtypeStruct(problem.lse_shape, np.float32),)
-    run = buffer_callback(_VarlenForwardCallback(np.dtype(q.dtype), options, with_lse), results)
+    specs = tuple(_spec(x, name) for x, name in zip((q, k, v, cu_q, cu_k), _VARLEN_NAMES))
+    callback, results = _varlen_prepared(specs, options, with_lse, _trace_device())
+    run = buffer_callback(callback, results, command_buffer_compatible=True)
     return tuple(run(q, k, v, cu_q, cu_k))
+
+
+def _varlen_backward_plan(specs: tuple[_Spec, ...], options: _VarlenOptions, device: int) -> Any:
+    """While tracing (or at a new device's first run): backward_varlen's validation and config
+    choice for these shapes (dout, q, k, v, out, lse, cu_seqlens_q/k; its errors reach the caller)
+    and its replay into contiguous outputs zeroed past the last sequence, kernels compiled and
+    loaded. (GPU-facing; the CPU tests patch it.)"""
+    from .backward_varlen import prepared_replay
+
+    views = tuple(_view(spec, device) for spec in specs)
+    return prepared_replay(*views, options.max_seqlen_q, options.max_seqlen_k, options.causal, options.softmax_scale)
+
+
+class _VarlenBackwardCallback:
+    """buffer_callback body of the varlen backward, as the dense one's (_BackwardCallback): the
+    replay planned while tracing (backward_varlen.VarlenBackwardReplay), relaunched on each run's
+    buffers (XLA's dout, q, k, v, out, lse, cu_seqlens_q/k, the dq, dk, dv results and an fp32
+    scratch result as the workspaces) on XLA's stream: memsets and launches only, so XLA may
+    record it into a command buffer. The tokens past cu_seqlens[-1] get zero gradients."""
+
+    def __init__(self, specs: tuple[_Spec, ...], options: _VarlenOptions, device: int, replay: Any) -> None:
+        self.specs, self.options = specs, options  # another device plans its own replay
+        self.replays: dict[int, Any] = {device: replay}
+        self.ws_floats = replay.ws_floats  # the scratch result's size
+
+    def __call__(self, ctx: Any, outs: Any, dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_q: Any,
+                 cu_k: Any) -> None:
+        _varlen_backward_launch(self, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k)
+
+
+def _varlen_backward_launch(callback: _VarlenBackwardCallback, ctx: Any, outs: Any, dout: Any, q: Any, k: Any,
+                            v: Any, out: Any, lse: Any, cu_q: Any, cu_k: Any) -> None:
+    """Relaunch the traced call's replay on this run's buffers (outs: dq, dk, dv, workspace) on
+    XLA's stream."""
+    import cupy
+
+    device = q.__dlpack_device__()[1]
+    replay = callback.replays.get(device)
+    if replay is None:  # a device the trace did not plan for
+        replay = _varlen_backward_plan(callback.specs, callback.options, device)
+        _check_workspace(callback, replay, device)
+        callback.replays[device] = replay
+    ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, out, dout, lse, *outs[:3], cu_q, cu_k))
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or \
+            (ptrs[5] | ptrs[9] | ptrs[10]) & 3:
+        raise ValueError(f"cupyflash.jax attention_varlen backward: XLA buffer addresses {ptrs} break the 16-byte "
+                         "alignment the kernels read with (4 bytes for lse and cu_seqlens)")
+    with cupy.cuda.Device(device):
+        replay.run(_stream_of(ctx), ptrs, _buffer_ptr(outs[3]))
 
 
 def _varlen_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,
                      cu_q: jax.Array, cu_k: jax.Array, options: _VarlenOptions) -> tuple[jax.Array, ...]:
-    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    run = buffer_callback(_VarlenBackwardCallback(np.dtype(q.dtype), options), results)
-    return tuple(run(dout.astype(q.dtype), q, k, v, out, lse, cu_q, cu_k))
+    dout = dout.astype(q.dtype)
+    args = (dout, q, k, v, out, lse, cu_q, cu_k)
+    specs = tuple(_spec(x, name) for x, name in zip(args, ("dout", *_VARLEN_NAMES[:3], "out", "lse",
+                                                              *_VARLEN_NAMES[3:])))
+    device = _trace_device()
+    callback = _VarlenBackwardCallback(specs, options, device, _varlen_backward_plan(specs, options, device))
+    workspace = jax.ShapeDtypeStruct((callback.ws_floats,), jnp.float32)
+    results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (workspace,)
+    run = buffer_callback(callback, results, command_buffer_compatible=True)
+    return tuple(run(*args))[:3]
 
 
 def _no_vmap(axis_size: int, in_batched: Any, *args: Any) -> Any:

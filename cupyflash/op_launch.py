@@ -64,19 +64,21 @@ def leading_writer(buf: Any) -> Any:
 
 
 _WORD = struct.Struct("<Q")
-# Distinct, 16-byte aligned stand-in addresses with low and high bits set, twelve per set (the
+# Distinct, 16-byte aligned stand-in addresses with low and high bits set, fourteen per set (the
 # forward kernels' q, k, v, o, lse and the varlen kernels' cu_seqlens_q/k; the backward's q, k,
-# v, out, dout, lse, dq, dk, dv and its three workspaces); never dereferenced: they only go
-# through the parameter packs and cuTensorMapEncodeTiled.
+# v, out, dout, lse, dq, dk, dv, its three workspaces and the varlen cu_seqlens_q/k); never
+# dereferenced: they only go through the parameter packs and cuTensorMapEncodeTiled.
 _PROBES = ((0x1_0000_0000, 0x2_0000_0100, 0x3_0000_0200, 0x4_0000_0300, 0x5_0000_0400, 0x6_0000_0500,
-            0x7_0000_0600, 0x8_0000_0700, 0x9_0000_0800, 0xA_0000_0900, 0xB_0000_0A00, 0xC_0000_0B00),
+            0x7_0000_0600, 0x8_0000_0700, 0x9_0000_0800, 0xA_0000_0900, 0xB_0000_0A00, 0xC_0000_0B00,
+            0xD_0000_0C00, 0xE_0000_0D00),
            (0x7F12_3456_7800, 0x7F00_0000_0010, 0x1_0000_0020, 0x2000_0000_0030, 0x40, 0x7E00_1111_0050,
             0x3_3333_3360, 0x6000_0000_0080, 0x7F12_0000_00A0, 0x55_0000_00B0, 0x3000_0000_00C0,
-            0x7EFF_FFFF_FFD0),
+            0x7EFF_FFFF_FFD0, 0x7D00_0000_00E0, 0x4000_0000_00F0),
            (0x7FFF_FFFF_FFF0, 0x10, 0x5555_5555_5550, 0x2AAA_AAAA_AAA0, 0x1234_5670, 0x4444_0000_0070, 0x80,
-            0x6666_6666_6660, 0x1000_0000_0000, 0x3_0000_00E0, 0x7777_7777_7770, 0xABC_DEF0),
+            0x6666_6666_6660, 0x1000_0000_0000, 0x3_0000_00E0, 0x7777_7777_7770, 0xABC_DEF0, 0x5A5A_5A5A_5A50,
+            0x123_4560),
            (0x100, 0x7F00_DEAD_BEE0, 0x3C00_0000_0000, 0x20, 0x7FFF_0000_0000, 0x90, 0x1_2345_6780,
-            0x30, 0x7ABC_0000_0040, 0x1111_1111_1110, 0x60, 0x2468_ACE0_0000))
+            0x30, 0x7ABC_0000_0040, 0x1111_1111_1110, 0x60, 0x2468_ACE0_0000, 0x50, 0x6C00_0000_00A0))
 MAX_POINTERS = len(_PROBES[0])
 
 

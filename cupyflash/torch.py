@@ -584,9 +584,12 @@ def _attention_varlen_lse_backward(ctx: Any, dout: torch.Tensor, dlse: torch.Ten
     if dout is None:
         return (None,) * 9
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    dq, dk, dv = torch.ops.cupyflash.attention_varlen_backward.default(
-        dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal,
-        ctx.softmax_scale, deterministic_backward)
+    args = (dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, ctx.causal,
+            ctx.softmax_scale, deterministic_backward)
+    if _eager_cuda(*args[:8]):
+        dq, dk, dv = _attention_varlen_backward_cuda(*args)
+    else:
+        dq, dk, dv = attention_varlen_backward(*args)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -613,6 +616,26 @@ class _AttentionFunction(torch.autograd.Function):
         return out, lse
 
     backward = staticmethod(_attention_lse_backward)
+
+
+class _AttentionVarlenFunction(torch.autograd.Function):
+    """_AttentionFunction's counterpart for packed batches: the varlen lse operator's registered
+    autograd formula as an eager Function (torch.compile traces the registered one)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
+        if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            out, lse = _attention_varlen_lse_cuda(*args)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out, lse = attention_varlen_lse_op(*args)
+        _setup_varlen_context(ctx, args, (out, lse))
+        return out, lse
+
+    backward = staticmethod(_attention_varlen_lse_backward)
 
 
 # ------------------------------------------------------------------------- public API
@@ -682,9 +705,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, check_max_seqlen(max_seqlen_q, "max_seqlen_q"),
             check_max_seqlen(max_seqlen_k, "max_seqlen_k"), causal, softmax_scale)
-    if return_lse or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        result = attention_varlen_lse_op(*args)  # the lse variant saves what the backward needs
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        # the lse variant saves what the backward needs
+        if torch.compiler.is_compiling():
+            result = attention_varlen_lse_op(*args)
+        else:
+            result = _AttentionVarlenFunction.apply(*args)
         return result if return_lse else result[0]
+    if return_lse:
+        return _attention_varlen_lse_cuda(*args) if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k) else \
+            attention_varlen_lse_op(*args)
     if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k):
         return _attention_varlen_cuda(*args)
     return attention_varlen_op(*args)

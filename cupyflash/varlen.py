@@ -14,7 +14,7 @@ import functools
 import math
 import os
 import struct
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .families.forward_sm80 import FORWARD_SM80
 from .families.forward_sm80.config import FlashForwardKernelConfig
@@ -198,43 +198,96 @@ def _forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any
         lv = allocate_lse(qv, problem.lse_shape) if want_lse else None
     replayable = None
     if not problem.empty:
-        launch = _launch_sm90 if type(config) is HopperForwardKernelConfig else _launch_sm80
-        head, params, writer = launch(problem, config, qv, kv, vv, ov, lv, cqv, ckv, stream_ptr, zero_tail)
+        prepared = _prepare(problem, config, qv, kv, vv, zero_tail)
+        with _cupy.cuda.Device(problem.device):
+            params = prepared.launch(stream_ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr if lv is not None else 0,
+                                     cqv.ptr, ckv.ptr)
         if keep and not checked:
-            replayable = _fast_launch(problem, qv, want_lse, head, params, writer)
-    elif zero_tail:  # no sequence (or no query rows): every token is past the last one
-        for view, itemsize in ((ov, 2), (lv, 4)):
-            if view is not None and view.shape[0] * view.shape[1]:
-                with _cupy.cuda.Device(problem.device):
-                    _cupy.cuda.runtime.memsetAsync(view.ptr, 0, itemsize * math.prod(view.shape), stream_ptr)
+            replayable = _fast_launch(problem, qv, want_lse, prepared.head, params, prepared.writer)
+    elif zero_tail:
+        with _cupy.cuda.Device(problem.device):
+            zero_outputs(problem, ov.ptr, lv.ptr if lv is not None else 0, stream_ptr)
     result = out if out is not None else wrap_output(ov)
     if want_lse:
         return (result, (lse if lse is not None else wrap_output(lv))), replayable
     return result, replayable
 
 
-def _launch_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
-                 stream_ptr: int, zero_tail: bool) -> tuple[tuple, bytes, Callable[..., None]]:
-    """Launch the mma.sync family's varlen kernel; return the launch head, the parameters and
-    their per-call packer (for the fast path)."""
+def zero_outputs(problem: VarlenProblem, o_ptr: int, lse_ptr: int, stream_ptr: int) -> None:
+    """zero_tail for a problem with nothing to launch (no sequence, no query row): every token is
+    past the last sequence, so the contiguous out (and lse, when lse_ptr) get 0 by memsets on the
+    launch stream (capturable into a CUDA graph; the caller holds the device current)."""
+    for ptr, shape, itemsize in ((o_ptr, problem.out_shape, 2), (lse_ptr, problem.lse_shape, 4)):
+        nbytes = itemsize * math.prod(shape)
+        if ptr and nbytes:
+            _cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream_ptr)
+
+
+class PreparedKernel(NamedTuple):
+    """One problem's varlen kernel, compiled and loaded, with everything its launches need but the
+    seven pointers (q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k)."""
+
+    kernel: Any                                  # registry.LoadedKernel
+    grid: tuple[int, int, int]
+    block: int
+    smem: int
+    repack: Callable[..., bytes]                 # (seven pointers) -> the parameter block
+    template: bytes                              # a block whose every field but the pointers is packed
+    writer: Callable[[Any], Callable[..., None]]  # writer(buf)(seven pointers): store them into buf
+
+    @property
+    def head(self) -> tuple:
+        """cuLaunchKernel's arguments up to the stream."""
+        return (self.kernel.func_ptr, *self.grid, self.block, 1, 1, self.smem)
+
+    def launch(self, stream_ptr: int, *ptrs: int) -> bytes:
+        """Pack the block for these pointers and launch on `stream_ptr` (the device current); the block."""
+        params = self.repack(*ptrs)
+        self.kernel.launch(self.grid, self.block, self.smem, stream_ptr, params)
+        return params
+
+
+def _prepare(problem: VarlenProblem, config: Any, q, k, v, zero_tail: bool) -> PreparedKernel:
+    """The config's family's varlen kernel for `problem`, launching nothing (q, k, v: views of the
+    arrays' layouts; their pointers are not read)."""
     global _get_registry
     if _get_registry is None:
         from .registry import get_registry as _get_registry
+    if type(config) is HopperForwardKernelConfig:
+        return _prepare_sm90(problem, config, q, k, v, zero_tail)
+    return _prepare_sm80(problem, config, zero_tail)
 
+
+def prepared_launch(problem: VarlenProblem, q, k, v, with_lse: bool) -> varlen_plans.VarlenLaunch | None:
+    """cupyflash.jax's varlen forward for a problem validated on views of the traced shapes (q, k,
+    v: their pointers are not read): forward_varlen(cfg=None)'s config, its kernel compiled and
+    loaded, and the launch (zero_tail: XLA's buffers come uninitialised) that `replay` relaunches
+    on each run's pointers; launching nothing now. None for a problem with nothing to launch
+    (zero_outputs covers it)."""
+    if problem.device not in CHECKED_DEVICES:
+        check_device_once(problem.device)
+    if problem.empty:
+        return None
+    prepared = _prepare(problem, _resolve_config(None, problem, q, k, v), q, k, v, True)
+    # replay only: no allocators and no current-stream reader (the caller passes XLA's stream)
+    return varlen_plans.VarlenLaunch(prepared.head, problem.device, prepared.template, problem.out_shape,
+                                     tuple(problem.lse_shape) if with_lse else None, None, None, None,
+                                     prepared.writer)
+
+
+def _prepare_sm80(problem: VarlenProblem, cfg: FlashForwardKernelConfig, zero_tail: bool) -> PreparedKernel:
+    """The mma.sync family's varlen kernel: the seven pointers are ForwardParams' first fields."""
     kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM80.variant(causal=problem.causal, varlen=True))
     grid = (-(-problem.max_seqlen_q // cfg.B_r), problem.n_heads, problem.batch)
-    params = pack_varlen_sm80(problem, q.ptr, k.ptr, v.ptr, o.ptr, lse.ptr if lse is not None else 0,
-                              cu_q.ptr, cu_k.ptr, zero_tail)
-    with _cupy.cuda.Device(problem.device):
-        kernel.launch(grid, cfg.n_warps * 32, cfg.smem_bytes(), stream_ptr, params)
+
+    def repack(q: int, k: int, v: int, o: int, lse: int, cq: int, ck: int) -> bytes:
+        return pack_varlen_sm80(problem, q, k, v, o, lse, cq, ck, zero_tail)
 
     def writer(buf: Any) -> Callable[..., None]:
-        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
-            _SM80_POINTERS.pack_into(buf, 0, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq, ck)  # every other field as packed
+        return functools.partial(_SM80_POINTERS.pack_into, buf, 0)  # every other field as packed
 
-        return write
-
-    return (kernel.func_ptr, *grid, cfg.n_warps * 32, 1, 1, cfg.smem_bytes()), params, writer
+    return PreparedKernel(kernel, grid, cfg.n_warps * 32, cfg.smem_bytes(), repack, repack(0, 0, 0, 0, 0, 0, 0),
+                          writer)
 
 
 def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, k, v, o: int, lse: int,
@@ -253,13 +306,11 @@ def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, 
                             problem.total_q, problem.total_q if zero_tail else 0)
 
 
-def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v, o, lse, cu_q, cu_k,
-                 stream_ptr: int, zero_tail: bool) -> tuple[tuple, bytes, Callable[..., None]]:
-    """Launch the Hopper family's varlen kernel; as _launch_sm80."""
-    global _get_registry
-    if _get_registry is None:
-        from .registry import get_registry as _get_registry
+def _prepare_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v,
+                  zero_tail: bool) -> PreparedKernel:
+    """The Hopper family's varlen kernel: the pointers are embedded in its TMA descriptors."""
     from .families.forward_sm90.launch import _sm_count
+    from .families.forward_sm90.params import PARAMS_SIZE
 
     kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM90.variant(causal=problem.causal, varlen=True))
     q_blocks = -(-problem.max_seqlen_q // cfg.B_r)
@@ -268,11 +319,6 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
         grid = (max(1, min(tiles, _sm_count(problem.device) or tiles)), 1, 1)
     else:
         grid = (q_blocks, problem.n_heads, problem.batch)
-    params = pack_varlen_sm90(cfg, problem, q, k, v, o.ptr, lse.ptr if lse is not None else 0, cu_q.ptr, cu_k.ptr,
-                              zero_tail)
-    with _cupy.cuda.Device(problem.device):
-        kernel.launch(grid, cfg.n_threads, cfg.smem_bytes(), stream_ptr, params)
-
     qs, ks, vs = (x._replace(base=None) for x in (q, k, v))  # the plan must not keep this call's arrays alive
 
     def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> bytes:
@@ -280,22 +326,32 @@ def _launch_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v
         return pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
                                 vs._replace(ptr=v_ptr), o_ptr, lse_ptr, cq, ck, zero_tail)
 
-    return (kernel.func_ptr, *grid, cfg.n_threads, 1, 1, cfg.smem_bytes()), params, sm90_writer(repack, len(params))
+    template, writer = _sm90_pointers(repack, PARAMS_SIZE)
+    return PreparedKernel(kernel, grid, cfg.n_threads, cfg.smem_bytes(), repack, template, writer)
 
 
 def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Callable[..., None]]:
     """writer(buf) -> write(q, k, v, o, lse, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k,
-    v, o, lse, cu_q, cu_k)` being its parameter packer: where the pointers sit in known words of
-    the block (op_launch.address_offsets) a call stores their words, else it re-packs the block
-    (TMA descriptors from tma's cache)."""
-    found = op_launch.address_offsets(repack, size, count=7)
+    v, o, lse, cu_q, cu_k)` being its parameter packer (see _sm90_pointers)."""
+    return _sm90_pointers(repack, size)[1]
 
-    def writer(buf: Any) -> Callable[..., None]:
-        if found is None:
+
+def _sm90_pointers(repack: Callable[..., bytes], size: int) -> tuple[bytes, Callable[[Any], Callable[..., None]]]:
+    """(template, writer) for a Hopper varlen plan: where the pointers sit in known words of the
+    block (op_launch.address_offsets) a call stores their words into the template (a block
+    encoded at stand-in addresses), else it re-packs the whole block (TMA descriptors from tma's
+    cache; the template is then zeros, never launched as it is)."""
+    found = op_launch.address_offsets(repack, size, count=7)
+    if found is None:
+        def repacking(buf: Any) -> Callable[..., None]:
             def repack_all(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
                 ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq, ck), size)
 
             return repack_all
+
+        return bytes(size), repacking
+
+    def writer(buf: Any) -> Callable[..., None]:
         write_forward = op_launch.address_writer(buf, found[0])  # q, k, v, o, lse
         words = memoryview(buf).cast("B").cast("Q")
         cq_at, ck_at = (offset // 8 for offset in found[0][5:])
@@ -307,7 +363,7 @@ def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Call
 
         return write
 
-    return writer
+    return found[1], writer
 
 
 def _fast_launch(problem: VarlenProblem, q, want_lse: bool, head: tuple, params: bytes,

@@ -10,8 +10,9 @@ Later calls read the pointers, check alignment, allocate the output (and lse) an
 Only PyTorch tensors and CuPy arrays take this path (on the caller's current stream, or on a
 `stream=` given as an int handle or a CuPy / torch stream of the plan's device), and only without
 lse= or the index check; everything else takes the full path. cupyflash.jax's
-varlen forward keeps a VarlenLaunch of its own per traced call and relaunches it with `replay`
-on XLA's buffers and stream.
+varlen forward makes a VarlenLaunch of its own while tracing (varlen.prepared_launch: no
+allocators, no current-stream reader) and relaunches it with `replay` on XLA's buffers and
+stream.
 """
 from __future__ import annotations
 

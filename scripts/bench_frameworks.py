@@ -17,7 +17,8 @@ and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an
 launch from a command buffer); for training, one forward + backward per iteration of a jitted
 fori_loop (x <- x + 1e-3 grad(sum(attention(x, k, v)))) and in an unrolled chain of 16 such steps
 (with the backward callback's runs per step), the backward through each one's VJP, and
-the same step of cupyflash.jax.attention_varlen on the packed batch.
+the same steps of cupyflash.jax.attention_varlen on the packed batch (fori_loop and unrolled, with
+both of its callbacks' runs per step).
 
     python scripts/bench_frameworks.py [--json out.json]
 """
@@ -159,8 +160,9 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
 
     import cupyflash.jax as cfj
 
-    # the forward and backward callbacks look these names up at each run: count the runs
-    originals = {name: getattr(cfj, name) for name in ("_launch", "_backward_launch")}
+    # the callbacks look these names up at each run: count the runs
+    originals = {name: getattr(cfj, name) for name in ("_launch", "_backward_launch", "_varlen_forward_launch",
+                                                       "_varlen_backward_launch")}
     runs = dict.fromkeys(originals, 0)
 
     def counting(name: str) -> Callable[..., None]:
@@ -209,24 +211,13 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
             return x
 
         grad_unrolled = jax.jit(grad_unrolled_body)
-        entry: dict[str, float] = {}
-        for mode, run, per in (
-                ("eager_us", lambda: jax.block_until_ready([eager(q, k, v) for _ in range(iters)]), iters),
-                ("fori_loop_us", lambda: chain(q, k, v).block_until_ready(), iters),
-                ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll),
-                ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters),
-                ("grad_unrolled_us", lambda: grad_unrolled(q).block_until_ready(), unroll_grad)):
-            run()  # compile
-            before, before_backward = runs["_launch"], runs["_backward_launch"]
-            entry[mode] = _timed(run, reps) * 1e6 / per
-            if name.startswith("cupyflash"):
-                entry[mode.replace("_us", "_callbacks_per_call")] = (runs["_launch"] - before) / ((reps + 1) * per)
-                if mode.startswith("grad"):
-                    entry[mode.replace("_us", "_backward_callbacks_per_call")] = (
-                        (runs["_backward_launch"] - before_backward) / ((reps + 1) * per))
-        result[name] = entry
-    for name, original in originals.items():
-        setattr(cfj, name, original)
+        counts = (lambda: (runs["_launch"], runs["_backward_launch"])) if name.startswith("cupyflash") else None
+        result[name] = _time_modes((
+            ("eager_us", lambda: jax.block_until_ready([eager(q, k, v) for _ in range(iters)]), iters),
+            ("fori_loop_us", lambda: chain(q, k, v).block_until_ready(), iters),
+            ("unrolled_us", lambda: unrolled(q, k, v).block_until_ready(), unroll),
+            ("grad_fori_loop_us", lambda: grad_chain(q).block_until_ready(), iters),
+            ("grad_unrolled_us", lambda: grad_unrolled(q).block_until_ready(), unroll_grad)), reps, counts)
     offsets, longest = _varlen_offsets(), max(VARLEN_LENGTHS)
     cu = jnp.asarray(offsets, jnp.int32)
     pq, pk, pv = (jax.random.normal(kk, (offsets[-1], SHAPE[2], SHAPE[3]), jnp.bfloat16) for kk in keys)
@@ -236,11 +227,37 @@ def bench_jax(iters: int, reps: int) -> dict[str, Any]:
                                               causal=True).astype(jnp.float32).sum()
         return x + (1e-3 * jax.grad(loss)(x)).astype(x.dtype)
 
+    def varlen_unrolled_body(x):
+        for i in range(unroll_grad):
+            x = varlen_step(i, x)
+        return x
+
     varlen_chain = jax.jit(lambda x: jax.lax.fori_loop(0, iters, varlen_step, x))
-    varlen_chain(pq).block_until_ready()  # compile
-    result["cupyflash.jax.attention_varlen"] = {
-        "grad_fori_loop_us": _timed(lambda: varlen_chain(pq).block_until_ready(), reps) * 1e6 / iters}
+    varlen_unrolled = jax.jit(varlen_unrolled_body)
+    result["cupyflash.jax.attention_varlen"] = _time_modes((
+        ("grad_fori_loop_us", lambda: varlen_chain(pq).block_until_ready(), iters),
+        ("grad_unrolled_us", lambda: varlen_unrolled(pq).block_until_ready(), unroll_grad)), reps,
+        lambda: (runs["_varlen_forward_launch"], runs["_varlen_backward_launch"]))
+    for name, original in originals.items():
+        setattr(cfj, name, original)
     return result
+
+
+def _time_modes(modes: tuple, reps: int, counts: Callable[[], tuple[int, int]] | None) -> dict[str, float]:
+    """{mode: us per call} for (mode, run, calls per run) rows, and with `counts` (() -> the
+    forward and backward callbacks' runs so far) the callbacks' Python runs per call (the backward's
+    for the grad modes): below 1 where XLA replays them from command buffers."""
+    entry: dict[str, float] = {}
+    for mode, run, per in modes:
+        run()  # compile
+        before = counts() if counts else (0, 0)
+        entry[mode] = _timed(run, reps) * 1e6 / per
+        if counts:
+            forward, backward = (now - then for now, then in zip(counts(), before))
+            entry[mode.replace("_us", "_callbacks_per_call")] = forward / ((reps + 1) * per)
+            if mode.startswith("grad"):
+                entry[mode.replace("_us", "_backward_callbacks_per_call")] = backward / ((reps + 1) * per)
+    return entry
 
 
 # ------------------------------------------------------------------------------------ report
@@ -297,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
                 c["eager_callbacks_per_call"], c["fori_loop_callbacks_per_call"], c["unrolled_callbacks_per_call"]))
             print("python backward callback runs per training step: fori_loop {:.2f}, unrolled {:.2f}".format(
                 c["grad_fori_loop_backward_callbacks_per_call"], c["grad_unrolled_backward_callbacks_per_call"]))
+        c = j.get("cupyflash.jax.attention_varlen", {})
+        if c:
+            print("attention_varlen python callback runs per training step (forward / backward): fori_loop "
+                  "{:.2f} / {:.2f}, unrolled {:.2f} / {:.2f}".format(
+                      c["grad_fori_loop_callbacks_per_call"], c["grad_fori_loop_backward_callbacks_per_call"],
+                      c["grad_unrolled_callbacks_per_call"], c["grad_unrolled_backward_callbacks_per_call"]))
     return 0
 
 

@@ -457,6 +457,47 @@ def test_packed_launch_stores_what_a_pack_would(monkeypatch, knobs, deterministi
     launch.tma.clear_cache()
 
 
+def test_packed_varlen_launch_stores_what_a_pack_would(monkeypatch):
+    """A varlen plan's packed blocks: fourteen pointers (the cu_seqlens too) and the tail sizes
+    (total_q, total_k) the preprocess zeroes past, as a pack of the same values gives."""
+    import ctypes
+
+    from cupyflash.backward_varlen import check_backward_varlen_args
+    from fake_views import ints, stand_in_encoder
+
+    launch.tma.clear_cache()
+    monkeypatch.setattr(launch.tma, "encode", stand_in_encoder(lambda a: (a, 0)))
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # persistent configs size their grid by it
+    cfg = config_sets.varlen_default_config(DType.BF16, 128, True, 60)
+    q, dout, out = (view((100, 16, 128)) for _ in range(3))
+    k, v = view((300, 4, 128)), view((300, 4, 128))
+    lse = view((16, 100), dtype=None, raw=np.dtype(np.float32))
+    _, p = check_backward_varlen_args(cfg, dout, q, k, v, out, lse, ints((4,)), ints((4,)), 60, 200, None, None, None,
+                                      None, True, False, select=None)
+    monkeypatch.setattr(launch, "get_kernels", lambda *args: {s.role: s.role for s in launch.launch_sequence(p)})
+    launched = []
+
+    def argv_launcher(role, grid, block, smem, pdl):
+        def go(stream, argv):
+            size = PARAMS_SIZE if role == "dkdv" else len(p.pack((0,) * 12))
+            launched.append(ctypes.string_at(ctypes.c_void_p.from_address(argv).value, size))
+        return go
+
+    monkeypatch.setattr(launch, "argv_launcher", argv_launcher)
+    as_4d = lambda x: ((1, *x.shape), (x.shape[0] * x.strides[0], *x.strides))  # noqa: E731
+    shapes, strides = zip(*(as_4d(x) for x in (q, k, v, dout)))
+    packed = launch.packed_launch(p, shapes, strides, (100, 300))
+    assert packed is not None
+    ptrs = tuple(int(x) * 16 for x in np.random.default_rng(2).integers(1, 1 << 43, 14))
+    packed.launch(5, ptrs)
+    inputs = (launch.Operand(ptr, s, t) for ptr, s, t in zip(ptrs[:3] + ptrs[4:5], shapes, strides))
+    hopper = launch.pack_dkdv(p, *inputs, *ptrs[7:12], ptrs[12:14])
+    want = [hopper if step.hopper_params else p.pack(ptrs[:12], ptrs[12:14], (100, 300))
+            for step in launch.launch_sequence(p)]
+    assert launched == want
+    launch.tma.clear_cache()
+
+
 def test_packed_launch_refused_when_descriptors_hide_the_address(monkeypatch):
     from fake_views import stand_in_encoder
 
@@ -543,15 +584,20 @@ def test_backward_launches_the_hopper_family(faked_backward, deterministic):
     assert dq.shape == a["q"].shape and dk.shape == a["k"].shape
     [(plan, sm80, hopper, stream)] = faked_backward["launches"]
     assert plan.cfg == cfg and plan.causal and plan.deterministic is deterministic and stream == 0x1234
-    # the workspaces: lse2, dvec (and dq_accum unless deterministic), padded to B_r rows
-    assert faked_backward["workspaces"][:2] == [(2, 4, 128)] * 2
-    assert len(faked_backward["workspaces"]) == (2 if deterministic else 3)
+    # one workspace block: lse2, dvec (B_r-padded rows) and dq_accum unless deterministic
+    from cupyflash.backward_plans import workspace_layout
+
+    layout = workspace_layout(plan)
+    assert faked_backward["workspaces"] == [(layout.floats,)]
+    stats = 4 * 2 * 4 * 128  # bytes of (batch, heads, padded rows) fp32, a multiple of 256 already
+    assert (layout.lse2, layout.dvec, layout.acc) == (0, stats, -1 if deterministic else 2 * stats)
+    acc, lse2, dvec = layout.pointers(0x7100000)
     vals = HOPPER_BACKWARD_PARAMS.layout.unpack(hopper)
     assert vals[0] == a["q"].ptr.to_bytes(8, "little") * 16 and vals[3] == a["dout"].ptr.to_bytes(8, "little") * 16
     # tma_dq: the default's dq_tma map of the dq_accum workspace (none when deterministic)
-    assert vals[4] == (bytes(128) if deterministic else (0x7300000).to_bytes(8, "little") * 16)
+    assert vals[4] == (bytes(128) if deterministic else acc.to_bytes(8, "little") * 16)
     assert vals[5:7] == (dk.ptr, dv.ptr)
-    assert vals[7] == (0 if deterministic else 0x7300000) and vals[8:10] == (0x7100000, 0x7200000)
+    assert vals[7] == (0 if deterministic else 0x7100000 + 2 * stats) and vals[8:10] == (0x7100000, 0x7100000 + stats)
     assert vals[10:12] == (0, 0) and vals[18:24] == (100, 200, 128, 4, 2, 2)
     from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
 

@@ -29,6 +29,7 @@ JAX_DTYPES = {DType.BF16: jnp.bfloat16, DType.FP16: jnp.float16}
 
 def _clear_caches():
     cfj._prepared.cache_clear()
+    cfj._varlen_prepared.cache_clear()
     cfj._operation.cache_clear()
     cfj._differentiable.cache_clear()
     cfj._backward_operation.cache_clear()
@@ -415,12 +416,18 @@ def test_grad_steps_replayed_from_command_buffers(loop):
     _clear_caches()
     q, k, v = _inputs(31, q_shape=(2, 77, 8, 128), kv_shape=(2, 130, 2, 128))
     w = jax.random.normal(jax.random.PRNGKey(32), q.shape, jnp.float32)
+    loss = lambda y: (cfj.attention(y, k, v, causal=True).astype(jnp.float32) * w).sum()  # noqa: E731
+    _check_steps_in_one_jit(loss, q, loop)
 
+
+def _check_steps_in_one_jit(loss, x0, loop, steps=6):
+    """Steps x <- x - 0.05 grad(loss)(x) in one jit (`loop`: a fori_loop, or unrolled), run twice
+    (a second run replays whatever the first recorded), against the same steps jitted one at a
+    time; returns the result."""
     def step(i, x):
-        g = jax.grad(lambda y: (cfj.attention(y, k, v, causal=True).astype(jnp.float32) * w).sum())(x)
+        g = jax.grad(loss)(x)
         return (x.astype(jnp.float32) - 0.05 * g.astype(jnp.float32)).astype(x.dtype)
 
-    steps = 6
     if loop == "fori_loop":
         many = jax.jit(lambda x: jax.lax.fori_loop(0, steps, step, x))
     else:
@@ -430,13 +437,14 @@ def test_grad_steps_replayed_from_command_buffers(loop):
             return x
         many = jax.jit(unrolled)
     one = jax.jit(lambda x: step(0, x))
-    want = q
+    want = x0
     for _ in range(steps):
         want = one(want)
-    for _ in range(2):  # a second run replays whatever the first recorded
-        got = many(q)
+    for _ in range(2):
+        got = many(x0)
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
-    assert not np.allclose(np.asarray(want, np.float32), np.asarray(q, np.float32), atol=1e-3)  # the steps moved x
+    assert not np.allclose(np.asarray(want, np.float32), np.asarray(x0, np.float32), atol=1e-3)  # the steps moved x
+    return got
 
 
 # ----------------------------------------------------------------------------- packed ragged batches
@@ -484,13 +492,183 @@ def test_varlen_forward_and_grad_on_the_gpu(causal):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_varlen_refuses_vmap_and_bad_arguments():
-    cu = jnp.asarray(np.array([0, 10], np.int32))
-    q = jnp.zeros((10, 2, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="^k: d_head"):
-        cfj.attention_varlen(q, jnp.zeros((10, 2, 32), jnp.bfloat16), jnp.zeros((10, 2, 32), jnp.bfloat16),
-                             cu, cu, 10, 10)
-    with pytest.raises(TypeError, match="^max_seqlen_q"):
-        cfj.attention_varlen(q, q, q, cu, cu, 10.0, 10)
+@pytest.mark.parametrize("loop", ["fori_loop", "unrolled"])
+def test_varlen_grad_steps_replayed_from_command_buffers(loop):
+    """attention_varlen training steps inside one jit (a fori_loop, or unrolled): both callbacks
+    are command-buffer compatible, so XLA may record their launches (and the memsets) and replay
+    them on the loop's changing buffers; the result must equal the same steps run one jitted step
+    at a time. Ragged lengths (a sequence without keys, one without queries) with the last
+    sequence ending 5 tokens before q's end: those tokens get dq = 0 every step (zero-tail rule),
+    so they never move."""
+    _clear_caches()
+    lens_q, lens_k = [37, 0, 128, 5], [50, 9, 128, 0]
+    cq, ck = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    cu_q, cu_k = jnp.asarray(cq), jnp.asarray(ck)
+    keys = jax.random.split(jax.random.PRNGKey(41), 4)
+    q = jax.random.normal(keys[0], (int(cq[-1]) + 5, 8, 128), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (int(ck[-1]) + 3, 2, 128), jnp.bfloat16) for key in keys[1:3])
+    w = jax.random.normal(keys[3], q.shape, jnp.float32)
+    loss = lambda y: (cfj.attention_varlen(y, k, v, cu_q, cu_k, 128, 128, causal=True)  # noqa: E731
+                      .astype(jnp.float32) * w).sum()
+    got = _check_steps_in_one_jit(loss, q, loop)
+    tail = int(cq[-1])
+    np.testing.assert_array_equal(np.asarray(got[tail:]), np.asarray(q[tail:]))  # dq 0 past the last sequence
+
+
+# ----------------------------------------------------------------------------- packed ragged batches, CPU
+LENS_Q, LENS_K, PAD_Q, PAD_K = (5, 9, 3), (7, 9, 4), 2, 1
+
+
+def _packed_inputs(seed):
+    cq, ck = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (LENS_Q, LENS_K))
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (int(cq[-1]) + PAD_Q, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (int(ck[-1]) + PAD_K, 2, 64), jnp.bfloat16) for key in keys[1:3])
+    return q, k, v, jnp.asarray(cq), jnp.asarray(ck), jax.random.normal(keys[3], q.shape, jnp.float32)
+
+
+def _f32(buf):
+    """An XLA buffer (or array) as float32 NumPy (buffers take no dtype= in np.asarray)."""
+    return np.asarray(buf).astype(np.float32)
+
+
+def _per_sequence(cu_q, cu_k):
+    """(query rows, key rows) slices of each packed sequence."""
+    cq, ck = np.asarray(cu_q), np.asarray(cu_k)
+    return [(slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])) for b in range(len(cq) - 1)]
+
+
+class VarlenStandIns:
+    """NumPy stand-ins for the varlen callbacks' GPU steps, recording what they were given: the
+    plans made (trace time) and each run's buffers; outputs past the last sequence are zeroed as
+    the kernels do."""
+
+    def __init__(self) -> None:
+        self.forward_plans, self.backward_plans, self.forward_runs, self.workspaces = [], [], [], []
+
+    def forward_plan(self, problem, views, with_lse):
+        self.forward_plans.append((problem, with_lse))
+        return SimpleNamespace(problem=problem)
+
+    def forward_launch(self, callback, ctx, outs, q, k, v, cu_q, cu_k):
+        self.forward_runs.append(callback.with_lse)
+        o = callback.options
+        out, lse = np.asarray(outs[0]), (np.asarray(outs[1]) if callback.with_lse else None)
+        out[...] = 0
+        if lse is not None:
+            lse[...] = 0
+        for rq, rk in _per_sequence(cu_q, cu_k):
+            got, got_lse = numpy_attention(*(_f32(x)[None, r] for x, r in ((q, rq), (k, rk), (v, rk))),
+                                           o.softmax_scale, o.causal)
+            out[rq] = got[0].astype(out.dtype)
+            if lse is not None:
+                lse[:, rq] = got_lse[0]
+
+    def backward_plan(self, specs, options, device):
+        self.backward_plans.append((specs, options))
+        return SimpleNamespace(ws_floats=8)
+
+    def backward_launch(self, callback, ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k):
+        self.workspaces.append(np.asarray(outs[3]).shape)
+        dq, dk, dv = (np.asarray(x) for x in outs[:3])
+        for g in (dq, dk, dv):
+            g[...] = 0
+        for rq, rk in _per_sequence(cu_q, cu_k):
+            grads = _numpy_grads(*(_f32(x)[None, r] for x, r in ((dout, rq), (q, rq), (k, rk), (v, rk))),
+                                 callback.options.softmax_scale, callback.options.causal)
+            for target, r, grad in zip((dq, dk, dv), (rq, rk, rk), grads):
+                target[r] = grad[0].astype(target.dtype)
+
+
+@pytest.fixture
+def varlen_on_cpu(on_cpu, monkeypatch):
+    stand_ins = VarlenStandIns()
+    monkeypatch.setattr(cfj, "_varlen_forward_plan", stand_ins.forward_plan)
+    monkeypatch.setattr(cfj, "_varlen_forward_launch", stand_ins.forward_launch)
+    monkeypatch.setattr(cfj, "_varlen_backward_plan", stand_ins.backward_plan)
+    monkeypatch.setattr(cfj, "_varlen_backward_launch", stand_ins.backward_launch)
+    flags = []
+    real = cfj.buffer_callback
+
+    def recording(callback, results, **kwargs):  # every callback must allow command buffers
+        flags.append(kwargs.get("command_buffer_compatible"))
+        return real(callback, results, **kwargs)
+
+    monkeypatch.setattr(cfj, "buffer_callback", recording)
+    stand_ins.command_buffer_flags = flags
+    return stand_ins
+
+
+def test_varlen_grad_plans_while_tracing(varlen_on_cpu):
+    """jax.jit(jax.grad(attention_varlen)): the forward (with its lse) and the backward are planned
+    once, while tracing, with the validated problem and the static options; each run gets the
+    backward's planned workspace as a scratch result, both callbacks are command-buffer
+    compatible, and the gradients (zero past the last sequence) match float64 per sequence."""
+    q, k, v, cu_q, cu_k, w = _packed_inputs(51)
+    loss = lambda q, k, v: (cfj.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, causal=True, softmax_scale=0.3)  # noqa: E731
+                            .astype(jnp.float32) * w).sum()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for scale in (1.0, 0.5):  # the second run replays the first's plans
+        grads = jax.block_until_ready(step(q * scale, k, v))
+    (problem, with_lse), = varlen_on_cpu.forward_plans
+    assert with_lse and problem.max_seqlen_q == 9 and problem.causal and problem.softmax_scale == pytest.approx(0.3)
+    assert problem.total_q == q.shape[0] and problem.batch == 3
+    (specs, options), = varlen_on_cpu.backward_plans
+    assert [spec.shape for spec in specs] == [q.shape, q.shape, k.shape, v.shape, q.shape, (4, q.shape[0]), (4,), (4,)]
+    assert options == cfj._VarlenOptions(9, 9, True, 0.3)
+    assert varlen_on_cpu.workspaces == [(8,), (8,)] and varlen_on_cpu.forward_runs == [True, True]
+    assert varlen_on_cpu.command_buffer_flags == [True, True]
+    for (rq, rk) in _per_sequence(cu_q, cu_k):
+        want = _numpy_grads(np.asarray(w)[None, rq], *(np.asarray(x, np.float32)[None, r]
+                                                        for x, r in ((q * 0.5, rq), (k, rk), (v, rk))), 0.3, True)
+        for got, r, ref in zip(grads, (rq, rk, rk), want):
+            np.testing.assert_allclose(np.asarray(got[r], np.float64), ref[0], atol=5e-2, rtol=5e-2)
+    tail_q, tail_k = int(cu_q[-1]), int(cu_k[-1])
+    assert not np.asarray(grads[0][tail_q:], np.float32).any()
+    assert not np.asarray(grads[1][tail_k:], np.float32).any() and not np.asarray(grads[2][tail_k:], np.float32).any()
+
+
+def test_varlen_forward_plan_is_cached_per_signature(varlen_on_cpu):
+    q, k, v, cu_q, cu_k, _ = _packed_inputs(52)
+    f = jax.jit(lambda q, k, v: cfj.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, return_lse=True))
+    g = jax.jit(lambda q, k, v: cfj.attention_varlen(q * 2, k, v, cu_q, cu_k, 9, 9, return_lse=True))
+    out, lse = f(q, k, v)
+    jax.block_until_ready(g(q, k, v))
+    assert len(varlen_on_cpu.forward_plans) == 1 and cfj._varlen_prepared.cache_info().currsize == 1
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]) and lse.dtype == jnp.float32
+    assert not np.asarray(out[int(cu_q[-1]):], np.float32).any() and not np.asarray(lse[:, int(cu_q[-1]):]).any()
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda q, k, v, cu: cfj.attention_varlen(q.astype(jnp.float32), k, v, cu, cu, 9, 9), TypeError, "^q: dtype"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k[..., :32], v[..., :32], cu, cu, 9, 9), ValueError, "^k: d_head 32"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu, cu, -1, 9), ValueError, "^max_seqlen_q: -1"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu, cu, 9, 2 ** 31), ValueError, "^max_seqlen_k"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu, cu, 9.0, 9), TypeError, "^max_seqlen_q: expected an int"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu, cu[:-1], 9, 9), ValueError, "^cu_seqlens_k: has 3 entries"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu.astype(jnp.int16), cu, 9, 9), TypeError,
+     "^cu_seqlens_q: expected dtype int32"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q[None], k, v, cu, cu, 9, 9), ValueError, "^q: expected 3 dimensions"),
+    (lambda q, k, v, cu: cfj.attention_varlen(q, k, v, cu, cu, 9, 9, causal="yes"), TypeError, "^causal"),
+], ids=["dtype", "d-head", "max-seqlen-negative", "max-seqlen-big", "max-seqlen-float", "cu-count", "cu-dtype",
+        "rank", "causal"])
+@pytest.mark.parametrize("under", ["jit-grad", "jit-lse", "eager"])
+def test_varlen_errors_raise_while_tracing(varlen_on_cpu, call, error, message, under):
+    """forward_varlen's argument errors reach the caller while tracing (under jit and grad too),
+    before any plan is made or any callback runs."""
+    q, k, v, cu, _, _ = _packed_inputs(53)
+    if under == "jit-grad":
+        run = lambda: jax.jit(jax.grad(lambda q: call(q, k, v, cu).astype(jnp.float32).sum()))(q)  # noqa: E731
+    elif under == "jit-lse":
+        run = lambda: jax.jit(lambda q: call(q, k, v, cu))(q)  # noqa: E731
+    else:
+        run = lambda: call(q, k, v, cu)  # noqa: E731
+    with pytest.raises(error, match=message):
+        run()
+    assert not varlen_on_cpu.forward_plans and not varlen_on_cpu.backward_plans and not varlen_on_cpu.forward_runs
+
+
+def test_varlen_refuses_vmap(varlen_on_cpu):
+    q, k, v, cu_q, cu_k, _ = _packed_inputs(54)
     with pytest.raises(NotImplementedError, match="vmap"):
-        jax.vmap(lambda q: cfj.attention_varlen(q, q, q, cu, cu, 10, 10))(q[None])
+        jax.vmap(lambda q: cfj.attention_varlen(q, k, v, cu_q, cu_k, 9, 9))(q[None])

@@ -558,30 +558,38 @@ def test_gradients_on_the_gpu_match_the_reference(dtype, causal):
 @needs_gpu
 @pytest.mark.gpu
 def test_training_calls_skip_the_dispatcher(monkeypatch):
-    """Eager training steps with planned signatures: the forward with the lse and the backward
-    launch without their operators (stand-ins in their place see no call) and give the operators'
-    bits (deterministic backward); under a dispatch mode both go through the operators."""
+    """Eager training steps with planned signatures (dense and packed): the forward with the lse
+    and the backward launch without their operators (stand-ins in their place see no call) and
+    give the operators' bits (deterministic backward); under a dispatch mode both go through the
+    operators."""
     q, k, v = (torch.randn(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
+    vq, vk, vv, cu_q, cu_k, max_q, max_k = _varlen_inputs("cuda", (90, 0, 200, 33), (100, 7, 200, 0), (8, 2), 128)
+    vdout = torch.randn_like(vq)
     monkeypatch.setattr(cft, "deterministic_backward", True)
 
-    def step():
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        out = cft.attention(*leaves, causal=True)
-        out.backward(dout)
+    def step(attention, inputs, grad):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out = attention(*leaves)
+        out.backward(grad)
         return [out.detach()] + [x.grad for x in leaves]
 
-    step()  # plans both signatures
-    want = step()
+    steps = {"dense": lambda: step(lambda *a: cft.attention(*a, causal=True), (q, k, v), dout),
+             "varlen": lambda: step(lambda *a: cft.attention_varlen(*a, cu_q, cu_k, max_q, max_k, causal=True),
+                                    (vq, vk, vv), vdout)}
+    want = {name: (run(), run())[1] for name, run in steps.items()}  # the first call plans each signature
     seen = []
-    forward_op, backward_op = cft.attention_forward_lse, cft.attention_backward
-    monkeypatch.setattr(cft, "attention_forward_lse", lambda *a: seen.append("forward") or forward_op(*a))
-    monkeypatch.setattr(cft, "attention_backward", lambda *a: seen.append("backward") or backward_op(*a))
-    got = step()
-    assert seen == [] and all(torch.equal(a, b) for a, b in zip(want, got))
-    with _watched_contexts()["dispatch mode"]():
-        got = step()
-    assert seen == ["forward", "backward"] and all(torch.equal(a, b) for a, b in zip(want, got))
+    for name in ("attention_forward_lse", "attention_backward", "attention_varlen_lse_op", "attention_varlen_backward"):
+        op = getattr(cft, name)
+        monkeypatch.setattr(cft, name, lambda *a, _op=op, _name=name: seen.append(_name) or _op(*a))
+    for watched in (False, True):
+        with _watched_contexts()["dispatch mode"]() if watched else contextlib.nullcontext():
+            got = {name: run() for name, run in steps.items()}
+        assert seen == (["attention_forward_lse", "attention_backward", "attention_varlen_lse_op",
+                         "attention_varlen_backward"] if watched else []), watched
+        for name in steps:
+            assert all(torch.equal(a, b) for a, b in zip(want[name], got[name])), (name, watched)
+        seen.clear()
 
 
 @needs_gpu

@@ -197,11 +197,12 @@ class Operand(NamedTuple):
 
 class PackedLaunch:
     """A plan's BackwardParams and HopperBackwardParams packed once for inputs of fixed layouts,
-    relaunched by `launch(stream, pointers)` with one call's twelve pointers (q, k, v, out, dout,
-    lse, dq, dk, dv, dq_accum, lse2, dvec) stored into the words of the two blocks that hold them:
-    no re-pack, no TMA descriptor lookup or encoding, no copy into the kernels' own buffers. Its
-    launchers are its own (a PDL launcher keeps its stream), so one lock covers the stores and the
-    launches (the driver copies the parameters before a launch returns)."""
+    relaunched by `launch(stream, pointers)` with one call's pointers (q, k, v, out, dout, lse, dq,
+    dk, dv, dq_accum, lse2, dvec, and for varlen plans cu_seqlens_q, cu_seqlens_k) stored into the
+    words of the two blocks that hold them: no re-pack, no TMA descriptor lookup or encoding, no
+    copy into the kernels' own buffers. Its launchers are its own (a PDL launcher keeps its
+    stream), so one lock covers the stores and the launches (the driver copies the parameters
+    before a launch returns)."""
 
     __slots__ = ("buf", "words", "slots", "steps", "lock", "_argvs")
 
@@ -225,28 +226,30 @@ class PackedLaunch:
                 go(stream, argv)
 
 
-def packed_launch(plan: BackwardPlan, shapes: tuple[tuple[int, ...], ...],
-                  strides: tuple[tuple[int, ...], ...]) -> PackedLaunch | None:
-    """The PackedLaunch of a dense plan whose q, k, v, dout have these shapes and element strides
-    (its kernels compiled and loaded now), or None when the driver's descriptor format hides the
-    addresses (op_launch.pointer_words): such calls keep re-packing both blocks."""
+def packed_launch(plan: BackwardPlan, shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...],
+                  tail: tuple[int, int] = (0, 0)) -> PackedLaunch | None:
+    """The PackedLaunch of a plan whose q, k, v, dout have these shapes and element strides (a
+    varlen plan's as their one-batch 4-D views; `tail` its (total_q, total_k) when the preprocess
+    zeroes the outputs past the last sequence), its kernels compiled and loaded now; None when the
+    driver's descriptor format hides the addresses (op_launch.pointer_words): such calls keep
+    re-packing both blocks."""
     from ...op_launch import pointer_words
 
-    if plan.varlen:
-        raise ValueError("plan: a varlen plan's launches take the cu_seqlens pointers too")
+    count = 14 if plan.varlen else 12
     hopper_at = -(-len(plan.pack((0,) * 12)) // 64) * 64  # the HopperBackwardParams block's offset
 
     def repack(*ptrs: int) -> bytes:
+        cu_seqlens = ptrs[12:14] if plan.varlen else (0, 0)
         inputs = (Operand(ptr, shape, stride) for ptr, shape, stride in zip(ptrs[:3] + ptrs[4:5], shapes, strides))
-        hopper = pack_dkdv(plan, *inputs, ptrs[7], ptrs[8], ptrs[9], ptrs[10], ptrs[11])
-        return plan.pack(ptrs).ljust(hopper_at, b"\0") + hopper
+        hopper = pack_dkdv(plan, *inputs, *ptrs[7:12], cu_seqlens)
+        return plan.pack(ptrs[:12], cu_seqlens, tail).ljust(hopper_at, b"\0") + hopper
 
-    found = pointer_words(repack, hopper_at + PARAMS_SIZE, 12)
+    found = pointer_words(repack, hopper_at + PARAMS_SIZE, count)
     if found is None:
         return None
     offsets, template = found
     slots = tuple((off // 8, i) for i, words in enumerate(offsets) for off in words)
-    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic)
+    kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic, plan.varlen)
     steps = [(argv_launcher(kernels[step.role], step.grid, step.block, step.smem, step.pdl), step.hopper_params)
              for step in launch_sequence(plan)]
     return PackedLaunch(template, hopper_at, slots, steps)
