@@ -88,17 +88,22 @@ class BackwardReplay:
         self.ws_dtype: Any = None
 
     def prepare(self) -> None:
-        """Compile and load the plan's kernels and resolve its launches now (the mma.sync family's
-        launcher is loaded when the replay is made), so that a run only stores pointers and
-        launches: the Hopper family's two parameter blocks are packed once here, with the words
-        a run stores its pointers into (backward_sm90.launch.packed_launch; where the driver's
-        descriptor format hides the addresses, each run packs them)."""
+        """Compile and load the plan's kernels and resolve its launches now, so that a run only
+        stores pointers and launches: the parameter blocks are packed once here, with the words a
+        run stores its pointers into (backward_sm90.launch.packed_launch: both structs, TMA
+        descriptors included, where the driver's descriptor format shows the addresses, else each
+        run packs them; backward_sm80.kernels.packed_launch: BackwardParams' leading words)."""
+        if self.packed is not None:
+            return
         if isinstance(self.plan.cfg, HopperBackwardKernelConfig):
             from .families.backward_sm90.launch import packed_launch, plan_launch
 
             plan_launch(self.plan)
-            if self.packed is None:
-                self.packed = packed_launch(self.plan, self.shapes, self.strides)
+            self.packed = packed_launch(self.plan, self.shapes, self.strides)
+        else:
+            from .families.backward_sm80.kernels import packed_launch as sm80_packed_launch
+
+            self.packed = sm80_packed_launch(self.plan)
 
     def run(self, stream: int, ptrs: tuple[int, ...], ws_ptr: int) -> None:
         """Launch with (q, k, v, out, dout, lse, dq, dk, dv) pointers and one workspace of

@@ -274,23 +274,24 @@ class VarlenBackwardReplay:
         return self.layout.floats
 
     def prepare(self) -> None:
-        """Compile and load the plan's kernels and resolve their launches now (off a run's path);
-        the Hopper family's two parameter blocks are packed once, a run storing its pointers into
-        them (backward_sm90.launch.packed_launch, as the dense replays)."""
+        """Compile and load the plan's kernels and resolve their launches now (off a run's path),
+        their parameter blocks packed once, a run storing its pointers into them (as the dense
+        replays: BackwardReplay.prepare)."""
         if not self.plan.launch:
+            return
+        if self.packed is not None:
             return
         if isinstance(self.plan.cfg, HopperBackwardKernelConfig):
             from .families.backward_sm90.launch import packed_launch, plan_launch
 
             plan_launch(self.plan)
-            if self.packed is None:
-                q, k, v, dout = (_as_4d(self.views[i]) for i in (0, 1, 2, 4))
-                self.packed = packed_launch(self.plan, (q.shape, k.shape, v.shape, dout.shape),
-                                            (q.strides, k.strides, v.strides, dout.strides), self.tail or (0, 0))
+            q, k, v, dout = (_as_4d(self.views[i]) for i in (0, 1, 2, 4))
+            self.packed = packed_launch(self.plan, (q.shape, k.shape, v.shape, dout.shape),
+                                        (q.strides, k.strides, v.strides, dout.strides), self.tail or (0, 0))
         else:
-            from .families.backward_sm80.kernels import get_launcher
+            from .families.backward_sm80.kernels import packed_launch as sm80_packed_launch
 
-            get_launcher(self.plan.cfg, self.plan.device, self.plan.causal, self.plan.deterministic, varlen=True)
+            self.packed = sm80_packed_launch(self.plan, self.tail or (0, 0))
 
     def run(self, stream_ptr: int, ptrs: tuple[int, ...], ws_ptr: int | None = None) -> None:
         """The memsets and launches on `stream_ptr` with these pointers and the workspace block at

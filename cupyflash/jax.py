@@ -295,11 +295,12 @@ def _backward_launch(callback: _BackwardCallback, ctx: Any, outs: Any, dout: Any
     if replay is None:
         return
     ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, out, dout, lse, *outs[:3]))
-    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or ptrs[5] & 3:
-        raise ValueError(f"cupyflash.jax backward: XLA buffer addresses {ptrs} break the 16-byte alignment the "
+    ws = _buffer_ptr(outs[3])
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8] | ws) & 15 or ptrs[5] & 3:
+        raise ValueError(f"cupyflash.jax backward: XLA buffer addresses {ptrs + (ws,)} break the 16-byte alignment the "
                          "kernels read with (4 bytes for lse)")
     with cupy.cuda.Device(device):
-        replay.run(_stream_of(ctx), ptrs, _buffer_ptr(outs[3]))
+        replay.run(_stream_of(ctx), ptrs, ws)
 
 
 def _check_workspace(callback: Any, replay: Any, device: int) -> None:
@@ -529,12 +530,13 @@ def _varlen_backward_launch(callback: _VarlenBackwardCallback, ctx: Any, outs: A
         _check_workspace(callback, replay, device)
         callback.replays[device] = replay
     ptrs = tuple(_buffer_ptr(b) for b in (q, k, v, out, dout, lse, *outs[:3], cu_q, cu_k))
-    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8]) & 15 or \
+    ws = _buffer_ptr(outs[3])
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[6] | ptrs[7] | ptrs[8] | ws) & 15 or \
             (ptrs[5] | ptrs[9] | ptrs[10]) & 3:
-        raise ValueError(f"cupyflash.jax attention_varlen backward: XLA buffer addresses {ptrs} break the 16-byte "
-                         "alignment the kernels read with (4 bytes for lse and cu_seqlens)")
+        raise ValueError(f"cupyflash.jax attention_varlen backward: XLA buffer addresses {ptrs + (ws,)} break the "
+                         "16-byte alignment the kernels read with (4 bytes for lse and cu_seqlens)")
     with cupy.cuda.Device(device):
-        replay.run(_stream_of(ctx), ptrs, _buffer_ptr(outs[3]))
+        replay.run(_stream_of(ctx), ptrs, ws)
 
 
 def _varlen_backward(dout: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, lse: jax.Array,

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .families.forward_sm80.config import FlashForwardKernelConfig
 from .families.forward_sm90.config import HopperForwardKernelConfig
 
-__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "meta_reader", "current_stream_reader", "given_stream",
+__all__ = ["ParamBlock", "PlanTable", "FastLaunch", "PackedLaunch", "argv_launcher", "meta_reader", "current_stream_reader", "given_stream",
            "lse_allocator", "signature", "lookup", "remember", "clear"]
 
 _CONFIG_TYPES = (FlashForwardKernelConfig, HopperForwardKernelConfig)
@@ -111,6 +111,55 @@ class FastLaunch(ParamBlock):
         launch the buffer themselves: the bench scripts' bare-launch figures)."""
         with self.lock:
             self.write_pointers(q, k, v, o, 0)
+
+
+class PackedLaunch:
+    """A multi-kernel launch (the backward families') whose parameter blocks are packed once for
+    arrays of fixed layouts, relaunched by `launch(stream, pointers)`: each call stores its
+    pointers into the words of the blocks that hold them (`slots`: (word index, pointer index)
+    pairs) and launches every step from its block, with no re-pack and no copy. The blocks lie in
+    one buffer at `block_offsets`; the steps' launchers are this object's own (a PDL launcher keeps
+    its stream), so one lock covers the stores and the launches (the driver copies the parameters
+    before a launch returns)."""
+
+    __slots__ = ("buf", "words", "slots", "steps", "lock", "_argvs")
+
+    def __init__(self, template: bytes, block_offsets: tuple[int, ...], slots: tuple[tuple[int, int], ...],
+                 steps: list[tuple[Callable[..., None], int]]) -> None:
+        self.buf = ctypes.create_string_buffer(template, len(template))
+        self.words = memoryview(self.buf).cast("B").cast("Q")
+        self.slots = slots
+        base = ctypes.addressof(self.buf)
+        self._argvs = [(ctypes.c_void_p * 1)(base + offset) for offset in block_offsets]
+        argvs = [ctypes.addressof(argv) for argv in self._argvs]
+        self.steps = tuple((go, argvs[block]) for go, block in steps)  # (launcher, its block's argv)
+        self.lock = threading.Lock()
+
+    def launch(self, stream: int, ptrs: tuple[int, ...]) -> None:
+        words = self.words
+        with self.lock:
+            for at, i in self.slots:
+                words[at] = ptrs[i]
+            for go, argv in self.steps:
+                go(stream, argv)
+
+
+def argv_launcher(kernel: Any, grid: tuple[int, int, int], block: int, smem: int, pdl: bool) -> Callable[..., None]:
+    """(stream, argv_ptr) -> `kernel` (a registry.LoadedKernel) launched from the parameter block
+    argv_ptr's array points at (no copy): as a programmatic dependent of the previous kernel on
+    the stream when `pdl` (kvcache_pdl.PDLLaunch, which keeps its stream: each caller owns its own
+    and serialises its calls), else plainly."""
+    launch_kernel = driver_calls()[0]
+    func, (gx, gy, gz) = kernel.func_ptr, grid
+
+    def plain(stream: int, argv: int, extra: int = 0) -> None:
+        launch_kernel(func, gx, gy, gz, block, 1, 1, smem, stream, argv, extra)
+
+    if not pdl:
+        return plain
+    from .kvcache_pdl import PDLLaunch
+
+    return PDLLaunch(func, grid, block, smem, plain)
 
 
 _TORCH, _CUPY = 1, 2

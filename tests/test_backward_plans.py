@@ -72,13 +72,30 @@ def test_replay_packs_what_the_full_path_packs(monkeypatch, deterministic):
     from cupyflash.families.backward_sm80.config_sets import default_config
     from cupyflash.interop import TORCH, TensorView
 
+    import ctypes
+
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80, roles_for
+    from cupyflash.families.backward_sm80.params import PARAMS_STRUCT
+
     calls = []
 
-    class Launcher:
-        def launch(self, params, *sizes_and_stream):
+    class Launcher:  # the loaded kernels of the variant: role names stand in for them
+        def __init__(self, cfg, device, causal, deterministic, varlen=False):
+            self.kernels = {role: role for role in roles_for(deterministic)}
+            self._steps = [(role, 0, BACKWARD_SM80.block_threads(cfg, role), BACKWARD_SM80.smem_bytes(cfg, role))
+                           for role in roles_for(deterministic)]
+
+        def launch(self, params, *sizes_and_stream):  # the full path's launches
             calls.append((params, sizes_and_stream))
 
-    monkeypatch.setattr(kernels, "get_launcher", lambda *args: Launcher())
+    def argv_launcher(role, grid, block, smem, pdl):  # a replay's launches, from its packed block
+        def go(stream, argv):
+            block_ptr = ctypes.c_void_p.from_address(argv).value
+            calls.append((ctypes.string_at(block_ptr, PARAMS_STRUCT.size), (role, grid, stream)))
+        return go
+
+    monkeypatch.setattr(kernels, "get_launcher", Launcher)
+    monkeypatch.setattr(kernels, "argv_launcher", argv_launcher)
 
     def view(x, name):
         return TensorView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), {torch.bfloat16: DType.BF16}.get(x.dtype),
@@ -103,8 +120,11 @@ def test_replay_packs_what_the_full_path_packs(monkeypatch, deterministic):
         args = problem()
         dq, dk, dv = backward_plans.run(key, *args)
         assert (dq.shape, dk.shape, dv.shape) == (args[1].shape, args[2].shape, args[3].shape)
-        params, (batch, heads, kv_heads, seq_q, seq_k, stream) = calls[-1]
-        assert (batch, heads, kv_heads, seq_q, seq_k, stream) == (2, 4, 2, 40, 56, 77)
+        params, (role, grid, stream) = calls[-1]
+        roles = [c[1][0] for c in calls[-len(roles_for(deterministic)):]]
+        assert roles == list(roles_for(deterministic)) and stream == 77
+        assert grid == BACKWARD_SM80.grid(plan.cfg, role, 2, 4, 2, 40, 56)
+        assert all(c[0] == params for c in calls[-len(roles):])  # every kernel reads the one block
         ptrs = struct.unpack_from("<12Q", params)
         dout, q, k, v, out, lse = args
         assert ptrs[:9] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),

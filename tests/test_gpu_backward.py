@@ -216,6 +216,39 @@ def test_torch_tensors_come_back_as_torch(rng):
         assert rel < 1e-2, rel
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cfg_none_replays_this_family_from_packed_blocks(rng, causal):
+    """d_head 96 (this family's on every GPU: backward_sm90 has no d96): a second cfg=None call
+    with a signature replays the first call's plan from a BackwardParams block packed once, with
+    new outputs and the full path's bits (deterministic), GQA and ragged lengths, CuPy and torch."""
+    from cupyflash import backward_plans
+
+    backward_plans.clear()
+    dtype, d = DType.BF16, 96
+    q = random_inputs(cp, dtype, (2, 130, 4, d), rng)
+    k, v = (random_inputs(cp, dtype, (2, 77, 2, d), rng) for _ in range(2))
+    dout = random_inputs(cp, dtype, q.shape, rng)
+    out, lse = cupyflash.forward(None, q, k, v, causal=causal, return_lse=True)
+    first = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    (replay,) = backward_plans._TABLE.plans.values()
+    assert type(replay.plan.cfg) is BackwardKernelConfig and replay.packed is not None
+    for _ in range(2):
+        again = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert a is not b and bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    cupyflash.backward(dout, q, k, v, out, lse, causal=causal)  # the atomic dQ signature
+    got = cupyflash.backward(dout, q, k, v, out, lse, causal=causal)
+    assert len(backward_plans._TABLE.plans) == 2
+    check_gradients(cp, dtype, q, k, v, dout, got, None, causal=causal)
+    torch = pytest.importorskip("torch")
+    tensors = tuple(torch.from_dlpack(x) for x in (dout, q, k, v, out, lse))
+    cupyflash.backward(*tensors, causal=causal, deterministic=True)
+    replayed = cupyflash.backward(*tensors, causal=causal, deterministic=True)
+    for a, b in zip(first, replayed):
+        assert isinstance(b, torch.Tensor) and torch.equal(torch.from_dlpack(a), b)
+    backward_plans.clear()
+
+
 @pytest.mark.parametrize("framework", ["torch", "cupy"])
 def test_backward_on_a_side_stream_keeps_its_workspace(framework):
     """stream= other than the caller's current stream: the workspace (dropped when the call

@@ -9,11 +9,17 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from typing import TYPE_CHECKING
+
+from ...launch_plans import PackedLaunch, argv_launcher
 from . import BACKWARD_SM80, roles_for
 from .config import BackwardKernelConfig
-from .params import PARAMS_STRUCT
+from .params import PARAMS_STRUCT, POINTER_FIELDS
 
-__all__ = ["BackwardLauncher", "get_launcher", "clear"]
+if TYPE_CHECKING:
+    from ...backward_validation import BackwardPlan
+
+__all__ = ["BackwardLauncher", "get_launcher", "packed_launch", "clear"]
 
 
 class BackwardLauncher:
@@ -49,6 +55,23 @@ class BackwardLauncher:
                 gx, gy, gz = BACKWARD_SM80.grid(self.cfg, role, batch, n_heads, n_kv_heads, seq_len_q, seq_len_k)
                 if gx:  # no query rows: only the dK/dV kernel runs (and writes zeros)
                     launchKernel(func, gx, gy, gz, block, 1, 1, smem, stream, self._argv_ptr, 0)
+
+
+def packed_launch(plan: "BackwardPlan", tail: tuple[int, int] = (0, 0)) -> PackedLaunch:
+    """The plan's launches (its kernels loaded now, its grids sized once) with BackwardParams packed
+    once: a call stores its pointers (q, k, v, out, dout, lse, dq, dk, dv, dq_accum, lse2, dvec and
+    a varlen plan's cu_seqlens_q/k) into the struct's leading words (params.POINTER_FIELDS); `tail`
+    a varlen plan's (total_q, total_k) when the preprocess zeroes the outputs past the last
+    sequence."""
+    launcher = get_launcher(plan.cfg, plan.device, plan.causal, plan.deterministic, plan.varlen)
+    count = len(POINTER_FIELDS) if plan.varlen else len(POINTER_FIELDS) - 2
+    steps = []
+    for role, _, block, smem in launcher._steps:
+        grid = BACKWARD_SM80.grid(plan.cfg, role, plan.batch, plan.n_heads, plan.n_kv_heads, plan.seq_len_q,
+                                  plan.seq_len_k)
+        if grid[0]:  # as launch(): no query rows, only the dK/dV kernel
+            steps.append((argv_launcher(launcher.kernels[role], grid, block, smem, False), 0))
+    return PackedLaunch(plan.pack((0,) * 12, (0, 0), tail), (0,), tuple((i, i) for i in range(count)), steps)
 
 
 _lock = threading.Lock()

@@ -8,21 +8,21 @@ once per plan: `plan_launch`). Only an explicit `cfg` of this family reaches it 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import threading
 from typing import Callable, NamedTuple
 
 from ...backward_validation import BackwardPlan
+from ...launch_plans import PackedLaunch, argv_launcher
 from ...validation import LOG2_E
 from ..forward_sm90 import tma
 from . import BACKWARD_SM90, roles_for
 from .config import D_HEADS, DQ_TMA_COLS, HopperBackwardKernelConfig
 from .params import PARAMS_SIZE, pack_params
-from .pdl_launch import argv_launcher, pdl_launcher
+from .pdl_launch import pdl_launcher
 
 __all__ = ["check_sm90_problem", "pack_dkdv", "dq_tma_spec", "dq_descriptor", "LaunchStep", "launch_sequence", "dq_workspace_shape",
-           "launch_backward_sm90", "plan_launch", "get_kernels", "Operand", "PackedLaunch", "packed_launch"]
+           "launch_backward_sm90", "plan_launch", "get_kernels", "Operand", "packed_launch"]
 
 
 def check_sm90_problem(plan: BackwardPlan, q, k, v, dout, compute_capability: int | None) -> None:
@@ -195,37 +195,6 @@ class Operand(NamedTuple):
     strides: tuple[int, ...]
 
 
-class PackedLaunch:
-    """A plan's BackwardParams and HopperBackwardParams packed once for inputs of fixed layouts,
-    relaunched by `launch(stream, pointers)` with one call's pointers (q, k, v, out, dout, lse, dq,
-    dk, dv, dq_accum, lse2, dvec, and for varlen plans cu_seqlens_q, cu_seqlens_k) stored into the
-    words of the two blocks that hold them: no re-pack, no TMA descriptor lookup or encoding, no
-    copy into the kernels' own buffers. Its launchers are its own (a PDL launcher keeps its
-    stream), so one lock covers the stores and the launches (the driver copies the parameters
-    before a launch returns)."""
-
-    __slots__ = ("buf", "words", "slots", "steps", "lock", "_argvs")
-
-    def __init__(self, template: bytes, hopper_at: int, slots: tuple[tuple[int, int], ...],
-                 steps: list[tuple[Callable[..., None], bool]]) -> None:
-        self.buf = ctypes.create_string_buffer(template, len(template))
-        self.words = memoryview(self.buf).cast("B").cast("Q")
-        self.slots = slots  # (word index, pointer index) per stored word
-        base = ctypes.addressof(self.buf)
-        self._argvs = [(ctypes.c_void_p * 1)(base), (ctypes.c_void_p * 1)(base + hopper_at)]
-        sm80_argv, hopper_argv = (ctypes.addressof(argv) for argv in self._argvs)
-        self.steps = tuple((go, hopper_argv if hopper else sm80_argv) for go, hopper in steps)
-        self.lock = threading.Lock()
-
-    def launch(self, stream: int, ptrs: tuple[int, ...]) -> None:
-        words = self.words
-        with self.lock:
-            for at, i in self.slots:
-                words[at] = ptrs[i]
-            for go, argv in self.steps:
-                go(stream, argv)
-
-
 def packed_launch(plan: BackwardPlan, shapes: tuple[tuple[int, ...], ...], strides: tuple[tuple[int, ...], ...],
                   tail: tuple[int, int] = (0, 0)) -> PackedLaunch | None:
     """The PackedLaunch of a plan whose q, k, v, dout have these shapes and element strides (a
@@ -250,6 +219,6 @@ def packed_launch(plan: BackwardPlan, shapes: tuple[tuple[int, ...], ...], strid
     offsets, template = found
     slots = tuple((off // 8, i) for i, words in enumerate(offsets) for off in words)
     kernels = get_kernels(plan.cfg, plan.device, plan.causal, plan.deterministic, plan.varlen)
-    steps = [(argv_launcher(kernels[step.role], step.grid, step.block, step.smem, step.pdl), step.hopper_params)
+    steps = [(argv_launcher(kernels[step.role], step.grid, step.block, step.smem, step.pdl), int(step.hopper_params))
              for step in launch_sequence(plan)]
-    return PackedLaunch(template, hopper_at, slots, steps)
+    return PackedLaunch(template, (0, hopper_at), slots, steps)

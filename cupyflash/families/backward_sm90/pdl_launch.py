@@ -13,27 +13,10 @@ import ctypes
 import threading
 from typing import Callable
 
-from ...kvcache_pdl import PDLLaunch
+from ...launch_plans import argv_launcher
 from ...registry import LoadedKernel
 
-__all__ = ["pdl_launcher", "argv_launcher"]
-
-
-def argv_launcher(kernel: LoadedKernel, grid: tuple[int, int, int], block: int, smem: int,
-                  pdl: bool) -> Callable[..., None]:
-    """(stream, argv_ptr) -> `kernel` launched from the parameter block that argv_ptr's array
-    points at (no copy): as a programmatic dependent of the previous kernel on the stream when
-    `pdl`, else plainly. A PDL launcher keeps its stream in its launch config, so each caller
-    owns its own and serialises its calls."""
-    from ...launch_plans import driver_calls
-
-    launch_kernel = driver_calls()[0]
-    func, (gx, gy, gz) = kernel.func_ptr, grid
-
-    def plain(stream: int, argv: int, extra: int = 0) -> None:
-        launch_kernel(func, gx, gy, gz, block, 1, 1, smem, stream, argv, extra)
-
-    return PDLLaunch(func, grid, block, smem, plain) if pdl else plain
+__all__ = ["pdl_launcher"]
 
 
 class _Launcher:
