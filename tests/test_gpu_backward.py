@@ -4,9 +4,6 @@ dtypes against a float64 reference (SPEC §5 on dq, dk, dv); deterministic mode 
 over 3 runs. Skipped cleanly without a GPU."""
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 
@@ -68,29 +65,17 @@ FIGURES: list[dict] = []
 
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
-    """Compile every variant the tests use in parallel (NVRTC needs no GPU; the prewarm's worker
-    processes are spawned, not forked from this CUDA process), then run them warm."""
-    from cupyflash.device import device_arch
+    """Compile every variant the tests use in parallel, then run them warm."""
     from cupyflash.families.backward_sm80 import BACKWARD_SM80
-    from cupyflash.prewarm import prewarm
+    from gpu_prewarm import prewarm_groups, this_arch, write_figures
 
-    arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    jobs = max(1, min(16, os.cpu_count() or 1))
-    reports = [
-        prewarm(TUNE, [arch], jobs=jobs, progress=None, variants=[(False, False, False)]),
-        prewarm(DEFAULTS, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
-        prewarm(DBUF, [arch], jobs=jobs, progress=None,
-                variants=[(False, False, False), (True, False, False), (True, True, False)]),
-        prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
-                causal=(False, True)),
-    ]
-    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
-    assert not failed, "\n".join(failed[:3])
+    arch = [this_arch(cp)]
+    prewarm_groups((TUNE, arch, dict(variants=[(False, False, False)])),
+                   (DEFAULTS, arch, dict(variants=BACKWARD_SM80.all_variants())),
+                   (DBUF, arch, dict(variants=[(False, False, False), (True, False, False), (True, True, False)])),
+                   ([forward_default(dt, d) for dt in DType for d in D_HEADS], arch, dict(causal=(False, True))))
     yield
-    path = os.environ.get("CUPYFLASH_TEST_FIGURES")
-    if path:
-        with open(path, "w") as f:
-            json.dump(FIGURES, f, indent=1)
+    write_figures(FIGURES)
 
 
 @pytest.fixture

@@ -5,9 +5,6 @@ deterministic mode bit-identical over 3 runs; agreement with backward_sm80. Skip
 without a GPU, and on GPUs that are not compute capability 9.0 (sm_90a code)."""
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 
@@ -74,30 +71,20 @@ def launch_knobs(dtype, name):
 
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
-    """Compile every module the tests use in parallel (NVRTC needs no GPU), then run them warm."""
-    from cupyflash.device import device_arch
-    from cupyflash.prewarm import prewarm
+    """Compile every module the tests use in parallel, then run them warm."""
+    from gpu_prewarm import prewarm_groups, this_arch, write_figures
 
-    arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    jobs = max(1, min(16, os.cpu_count() or 1))
     bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 and c.n_stages == 2
             for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
-    reports = [
-        prewarm(ALL, ["sm_90a"], jobs=jobs, progress=None, variants=[BACKWARD_SM90.variant()]),
-        prewarm(DEFAULTS + bulk + launch, ["sm_90a"], jobs=jobs, progress=None,  # dense calls (varlen: its own module)
-                variants=[v for v in BACKWARD_SM90.all_variants() if v == BACKWARD_SM90.variant(causal=v[0],
-                                                                                                deterministic=v[1])]),
-        prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs, progress=None,
-                causal=(False, True)),
-    ]
-    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
-    assert not failed, "\n".join(failed[:3])
+    dense = [v for v in BACKWARD_SM90.all_variants()  # dense calls (varlen: its own module)
+             if v == BACKWARD_SM90.variant(causal=v[0], deterministic=v[1])]
+    prewarm_groups((ALL, ["sm_90a"], dict(variants=[BACKWARD_SM90.variant()])),
+                   (DEFAULTS + bulk + launch, ["sm_90a"], dict(variants=dense)),
+                   ([forward_default(dt, d) for dt in DType for d in D_HEADS], [this_arch(cp)],
+                    dict(causal=(False, True))))
     yield
-    path = os.environ.get("CUPYFLASH_TEST_FIGURES")
-    if path:
-        with open(path, "w") as f:
-            json.dump(FIGURES, f, indent=1)
+    write_figures(FIGURES)
 
 
 @pytest.fixture

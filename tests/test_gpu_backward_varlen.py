@@ -8,7 +8,6 @@ Skipped cleanly without a GPU."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -34,27 +33,22 @@ PIPELINED = "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+p
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile the varlen variants (and the dense ones the equality test uses) in parallel first."""
-    from cupyflash.device import device_arch
+    from cupyflash.device import compute_capability
     from cupyflash.families.backward_sm80 import BACKWARD_SM80
     from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
-    from cupyflash.prewarm import prewarm
+    from gpu_prewarm import prewarm_groups, this_arch
 
-    arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    jobs = max(1, min(16, os.cpu_count() or 1))
-    cfgs = [default_config(dt, d) for dt in DType for d in D_HEADS] + [BACKWARD_SM80.parse(PIPELINED)]
-    reports = [prewarm(cfgs, [arch], jobs=jobs, progress=None, variants=BACKWARD_SM80.all_variants()),
-               prewarm([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], jobs=jobs,
-                       progress=None, causal=(False, True))]
-    from cupyflash.device import compute_capability
-
+    arch = [this_arch(cp)]
+    groups = [([default_config(dt, d) for dt in DType for d in D_HEADS] + [BACKWARD_SM80.parse(PIPELINED)], arch,
+               dict(variants=BACKWARD_SM80.all_variants())),
+              ([forward_default(dt, d) for dt in DType for d in D_HEADS], arch, dict(causal=(False, True)))]
     if compute_capability(cp.cuda.runtime.getDevice()) == 90:  # the Hopper family's configs, every variant
         from cupyflash.families.backward_sm90 import BACKWARD_SM90
 
         hopper = sorted({family_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
                          for d in (64, 128) for c in (False, True) for s in (1, 1500)}, key=str)
-        reports.append(prewarm(hopper, ["sm_90a"], jobs=jobs, progress=None, variants=BACKWARD_SM90.all_variants()))
-    failed = [f"{r.label} {r.arch}: {r.error}" for rep in reports for r in rep.failed]
-    assert not failed, "\n".join(failed[:3])
+        groups.append((hopper, ["sm_90a"], dict(variants=BACKWARD_SM90.all_variants())))
+    prewarm_groups(*groups)
 
 
 @pytest.fixture

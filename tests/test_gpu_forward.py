@@ -2,8 +2,6 @@
 forward() options, and PyTorch/JAX DLPack round trips. Skipped cleanly without a GPU."""
 from __future__ import annotations
 
-import json
-import math
 import os
 import subprocess
 import sys
@@ -22,7 +20,7 @@ if has_gpu():
     import cupy as cp
 
     import cupyflash
-    from gpu_reference import check_attention, poisoned, random_inputs, to_float32
+    from gpu_reference import check_attention, poisoned, random_inputs
 
 CONFIGS = sorted(set(get_kernel_configs("tune")) | set(get_kernel_configs("prog_all")))
 FIGURES: list[dict] = []  # collected per test and written by the session fixture below
@@ -31,17 +29,11 @@ FIGURES: list[dict] = []  # collected per test and written by the session fixtur
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile every config once, in parallel, before the tests use them one at a time."""
-    from cupyflash.device import device_arch
-    from cupyflash.prewarm import prewarm
+    from gpu_prewarm import prewarm_groups, this_arch, write_figures
 
-    arch, _ = device_arch(cp.cuda.runtime.getDevice())
-    report = prewarm(CONFIGS, [arch], progress=None)
-    assert all(r.ok for r in report.results), [r for r in report.results if not r.ok][:3]
+    prewarm_groups((CONFIGS, [this_arch(cp)], {}))
     yield
-    path = os.environ.get("CUPYFLASH_TEST_FIGURES")
-    if path:
-        with open(path, "w") as f:
-            json.dump(FIGURES, f, indent=1)
+    write_figures(FIGURES)
 
 
 @pytest.fixture
