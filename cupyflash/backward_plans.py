@@ -4,8 +4,9 @@ The first call with a given signature (array type; shapes, strides, dtypes and d
 q, k, v, out and lse; causal, softmax_scale, deterministic) goes through full validation, the
 family choice (`hopper_reason`) and the config choice; its `BackwardPlan` is kept. Later calls
 with the same signature read the six pointers, check their alignment, allocate dq/dk/dv and one
-fp32 workspace, pack the parameter structs and launch: no views, no validation, no config
-lookup. On a tiny problem that is most of a call's host time (NOTES.md item 83).
+fp32 workspace block (`workspace_layout`), store the pointers into parameter blocks packed when
+the replay was kept (`BackwardReplay.prepare`) and launch: no views, no validation, no config
+lookup, no packing. On a tiny problem that is most of a call's host time (NOTES.md items 83, 268).
 
 Only PyTorch tensors and CuPy arrays take this path (on the caller's current stream, or on a
 `stream=` given as an int handle or a CuPy / torch stream of the plan's device: the workspace is
@@ -62,8 +63,7 @@ def workspace_layout(plan: BackwardPlan) -> WorkspaceLayout:
 class BackwardReplay:
     """One signature's validated plan and what a call needs besides its six pointers."""
 
-    __slots__ = ("plan", "device", "is_torch", "raw_dtype", "q_shape", "kv_shape", "shapes", "strides", "ws_floats",
-                 "layout", "launch", "packed", "current_stream", "allocate", "allocate_ws", "ws_dtype")
+    __slots__ = ("plan", "device", "is_torch", "raw_dtype", "q_shape", "kv_shape", "shapes", "strides", "layout", "launch", "packed", "current_stream", "allocate", "allocate_ws", "ws_dtype")
 
     def __init__(self, plan: BackwardPlan, q: Any, k: Any, v: Any, dout: Any) -> None:
         self.plan = plan
@@ -76,9 +76,8 @@ class BackwardReplay:
         self.shapes = tuple(tuple(x.shape) for x in (q, k, v, dout))
         self.strides = tuple(tuple(x.strides) for x in (q, k, v, dout))
         self.layout = workspace_layout(plan)
-        self.ws_floats = self.layout.floats
         self.launch = _launcher(plan)
-        # the Hopper family's parameter blocks packed once (prepare()), None: pack per call
+        # the parameter blocks packed once (prepare(); a PackedLaunch), None: pack per call
         self.packed: Any = None
         # set by remember() for replays: the caller's current stream, and the allocators (CuPy:
         # allocate/allocate_ws; torch: q.new_empty with ws_dtype for the workspace)
@@ -86,6 +85,11 @@ class BackwardReplay:
         self.allocate: Callable[[tuple[int, ...]], Any] | None = None
         self.allocate_ws: Callable[[int], Any] | None = None
         self.ws_dtype: Any = None
+
+    @property
+    def ws_floats(self) -> int:
+        """Size of the workspace block `run` takes, in floats."""
+        return self.layout.floats
 
     def prepare(self) -> None:
         """Compile and load the plan's kernels and resolve its launches now, so that a run only

@@ -131,8 +131,8 @@ def address_offsets(repack: Any, size: int, count: int = 5) -> tuple[tuple[int, 
 
 
 def address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:
-    """write(q, k, v, o, lse) storing the five pointers at `offsets` (address_offsets' first five)
-    of the block `buf`."""
+    """write(q, k, v, o, lse) storing the five pointers at `offsets` of the block `buf`; with seven
+    offsets write(q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k) (the varlen kernels)."""
     # Item stores into a 64-bit view of the block: half the cost of five struct.pack_into calls.
     words = memoryview(buf).cast("B").cast("Q")
     q_at, k_at, v_at, o_at, lse_at = (offset // 8 for offset in offsets[:5])
@@ -144,22 +144,32 @@ def address_writer(buf: Any, offsets: tuple[int, ...]) -> Any:
         words[o_at] = o
         words[lse_at] = lse
 
-    return write
+    if len(offsets) == 5:
+        return write
+    cq_at, ck_at = (offset // 8 for offset in offsets[5:7])
+
+    def write_varlen(q: int, k: int, v: int, o: int, lse: int, cq: int, ck: int) -> None:
+        write(q, k, v, o, lse)
+        words[cq_at] = cq
+        words[ck_at] = ck
+
+    return write_varlen
 
 
 def repack_writer(buf: Any, repack: Any, size: int) -> Any:
     """write_pointers that re-packs the whole block (descriptors whose format hides the address)."""
-    def write(q: int, k: int, v: int, o: int, lse: int) -> None:
-        ctypes.memmove(buf, repack(q, k, v, o, lse), size)
+    def write(*ptrs: int) -> None:
+        ctypes.memmove(buf, repack(*ptrs), size)
 
     return write
 
 
-def embedded_pointers(repack: Any, size: int) -> tuple[bytes, Callable[[Any], Any]]:
-    """(initial parameter block, buf -> write_pointers) for a block whose pointers `repack`
-    embeds (the Hopper family's TMA descriptors): the address words `address_offsets` found, with
-    its template, or else a re-pack of the whole block per call."""
-    found = address_offsets(repack, size)
+def embedded_pointers(repack: Any, size: int, count: int = 5) -> tuple[bytes, Callable[[Any], Any]]:
+    """(initial parameter block, buf -> write_pointers) for a block whose `count` pointers (5: q, k,
+    v, o, lse; 7: and the varlen kernels' cu_seqlens_q/k) `repack` embeds (the Hopper family's TMA
+    descriptors): the address words `address_offsets` found, with its template, or else a re-pack
+    of the whole block per call (the initial block is then zeros, never launched as it is)."""
+    found = address_offsets(repack, size, count)
     if found:
         return found[1], functools.partial(address_writer, offsets=found[0])
     return bytes(size), functools.partial(repack_writer, repack=repack, size=size)

@@ -15,10 +15,11 @@ hang off the variant that saves the lse.
 They are defined with `torch.library.Library` + `impl` (a C++ dispatcher entry calling a Python
 kernel): on the H100 it costs about 5 us per call on top of `forward`, against 22-25 us for the
 same body registered with `torch.library.custom_op` (`scripts/bench_frameworks.py`). Eager calls
-of `attention()` (and its training forward and backward) whose signature has a launch plan skip
-even that when nothing could observe the dispatch (`_dispatch_free`: plain tensors, no torch
-function or dispatch mode, no functorch transform, no TorchScript tracing, no profiler); everything
-else, torch.compile included, calls the operators. The CUDA kernels call `cupyflash.forward`, which
+of `attention()`, `attention_varlen()` and `attention_kvcache()` on CUDA tensors (and the training
+forward and backward) skip even that, running the operators' CUDA kernel bodies directly, when
+nothing could observe the dispatch (`_dispatch_free`: plain tensors, no torch function or dispatch
+mode, no functorch transform, no TorchScript tracing, no profiler); everything else,
+torch.compile included, calls the operators. The CUDA kernels call `cupyflash.forward`, which
 launches on torch's current stream (the capture stream inside `torch.cuda.graph`) and allocates
 its outputs with torch (the graph's pool during capture). The fake (meta) kernels apply the same
 argument rules as `forward` to the tensors' metadata, so shape and dtype errors surface while
@@ -216,7 +217,7 @@ def _dispatch_free_checks() -> Any:
     return dispatch_free
 
 
-# Eager calls skip the dispatcher (~4 us of a ~14 us call on the H200 host, NOTES.md item 268)
+# Eager calls skip the dispatcher (~4 us of a ~14 us call on the H200 host, NOTES.md item 269)
 # when nothing between a call and the operator's CUDA kernel could observe or change it: plain
 # tensors (no subclass, fake or functorch wrapper), no torch function or dispatch mode (fake,
 # proxy and functional tracing included), no functorch transform, no TorchScript tracing, no
@@ -712,12 +713,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         else:
             result = _AttentionVarlenFunction.apply(*args)
         return result if return_lse else result[0]
-    if return_lse:
-        return _attention_varlen_lse_cuda(*args) if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k) else \
-            attention_varlen_lse_op(*args)
-    if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k):
-        return _attention_varlen_cuda(*args)
-    return attention_varlen_op(*args)
+    if _eager_cuda(q, k, v, cu_seqlens_q, cu_seqlens_k):  # the operators' CUDA kernels, without the dispatcher
+        return (_attention_varlen_lse_cuda if return_lse else _attention_varlen_cuda)(*args)
+    return (attention_varlen_lse_op if return_lse else attention_varlen_op)(*args)
 
 
 def attention_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,

@@ -9,7 +9,6 @@ the host and can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import os
@@ -326,44 +325,14 @@ def _prepare_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, 
         return pack_varlen_sm90(cfg, problem, qs._replace(ptr=q_ptr), ks._replace(ptr=k_ptr),
                                 vs._replace(ptr=v_ptr), o_ptr, lse_ptr, cq, ck, zero_tail)
 
-    template, writer = _sm90_pointers(repack, PARAMS_SIZE)
+    template, writer = op_launch.embedded_pointers(repack, PARAMS_SIZE, 7)
     return PreparedKernel(kernel, grid, cfg.n_threads, cfg.smem_bytes(), repack, template, writer)
 
 
 def sm90_writer(repack: Callable[..., bytes], size: int) -> Callable[[Any], Callable[..., None]]:
     """writer(buf) -> write(q, k, v, o, lse, cu_q, cu_k) for a Hopper varlen plan, `repack(q, k,
-    v, o, lse, cu_q, cu_k)` being its parameter packer (see _sm90_pointers)."""
-    return _sm90_pointers(repack, size)[1]
-
-
-def _sm90_pointers(repack: Callable[..., bytes], size: int) -> tuple[bytes, Callable[[Any], Callable[..., None]]]:
-    """(template, writer) for a Hopper varlen plan: where the pointers sit in known words of the
-    block (op_launch.address_offsets) a call stores their words into the template (a block
-    encoded at stand-in addresses), else it re-packs the whole block (TMA descriptors from tma's
-    cache; the template is then zeros, never launched as it is)."""
-    found = op_launch.address_offsets(repack, size, count=7)
-    if found is None:
-        def repacking(buf: Any) -> Callable[..., None]:
-            def repack_all(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
-                ctypes.memmove(buf, repack(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq, ck), size)
-
-            return repack_all
-
-        return bytes(size), repacking
-
-    def writer(buf: Any) -> Callable[..., None]:
-        write_forward = op_launch.address_writer(buf, found[0])  # q, k, v, o, lse
-        words = memoryview(buf).cast("B").cast("Q")
-        cq_at, ck_at = (offset // 8 for offset in found[0][5:])
-
-        def write(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> None:
-            write_forward(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr)
-            words[cq_at] = cq
-            words[ck_at] = ck
-
-        return write
-
-    return found[1], writer
+    v, o, lse, cu_q, cu_k)` being its parameter packer (op_launch.embedded_pointers)."""
+    return op_launch.embedded_pointers(repack, size, 7)[1]
 
 
 def _fast_launch(problem: VarlenProblem, q, want_lse: bool, head: tuple, params: bytes,

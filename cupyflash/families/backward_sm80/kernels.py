@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-
 from typing import TYPE_CHECKING
 
 from ...launch_plans import PackedLaunch, argv_launcher
