@@ -1,4 +1,4 @@
-"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile` and `wgblocks` knobs and the 192-column key tile without a GPU: short forms
+"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile`, `wgblocks` and `psmem` knobs and the 192-column key tile without a GPU: short forms
 (the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
 configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
 from __future__ import annotations
@@ -60,10 +60,10 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false}>, true, false>")
-    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false}>, true, false>")
+    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false}>, true, false>")
 
 
 def test_wg_blocks_needs_a_producer_and_no_cross_tile():
@@ -75,6 +75,19 @@ def test_wg_blocks_needs_a_producer_and_no_cross_tile():
                  "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile+wgblocks"):
         with pytest.raises(ValueError, match="wg_blocks needs warp_specialized and no cross_tile"):
             H.parse(text)
+
+
+def test_p_smem_frees_the_probability_registers():
+    wide = H.parse("forward_sm90(BF16, 64, 192, 192, 2): tma+ws+pingpong+overlap+lazy+psmem")
+    assert wide.p_smem and wide.accumulator_registers() == 96 + 32  # no B_c/4 for P
+    plain = H(DType.BF16, 64, 192, 128, 2, True, True, True, False, lazy_rescale=True)
+    assert plain.replace(p_smem=True).smem_bytes() == plain.smem_bytes() + 3 * 2 * 8192  # 3 x (64 x 128 keys)
+    # B_c 176: three 64-column blocks per warpgroup (the last one 48 keys wide)
+    odd = H.parse("forward_sm90(FP16, 64, 128, 176, 2): tma+ws+pingpong+overlap+psmem")
+    assert odd.smem_bytes() == odd.replace(p_smem=False).smem_bytes() + 2 * 3 * 8192
+    with pytest.raises(ValueError, match="shared memory"):  # 24 + 3 x 48 + 72 KiB
+        H.parse("forward_sm90(BF16, 64, 192, 192, 3): tma+ws+pingpong+overlap+psmem")
+    assert wide.short_form().endswith("+overlap+lazy+psmem")
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
@@ -101,3 +114,17 @@ def test_knob_configs_compile_clean():
         if res is not None:  # NVRTC may serve a module from its own cache without a ptxas report
             assert res.spill_bytes == 0 and res.stack_frame_bytes == 0, (name, causal, res)
     assert any(res is not None for _, _, res, _ in built)
+
+
+@pytest.mark.compile
+def test_smem_bytes_match_cpp():
+    """The launch's dynamic shared memory (Python) is the kernel's layout (C++), P tiles included."""
+    from cupyflash.compiler import compile_module
+    from cupyflash.families.forward_sm90 import FORWARD_SM90
+    from cupyflash.render import name_expression, render_family_source
+
+    cfgs = [H.parse(t) for t in KNOB_CONFIGS]
+    checks = "\n".join(f"static_assert({FORWARD_SM90.static_wrapper}<{FORWARD_SM90.config_literal(c)}>::SMEM_BYTES"
+                       f" == {c.smem_bytes()}, \"{c}\");" for c in cfgs)
+    compile_module(render_family_source("forward_sm90") + "\n" + checks + "\n", [name_expression(cfgs[0], False)],
+                   "sm_90a")

@@ -1,7 +1,7 @@
 """GPU tests of forward_sm90's `oreg` (O stored from registers; persistent CTAs release their Q
 tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
 a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
-visible key block) and the 192-column key tile, against
+visible key block), `psmem` (P V reads P from shared memory) and the 192-column key tile, against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
 several times. Skipped cleanly without a compute capability 9.0 GPU."""
@@ -51,7 +51,19 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks",
                 "forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+wgblocks",
                 "forward_sm90(FP16, 64, 192, 64, 2): tma+ws+pingpong+overlap+wgblocks",
-                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring+wgblocks")
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+persistent+ring+wgblocks",
+                # psmem: P through shared memory - d_head 64's 192 x 192 tiles (plain, persistent
+                # with the ring, causal warpgroup blocks), the cross-tile carry at d_head 128, the
+                # sequential loop, and B_c 176 (a last P column block of 48 keys)
+                "forward_sm90(BF16, 64, 192, 192, 2): tma+ws+pingpong+overlap+lazy+psmem",
+                "forward_sm90(FP16, 64, 192, 192, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+psmem",
+                "forward_sm90(BF16, 64, 192, 192, 2): tma+ws+pingpong+overlap+wgblocks+psmem",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile+psmem",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+psmem",
+                "forward_sm90(FP16, 64, 128, 176, 2): tma+ws+pingpong+overlap+psmem",
+                # d_head 128's three consumer warpgroups (the table's long rows), persistent too
+                "forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem",
+                "forward_sm90(FP16, 128, 192, 128, 2): tma+ws+pingpong+overlap+persistent+lazy+psmem")
 
 if _is_sm90():
     import cupy as cp

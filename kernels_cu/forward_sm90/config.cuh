@@ -30,6 +30,7 @@ struct StaticHopperForwardConfig {
     static constexpr bool TURN_RING = C.turn_ring;  // ping-pong turns run on across a persistent CTA's tiles
     static constexpr bool CROSS_TILE = C.cross_tile;  // a tile's last P V behind the next tile's first Q K^T
     static constexpr bool WG_BLOCKS = C.wg_blocks;    // a warpgroup stops at its own last needed block
+    static constexpr bool P_SMEM = C.p_smem;  // P V reads P from a shared tile per consumer warpgroup
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -46,12 +47,18 @@ struct StaticHopperForwardConfig {
     static constexpr int ROW_BYTES = 128;
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
+    // P_SMEM: each consumer warpgroup's P (64 rows x BC keys, 16-bit) as a K-major A operand,
+    // laid out as the Q tile: ceil(BC / 64) column blocks of 64 rows x 128 bytes.
+    static constexpr int P_COL_BLOCKS = (BC + COL_BLOCK - 1) / COL_BLOCK;
+    static constexpr int P_WG_BYTES = P_COL_BLOCKS * WG_ROWS * ROW_BYTES;
+    static constexpr int P_BYTES = P_SMEM ? CONSUMERS * P_WG_BYTES : 0;
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int Q_OFFSET = 0;
     static constexpr int K_OFFSET = Q_OFFSET + Q_BUFFERS * Q_BYTES;
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
-    static constexpr int BAR_OFFSET = V_OFFSET + STAGES * KV_BYTES;
+    static constexpr int P_OFFSET = V_OFFSET + STAGES * KV_BYTES;
+    static constexpr int BAR_OFFSET = P_OFFSET + P_BYTES;
     // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
     static constexpr int Q_BARS = 2 * Q_BUFFERS;
     static constexpr int BAR_BYTES = 8 * (Q_BARS + 4 * STAGES);
@@ -82,6 +89,7 @@ struct SmemLayout {
     CF_DEVICE u32 q(int buf = 0) const { return base + Cfg::Q_OFFSET + buf * Cfg::Q_BYTES; }
     CF_DEVICE u32 k(int stage) const { return base + Cfg::K_OFFSET + stage * Cfg::KV_BYTES; }
     CF_DEVICE u32 v(int stage) const { return base + Cfg::V_OFFSET + stage * Cfg::KV_BYTES; }
+    CF_DEVICE u32 p(int wg) const { return base + Cfg::P_OFFSET + wg * Cfg::P_WG_BYTES; }
     CF_DEVICE u32 q_full(int buf = 0) const { return base + Cfg::BAR_OFFSET + 16 * buf; }
     // the Q tile (and O staging in it) is free
     CF_DEVICE u32 q_empty(int buf = 0) const { return base + Cfg::BAR_OFFSET + 16 * buf + 8; }

@@ -2,7 +2,9 @@
 //
 // Per key block j: S = Q K_j^T (wgmma, both operands in shared memory), mask, online softmax in
 // fp32 registers, P converted in registers to the A operand of O += P V_j (V from shared memory,
-// MN-major, so the transpose bit is set). With OVERLAP the QK^T of block j is issued together
+// MN-major, so the transpose bit is set); with P_SMEM, P is stored to the warpgroup's shared P
+// tile instead and P V reads both operands from shared memory, which frees the B_c/4 registers
+// of P (d_head 64's 192 x 192 tiles fit the three consumer warpgroups' 160 registers so). With OVERLAP the QK^T of block j is issued together
 // with the P V of block j-1, so the softmax of block j runs while P V_{j-1} is on the tensor
 // cores. With PINGPONG the consumer warpgroups take turns issuing their GEMMs, in a ring of
 // named barriers (0 -> 1 [-> 2] -> 0), so one warpgroup's softmax overlaps the others' GEMMs.
@@ -29,7 +31,7 @@ struct Consumer {
     const int tile_iter;  // tiles this CTA has computed before this one (phase of q_full)
 
     float o[Cfg::D / 8][4];
-    typename Softmax::Probabilities pa;
+    typename Softmax::Probabilities pa;  // P of the next P V (unused with P_SMEM)
     Softmax softmax;
 
     CF_DEVICE Consumer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t,
@@ -73,10 +75,36 @@ struct Consumer {
         // head dimension are BC rows apart (LBO).
         const u64 v0 = smem_descriptor_sw128(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES, 1024);
         wgmma_fence();
+        if constexpr (Cfg::P_SMEM) {
+            // P's k-step k: 32 bytes into each 128-byte row of column block k / 4 (as Q in Q K^T)
+            const u64 p0 = smem_descriptor_sw128(sm.p(wg), 16, 1024);
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k)
-            wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
+            for (int k = 0; k < PV_STEPS; ++k)
+                wgmma_ss<Cfg::dtype, Cfg::D, 1>(
+                    o, descriptor_advance(p0, (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * (k % 4)),
+                    descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
+        } else {
+#pragma unroll
+            for (int k = 0; k < PV_STEPS; ++k)
+                wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
+        }
         wgmma_commit();
+    }
+
+    // Block j's probabilities become the A operand of its P V. Every caller has completed the
+    // previous P V (wgmma_wait<0>), so P_SMEM's single P tile per warpgroup is free to overwrite.
+    // The stores are generic-proxy writes that the P V wgmma reads through the async proxy:
+    // fence them; a warp's wgmma reads only its own 16 rows of P, so the warp's own barrier
+    // suffices.
+    CF_DEVICE void stage_p(const Scores& s) {
+        if constexpr (Cfg::P_SMEM) {
+            const SmemLayout<Cfg> sm{opaque(smem.base)};
+            Softmax::store(s, Softmax::store_address(sm.p(wg), warp, lane));
+            fence_proxy_async_shared();
+            __syncwarp();
+        } else {
+            Softmax::convert(s, pa);
+        }
     }
 
     // ---- synchronisation ----
@@ -144,7 +172,7 @@ struct Consumer {
     }
 
     // Block j's scores S -> masked, online-softmax statistics updated (O rescaled from the second
-    // block on), P in registers as the A operand of P V_j.
+    // block on), P staged as the A operand of P V_j.
     CF_DEVICE void softmax_block(Scores& s, int j) {
         Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
         if (j == 0) {
@@ -155,7 +183,7 @@ struct Consumer {
             softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
             rescale_output(rescale);
         }
-        Softmax::convert(s, pa);
+        stage_p(s);
     }
 
     // `refill(block)`: called after a block's stage is released (non-warp-specialised kernels
@@ -307,7 +335,7 @@ struct Consumer {
             fence_registers(o);
             release_v(prev);
             refill(j - 1);
-            Softmax::convert(s, pa);
+            stage_p(s);
         }
     }
 
@@ -331,7 +359,7 @@ struct Consumer {
         Scores s;
         float rescale[1][2];
         first_block(s, n_blocks, rescale);
-        Softmax::convert(s, pa);
+        stage_p(s);
         middle_blocks(s, n_blocks, rescale, refill);
         if (n_blocks > 1) rescale_output(rescale);
         last_pv(n_blocks, ends_tile);
@@ -357,7 +385,7 @@ struct Consumer {
         } else if (n_blocks == 1) {
             release_q_early();
         }
-        Softmax::convert(s, pa);
+        stage_p(s);
         auto no_refill = [](int) {};
         middle_blocks(s, n_blocks, rescale, no_refill);
         if (n_blocks > 1) rescale_output(rescale);

@@ -1,5 +1,5 @@
-// Score masking and the conversion of probabilities to the register A operand of P V, for one
-// consumer warpgroup. The running statistics are the shared OnlineSoftmax (online_softmax.cuh):
+// Score masking and the conversion of probabilities to the A operand of P V (in registers, or
+// stored to the warpgroup's shared P tile with P_SMEM), for one consumer warpgroup. The running statistics are the shared OnlineSoftmax (online_softmax.cuh):
 // a wgmma m64nN accumulator is, per warp, the mma.m16n8k16 C layout over N/8 column tiles, i.e.
 // OnlineSoftmax's [1 m-tile][N/8][4].
 #pragma once
@@ -47,5 +47,28 @@ struct WarpgroupSoftmax {
             pa[k][2] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]);
             pa[k][3] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]);
         }
+    }
+
+    // P_SMEM: probabilities -> the warpgroup's shared P tile (K-major, 128B-swizzled like the Q
+    // tile), one stmatrix.x4 per k-step: the four A-fragment registers of convert() are the 8x8
+    // matrices (rows 0-7 | 8-15) x (keys 0-7 | 8-15) of the k-step, and lane 8 i + r gives the
+    // address of row r of matrix i. `lane_row` is store_address()'s value for this lane.
+    CF_DEVICE static void store(const Scores& s, u32 lane_row) {
+#pragma unroll
+        for (int k = 0; k < PV_STEPS; ++k) {
+            // key chunk 2k + (i >> 1) of the row: column block k / 4, chunk (2k) % 8 XOR the lane's
+            stmatrix_x4((lane_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES,
+                        pack_pair<Cfg::dtype>(s[0][2 * k][0], s[0][2 * k][1]),
+                        pack_pair<Cfg::dtype>(s[0][2 * k][2], s[0][2 * k][3]),
+                        pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]),
+                        pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]));
+        }
+    }
+    // This lane's stmatrix row address in the P tile at `p_tile` for k-step 0: row
+    // 16 warp + 8 (i & 1) + r, 16-byte chunk (i >> 1) XOR the 128B swizzle (row & 7 = r).
+    CF_DEVICE static u32 store_address(u32 p_tile, int warp, int lane) {
+        const u32 r = lane & 7, i = (lane >> 3) & 3;
+        const u32 row = 16 * warp + 8 * (i & 1) + r;
+        return p_tile + row * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
     }
 };

@@ -16,7 +16,7 @@ registers, 16 bytes per lane after a lane-quad transpose, Q released early), `la
 rescaling), `ring` (the ping-pong turn ring runs on across a persistent CTA's tiles), `xtile` (a
 tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (each consumer
 warpgroup stops at its own last needed key block: none past the sequence's end, causal its own
-diagonal) and `emuN` (exp2 of N quarters of the
+diagonal), `psmem` (P V reads P from shared memory, not registers) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -43,8 +43,8 @@ MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
 _LOADS = {"tma": False, "cpasync": True}  # first feature of the short form -> cp_async
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
-# (BC/4), by consumer warpgroups: above these the consumers (setmaxnreg 256 / 240 / 160
-# registers) spill.
+# (BC/4) unless P is staged in shared memory, by consumer warpgroups: above these the consumers
+# (setmaxnreg 256 / 240 / 160 registers) spill.
 ACCUMULATOR_BUDGET = {1: 200, 2: 200, 3: 128}
 
 
@@ -106,6 +106,15 @@ class HopperForwardKernelConfig(KernelConfig):
     # B_c = 128 when seq_q = seq_k is a multiple of 128. Measured per row: it costs some long
     # causal rows 1-4% (NOTES.md items 184-185), so the table takes it row by row.
     wg_blocks: bool = False
+    # P staged in shared memory: each consumer warpgroup stores its 16-bit probabilities to its
+    # own 128B-swizzled P tile (stmatrix) and P V reads both operands from shared memory. That
+    # frees the B_c/4 registers P held across the softmax, so d_head 128 fits three consumer
+    # warpgroups (192 x 128: 64 + 64 accumulator registers of 160), at the cost of B_c x 128
+    # bytes of shared memory per warpgroup and a store per block. Measured on an H200 (NOTES.md
+    # item 276): d_head 128 192 x 128 +3-5% over the two-warpgroup picks at S >= 4k (the table's
+    # long rows); d_head 64 lost 3-9% on every tile (192 x 128, 192 x 192), where P V's
+    # m64n64k16 from shared memory takes the SM's whole shared-memory bandwidth.
+    p_smem: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -137,9 +146,10 @@ class HopperForwardKernelConfig(KernelConfig):
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
-        yield (f"accumulator registers B_c/2 + d_head/2 + B_c/4 <= {budget} per consumer thread "
+        yield (f"accumulator registers B_c/2 + d_head/2 (+ B_c/4 without psmem) <= {budget} per consumer thread "
                f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
-        yield (f"shared memory (Q tile(s) + n_stages K and V tiles + 1 KiB) <= {MAX_SMEM_PER_BLOCK} bytes",
+        yield (f"shared memory (Q tile(s) + n_stages K and V tiles + psmem's P tiles + 1 KiB) <= "
+               f"{MAX_SMEM_PER_BLOCK} bytes",
                self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
 
     # ------------------------------------------------------------- resources
@@ -156,12 +166,14 @@ class HopperForwardKernelConfig(KernelConfig):
         return 2 if self.double_q else 1
 
     def accumulator_registers(self) -> int:
-        return self.B_c // 2 + self.d_head // 2 + self.B_c // 4
+        return self.B_c // 2 + self.d_head // 2 + (0 if self.p_smem else self.B_c // 4)
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
         itemsize = 2
         tiles = (self.q_buffers * self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
+        if self.p_smem:  # per consumer warpgroup, ceil(B_c / 64) column blocks of 64 rows x 128 bytes
+            tiles += self.consumer_warpgroups * -(-self.B_c // 64) * WG_ROWS * 128
         barriers = 8 * (2 * self.q_buffers + 4 * self.n_stages)  # per Q tile full/empty; per stage k/v full and empty
         return tiles + barriers + 1024
 
@@ -169,8 +181,9 @@ class HopperForwardKernelConfig(KernelConfig):
     _FLAGS: ClassVar[dict[str, str]] = {"ws": "warp_specialized", "pingpong": "pingpong",
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
-                                        "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks")  # written after emuN
+                                        "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
+                                        "psmem": "p_smem"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem")  # after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
@@ -223,4 +236,5 @@ class HopperForwardKernelConfig(KernelConfig):
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
                    flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
-                   cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"])
+                   cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"],
+                   p_smem=flags["p_smem"])

@@ -99,38 +99,51 @@ _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
 # d64's 128x128 tile: causal S <= 2k (no ragged 192-row last block, a smaller diagonal),
 # +16-27% over 192x128 at 512/1k.
 _TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
+# Tiles whose P only fits with `psmem` (P V reads P from shared memory): d128 with three consumer
+# warpgroups, 192 x 128 (64 + 64 accumulator registers at 160 per consumer thread). Measured on an
+# H200 (2026-11-28, bench.py beside the table's picks, NOTES.md item 276): +3-5% over the
+# two-consumer picks at S >= 4k, causal +0.4-4% at 8k-16k, -5-10% at 1k; with lazy rescaling
+# (+5% there, unlike d128's two-consumer tiles), so both are timed. At d64, psmem lost 3-9% to
+# the register P on every tile tried (192 x 128, 192 x 192): P V's m64n64k16 from shared memory
+# reads 4 KiB per 32 tensor clocks, the SM's whole shared-memory bandwidth.
+_PSMEM_TILES = {128: ((192, 128),)}
+_PSMEM_LAZY = (False, True)
 _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
 
 
 def should_autotune(cfg: HopperForwardKernelConfig) -> bool:
     """Worth timing (see _TUNE_TILES): warp-specialised with intra-warpgroup overlap, the tiles,
-    stages, ping-pong and lazy rescaling listed for its d_head, at d64 persistent CTAs only with
+    stages, ping-pong and lazy rescaling listed for its d_head (P in shared memory only on the
+    tiles that need it, _PSMEM_TILES), at d64 persistent CTAs only with
     two Q tiles, every exponential on MUFU.EX2, loads through TMA (cp_async is the progression's
     first step), O staged through shared memory (`oreg` is tried as a same-run twin of the picks
     instead, scripts/probe_sm90_d64_256.py --twins oreg: with its 16-byte stores it won the d64 and
     d256 rows at S <= 1k, which the table carries, and lost up to 3.6% at d256 16k, NOTES.md item
     157)."""
     d = cfg.d_head
+    tiles, lazy = (_PSMEM_TILES.get(d, ()), _PSMEM_LAZY) if cfg.p_smem else (_TUNE_TILES.get(d, ()), _TUNE_LAZY[d])
     return (cfg.warp_specialized and cfg.intra_wg_overlap
-            and (cfg.B_r, cfg.B_c) in _TUNE_TILES.get(d, ())
+            and (cfg.B_r, cfg.B_c) in tiles
             and cfg.n_stages in _TUNE_STAGES[d] and cfg.pingpong in _TUNE_PINGPONG[d]
             and not (d == 64 and cfg.persistent and not cfg.double_q)
             and cfg.exp_emulation == 0 and not cfg.cp_async
-            and cfg.lazy_rescale in _TUNE_LAZY[d] and not cfg.o_direct)
+            and cfg.lazy_rescale in lazy and not cfg.o_direct)
 
 
 def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForwardKernelConfig]:
     out = []
     for dtype, d in itertools.product(dtypes, d_heads):
-        for (b_r, b_c), stages, pingpong, (persistent, double_q), lazy in itertools.product(
-                _TUNE_TILES[d], _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES, _TUNE_LAZY[d]):
-            try:
-                cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent,
-                                                double_q, lazy_rescale=lazy)
-            except ValueError:
-                continue  # over the register or shared-memory budget
-            if should_autotune(cfg):
-                out.append(cfg)
+        for p_smem, tiles, lazies in ((False, _TUNE_TILES[d], _TUNE_LAZY[d]),
+                                      (True, _PSMEM_TILES.get(d, ()), _PSMEM_LAZY)):
+            for (b_r, b_c), stages, pingpong, (persistent, double_q), lazy in itertools.product(
+                    tiles, _TUNE_STAGES[d], _TUNE_PINGPONG[d], _SCHEDULES, lazies):
+                try:
+                    cfg = HopperForwardKernelConfig(dtype, d, b_r, b_c, stages, True, pingpong, True, persistent,
+                                                    double_q, lazy_rescale=lazy, p_smem=p_smem)
+                except ValueError:
+                    continue  # over the register or shared-memory budget
+                if should_autotune(cfg):
+                    out.append(cfg)
     return sorted(out)
 
 
