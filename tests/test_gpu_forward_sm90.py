@@ -45,12 +45,13 @@ if _is_sm90():
     EXTRA += KNOBS
     CONFIGS = sorted(set(get_kernel_configs("prog_all")) | set(get_kernel_configs("defaults")) | set(EXTRA))
     # one per mainloop (cp.async, TMA without and with the producer warpgroup, overlapped,
-    # persistent, cross-tile, per-warpgroup blocks) and per key-tile width of the defaults (64 .. 176)
+    # persistent, cross-tile, per-warpgroup blocks, P through shared memory) and per key-tile width of the defaults (64 .. 176)
     _PROG = get_kernel_configs("prog")
     WIDTHS = [_PROG[0], _PROG[1], _PROG[2], _PROG[5], default_config(DType.BF16, 128), default_config(DType.FP16, 64),
               default_config(DType.BF16, 256), default_config(DType.FP16, 256, True),
               H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile"),
-              H.parse("forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks")]
+              H.parse("forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks"),
+              H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem")]
 
     from cupyflash.tuning.tables import TuningTable, default_table_path
 
@@ -221,11 +222,12 @@ def test_last_key_block_width_per_sequence(cfg, causal, rng):
     """Packed sequences whose key lengths end at different steps of a key block: each tile
     masks its own sequence's last block (the keys past it belong to the next sequence)."""
     import cupyflash
-    from test_gpu_varlen import check_per_sequence, packed
+    from gpu_reference import packed_batch
+    from test_gpu_varlen import check_per_sequence
 
     lens_q = [37, 300, 1, 129, 64]
     lens_k = [cfg.B_c + 17, 33, 2 * cfg.B_c, 3 * cfg.B_c - 1, 16]
-    q, k, v, cu_q, cu_k, hq, hk = packed(rng, cfg.dtype, lens_q, lens_k, 4, 2, cfg.d_head)
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, cfg.dtype, lens_q, lens_k, 4, 2, cfg.d_head)
     out = poisoned(cp, cfg.dtype, q.shape)
     cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), out=out, causal=causal, cfg=cfg)
     check_per_sequence(cfg.dtype, q, k, v, out, hq, hk, causal)
