@@ -4,10 +4,11 @@
 // fp32 registers, P converted in registers to the A operand of O += P V_j (V from shared memory,
 // MN-major, so the transpose bit is set); with P_SMEM, P is stored to the warpgroup's shared P
 // tile instead and P V reads both operands from shared memory, which frees the B_c/4 registers
-// of P (d_head 64's 192 x 192 tiles fit the three consumer warpgroups' 160 registers so). With OVERLAP the QK^T of block j is issued together
-// with the P V of block j-1, so the softmax of block j runs while P V_{j-1} is on the tensor
-// cores. With PINGPONG the consumer warpgroups take turns issuing their GEMMs, in a ring of
-// named barriers (0 -> 1 [-> 2] -> 0), so one warpgroup's softmax overlaps the others' GEMMs.
+// of P (d_head 128's 192 x 128 tiles fit the three consumer warpgroups' 160 registers so). With
+// OVERLAP the QK^T of block j is issued together with the P V of block j-1, so the softmax of
+// block j runs while P V_{j-1} is on the tensor cores. With PINGPONG the consumer warpgroups take
+// turns issuing their GEMMs, in a ring of named barriers (0 -> 1 [-> 2] -> 0), so one
+// warpgroup's softmax overlaps the others' GEMMs.
 #pragma once
 
 template <class Cfg, bool CAUSAL>
