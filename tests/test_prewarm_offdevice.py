@@ -40,3 +40,15 @@ def test_defaults_hold_backward_varlens_picks():
     assert set(config_sets.get_kernel_configs("varlen_defaults")) == varlen
     assert varlen - set(config_sets.get_kernel_configs("defaults"))  # not covered by the dense set
     assert varlen <= set(prewarm_offdevice.default_configs(90))
+
+
+def test_defaults_hold_forward_varlens_picks():
+    """forward_varlen's Hopper picks (d_head 128: 192 x 128 psmem tiles) are not dense defaults:
+    the varlen_defaults set names them and the off-device prewarm builds them."""
+    from cupyflash.config import DType
+    from cupyflash.families.forward_sm90 import config_sets
+
+    varlen = set(config_sets.get_kernel_configs("varlen_defaults"))
+    assert config_sets.varlen_default_config(DType.FP16, 128, True) in varlen
+    assert varlen - set(config_sets.get_kernel_configs("defaults"))
+    assert varlen <= set(prewarm_offdevice.default_configs(90))

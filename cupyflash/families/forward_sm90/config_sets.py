@@ -11,7 +11,7 @@ from .config import D_HEADS, HopperForwardKernelConfig
 __all__ = ["default_config", "varlen_default_config", "should_autotune", "autotune_configs", "knob_twins", "progression_configs", "get_kernel_configs",
            "KERNEL_SET_KEYS"]
 
-KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults")
+KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults", "varlen_defaults")
 
 # Key-tile columns of the progression: the largest B_c in {64, 128} whose S, P and O
 # accumulators fit the 240 consumer registers with the two-stage ring in shared memory.
@@ -44,20 +44,24 @@ def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperFor
                                      lazy_rescale=d_head in _LAZY_D_HEADS)
 
 
-# forward_varlen's exceptions to _DEFAULTS. Measured on the H100 (2026-11-23, ragged bf16 batch of
-# lengths 1..8k, 32k tokens, 16 heads, causal, one run): B_c 176 at 558-563 TFLOP/s against 515-520
-# for the dense causal pick (B_c 128), 533-552 with three stages. Packed sequences mostly end
-# mid-tile, where the dense case's masked-diagonal cost of the wider tile matters less than its
-# fewer key-block iterations.
-_VARLEN_B_C = {(128, True): 176}
+# forward_varlen's picks where they differ from _DEFAULTS. d_head 128, both masks: three consumer
+# warpgroups with P through shared memory (192 x 128, lazy, wgblocks), measured on an H200
+# (2026-11-28, `.out/s28/ab_varlen.py`: bench.py --mode varlen's batch, lengths 1..8k, 32k
+# tokens, 16 heads, 5 interleaved rounds at the power cap; NOTES.md item 280) at x1.050 / x1.055
+# (bf16 / fp16) non-causal and x1.112 / x1.100 causal over the earlier 128 x 176 pick; its
+# persistent forms lost (x0.92-0.99). (The 128 x 176 pick had beaten the dense causal default,
+# B_c 128, on the H100, 2026-11-23: packed sequences mostly end mid-tile, where a wider tile's
+# masked-diagonal cost matters less than its fewer key-block iterations.)
+_VARLEN_PICKS = {(128, False): dict(B_r=192, B_c=128, lazy_rescale=True, wg_blocks=True, p_smem=True),
+                 (128, True): dict(B_r=192, B_c=128, lazy_rescale=True, wg_blocks=True, p_smem=True)}
 
 
 @functools.lru_cache(maxsize=64)
 def varlen_default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
-    """The family's pick for forward_varlen: `default_config` with the _VARLEN_B_C exceptions."""
+    """The family's pick for forward_varlen: `default_config` with the _VARLEN_PICKS changes."""
     cfg = default_config(dtype, d_head, causal)
-    b_c = _VARLEN_B_C.get((d_head, bool(causal)))
-    return dataclasses.replace(cfg, B_c=b_c) if b_c else cfg
+    changes = _VARLEN_PICKS.get((d_head, bool(causal)))
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperForwardKernelConfig]:
@@ -177,7 +181,8 @@ def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwa
 
 
 def get_kernel_configs(key: str) -> list[HopperForwardKernelConfig]:
-    """'tune', 'prog' (bf16 d128), 'prog_all' (every dtype and d_head) or 'defaults'."""
+    """'tune', 'prog' (bf16 d128), 'prog_all' (every dtype and d_head), 'defaults' or
+    'varlen_defaults' (forward_varlen's cfg=None on Hopper, which prewarm_offdevice builds too)."""
     if key == "tune":
         return autotune_configs()
     if key == "prog":
@@ -186,4 +191,6 @@ def get_kernel_configs(key: str) -> list[HopperForwardKernelConfig]:
         return sorted({c for dt in DType for d in D_HEADS for c in progression_configs(dt, d)})
     if key == "defaults":
         return sorted({default_config(dt, d, c) for dt in DType for d in D_HEADS for c in (False, True)})
+    if key == "varlen_defaults":
+        return sorted({varlen_default_config(dt, d, c) for dt in DType for d in D_HEADS for c in (False, True)})
     raise ValueError(f"key: expected one of {KERNEL_SET_KEYS}, got {key!r}")
