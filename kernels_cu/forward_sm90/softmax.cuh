@@ -37,16 +37,19 @@ struct WarpgroupSoftmax {
         });
     }
 
-    // Probabilities -> A fragments of P, one per k-step of 16 keys (two adjacent column tiles of
-    // the C layout are exactly the A layout of one k-step).
+    // The A fragment of P for k-step k (keys 16k..16k+15): two adjacent column tiles of the C
+    // layout are exactly the A layout of one k-step.
+    CF_DEVICE static void fragment(const Scores& s, int k, u32 (&a)[4]) {
+        a[0] = pack_pair<Cfg::dtype>(s[0][2 * k][0], s[0][2 * k][1]);
+        a[1] = pack_pair<Cfg::dtype>(s[0][2 * k][2], s[0][2 * k][3]);
+        a[2] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]);
+        a[3] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]);
+    }
+
+    // Probabilities -> A fragments of P in registers, one per k-step.
     CF_DEVICE static void convert(const Scores& s, Probabilities& pa) {
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) {
-            pa[k][0] = pack_pair<Cfg::dtype>(s[0][2 * k][0], s[0][2 * k][1]);
-            pa[k][1] = pack_pair<Cfg::dtype>(s[0][2 * k][2], s[0][2 * k][3]);
-            pa[k][2] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]);
-            pa[k][3] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]);
-        }
+        for (int k = 0; k < PV_STEPS; ++k) fragment(s, k, pa[k]);
     }
 
     // P_SMEM: probabilities -> the warpgroup's shared P tile (K-major, 128B-swizzled like the Q
@@ -56,12 +59,11 @@ struct WarpgroupSoftmax {
     CF_DEVICE static void store(const Scores& s, u32 lane_row) {
 #pragma unroll
         for (int k = 0; k < PV_STEPS; ++k) {
+            u32 a[4];
+            fragment(s, k, a);
             // key chunk 2k + (i >> 1) of the row: column block k / 4, chunk (2k) % 8 XOR the lane's
-            stmatrix_x4((lane_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES,
-                        pack_pair<Cfg::dtype>(s[0][2 * k][0], s[0][2 * k][1]),
-                        pack_pair<Cfg::dtype>(s[0][2 * k][2], s[0][2 * k][3]),
-                        pack_pair<Cfg::dtype>(s[0][2 * k + 1][0], s[0][2 * k + 1][1]),
-                        pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]));
+            stmatrix_x4((lane_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES, a[0], a[1],
+                        a[2], a[3]);
         }
     }
     // This lane's stmatrix row address in the P tile at `p_tile` for k-step 0: row

@@ -52,8 +52,8 @@ def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperFor
 # persistent forms lost (x0.92-0.99). (The 128 x 176 pick had beaten the dense causal default,
 # B_c 128, on the H100, 2026-11-23: packed sequences mostly end mid-tile, where a wider tile's
 # masked-diagonal cost matters less than its fewer key-block iterations.)
-_VARLEN_PICKS = {(128, False): dict(B_r=192, B_c=128, lazy_rescale=True, wg_blocks=True, p_smem=True),
-                 (128, True): dict(B_r=192, B_c=128, lazy_rescale=True, wg_blocks=True, p_smem=True)}
+_VARLEN_D128 = dict(B_r=192, B_c=128, lazy_rescale=True, wg_blocks=True, p_smem=True)
+_VARLEN_PICKS = {(128, causal): _VARLEN_D128 for causal in (False, True)}
 
 
 @functools.lru_cache(maxsize=64)
