@@ -308,7 +308,7 @@ def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, 
 def _prepare_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v,
                   zero_tail: bool) -> PreparedKernel:
     """The Hopper family's varlen kernel: the pointers are embedded in its TMA descriptors."""
-    from .families.forward_sm90.launch import _sm_count
+    from .families.forward_sm90.launch import _sm_count, cluster_padded
     from .families.forward_sm90.params import PARAMS_SIZE
 
     kernel = _get_registry().get(cfg, problem.device, variant=FORWARD_SM90.variant(causal=problem.causal, varlen=True))
@@ -317,7 +317,7 @@ def _prepare_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, 
         tiles = q_blocks * problem.n_heads * problem.batch
         grid = (max(1, min(tiles, _sm_count(problem.device) or tiles)), 1, 1)
     else:
-        grid = (q_blocks, problem.n_heads, problem.batch)
+        grid = (cluster_padded(cfg, q_blocks), problem.n_heads, problem.batch)
     qs, ks, vs = (x._replace(base=None) for x in (q, k, v))  # the plan must not keep this call's arrays alive
 
     def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int, cq: int, ck: int) -> bytes:

@@ -225,7 +225,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false}>, "
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false}>, "
         "true, false>")
 
 

@@ -1,4 +1,4 @@
-"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile`, `wgblocks` and `psmem` knobs and the 192-column key tile without a GPU: short forms
+"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile`, `wgblocks`, `psmem` and `cluster2` knobs and the 192-column key tile without a GPU: short forms
 (the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
 configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
 from __future__ import annotations
@@ -60,10 +60,12 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false, false}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false}>, true, false>")
-    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false, false}>, true, false>")
+    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false, false}>, true, false>")
+    pair = cfg.replace(persistent=False, o_direct=False, cluster=True)
+    assert name_expression(pair, False).endswith("false, false, false, true}>, false, false>")
 
 
 def test_wg_blocks_needs_a_producer_and_no_cross_tile():
@@ -88,6 +90,31 @@ def test_p_smem_frees_the_probability_registers():
     with pytest.raises(ValueError, match="shared memory"):  # 24 + 3 x 48 + 72 KiB
         H.parse("forward_sm90(BF16, 64, 192, 192, 3): tma+ws+pingpong+overlap+psmem")
     assert wide.short_form().endswith("+overlap+lazy+psmem")
+
+
+def test_cluster_pairs_whole_column_blocks_of_single_tiles():
+    pair = H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+cluster2")
+    assert pair.cluster and pair.short_form().endswith("+psmem+cluster2")
+    assert pair.smem_bytes() == pair.replace(cluster=False).smem_bytes()  # the same stages, shared loads
+    assert H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+lazy+cluster2").cluster
+    for text in ("forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+cluster2",  # one 64-column block
+                 "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent+cluster2",
+                 "forward_sm90(BF16, 128, 128, 128, 2): tma+cluster2"):
+        with pytest.raises(ValueError, match="cluster needs"):
+            H.parse(text)
+
+
+def test_cluster_grid_pads_the_query_blocks_to_pairs():
+    from types import SimpleNamespace
+
+    from cupyflash.families.forward_sm90.launch import Sm90Plan, cluster_padded
+
+    pair = H.parse("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+cluster2")
+    assert [cluster_padded(pair, n) for n in (1, 2, 3, 32)] == [2, 2, 4, 32]
+    assert cluster_padded(pair.replace(cluster=False), 3) == 3
+    base = SimpleNamespace(seq_len_q=3 * 128 - 17, n_heads=5, out_shape=(2,), causal=False)
+    assert Sm90Plan(pair, base).grid == (4, 5, 2)
+    assert Sm90Plan(pair.replace(cluster=False), base).grid == (3, 5, 2)
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)

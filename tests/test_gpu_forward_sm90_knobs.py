@@ -1,7 +1,8 @@
 """GPU tests of forward_sm90's `oreg` (O stored from registers; persistent CTAs release their Q
 tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
 a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
-visible key block), `psmem` (P V reads P from shared memory) and the 192-column key tile, against
+visible key block), `psmem` (P V reads P from shared memory), `cluster2` (K/V multicast to CTA
+pairs) and the 192-column key tile, against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
 several times. Skipped cleanly without a compute capability 9.0 GPU."""
@@ -63,7 +64,13 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(FP16, 64, 128, 176, 2): tma+ws+pingpong+overlap+psmem",
                 # d_head 128's three consumer warpgroups (the table's long rows), persistent too
                 "forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem",
-                "forward_sm90(FP16, 128, 192, 128, 2): tma+ws+pingpong+overlap+persistent+lazy+psmem")
+                "forward_sm90(FP16, 128, 192, 128, 2): tma+ws+pingpong+overlap+persistent+lazy+psmem",
+                # cluster2: K/V multicast to CTA pairs (non-causal; causal runs the pair
+                # independently), odd query-block counts (the pad's CTA), d_head 128 and 256
+                "forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+cluster2",
+                "forward_sm90(FP16, 128, 128, 176, 2): tma+ws+pingpong+overlap+cluster2",
+                "forward_sm90(BF16, 128, 128, 128, 3): tma+ws+pingpong+cluster2",
+                "forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+oreg+lazy+cluster2")
 
 if _is_sm90():
     import cupy as cp

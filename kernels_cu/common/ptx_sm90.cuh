@@ -1,6 +1,7 @@
 // PTX wrappers for Hopper (sm_90a): wgmma control and shared-memory matrix descriptors, mbarrier
-// pipelines, TMA bulk tensor copies, register reallocation and named barriers. Each function is
-// one instruction (or a wait loop around one). Needs ptx.cuh (u32/u64, CF_DEVICE).
+// pipelines, TMA bulk tensor copies (multicast too), thread-block clusters, register
+// reallocation and named barriers. Each function is one instruction (or a wait loop around one).
+// Needs ptx.cuh (u32/u64, CF_DEVICE).
 #pragma once
 
 // ---- wgmma ------------------------------------------------------------------------------------
@@ -121,6 +122,46 @@ CF_DEVICE void tma_load_4d(u32 dst, const void* desc, u32 bar, int c0, int c1, i
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+        : "memory");
+}
+
+// ---- thread-block clusters ------------------------------------------------------------------------
+// This CTA's rank in its cluster (0 .. cluster size - 1).
+CF_DEVICE u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+
+// Every thread of every CTA of the cluster meets here: what each wrote before (barrier
+// initialisations included) is visible cluster-wide after.
+CF_DEVICE void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// One arrival on the mbarrier at the same shared offset `bar` in CTA `rank` of the cluster
+// (mapa turns the local address into that CTA's window of the cluster's shared memory). The
+// default (CTA-scope) release: a consumer releasing a stage has only read it, through wgmma,
+// which it has waited for, so nothing of its own must become visible to the peer first.
+CF_DEVICE void mbarrier_arrive_remote(u32 bar, u32 rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+}
+
+// tma_load_4d into the same shared offset `dst` of every CTA in `cta_mask` (bit i: cluster rank
+// i), each copy completing its bytes on the mbarrier at offset `bar` of its own CTA.
+CF_DEVICE void tma_load_4d_multicast(u32 dst, const void* desc, u32 bar, int c0, int c1, int c2, int c3,
+                                     unsigned short cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(desc)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(cta_mask)
         : "memory");
 }
 

@@ -31,6 +31,9 @@ struct StaticHopperForwardConfig {
     static constexpr bool CROSS_TILE = C.cross_tile;  // a tile's last P V behind the next tile's first Q K^T
     static constexpr bool WG_BLOCKS = C.wg_blocks;    // a warpgroup stops at its own last needed block
     static constexpr bool P_SMEM = C.p_smem;  // P V reads P from a shared tile per consumer warpgroup
+    // CTAs launched in clusters of two (query blocks 2i and 2i + 1 of one head); see kv_multicast.
+    static constexpr bool CLUSTER = C.cluster;
+    static constexpr int CLUSTER_SIZE = CLUSTER ? 2 : 1;
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 
     static constexpr int WG_ROWS = 64;  // rows of one wgmma m64 tile: one consumer warpgroup
@@ -79,7 +82,19 @@ struct StaticHopperForwardConfig {
                   "cross_tile: the next tile's Q in the other Q tile, its first turn merged into the ring");
     static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
+    static_assert(!CLUSTER || (WARP_SPECIALIZED && !PERSISTENT && D_BLOCKS % 2 == 0),
+                  "cluster: the producer warpgroup's TMA, one tile per CTA, whole 64-column blocks per CTA");
 };
+
+// Whether the two CTAs of a cluster share their K/V loads: each loads every other 64-column
+// block of each K and V tile and multicasts it into both CTAs' stage, so every block crosses
+// from L2 once per pair. Only where both tiles of a pair visit the same key blocks in the same
+// order: dense calls without the causal mask (causal tiles of a pair differ in length, varlen
+// tiles may lie in different sequences); there the CTAs of a cluster run independently.
+template <class Cfg, bool CAUSAL>
+__host__ __device__ constexpr bool kv_multicast() {
+    return Cfg::CLUSTER && !CAUSAL && !Cfg::VARLEN;
+}
 
 // Shared-memory addresses (shared window, 32-bit) of one CTA's tiles and barriers.
 template <class Cfg>

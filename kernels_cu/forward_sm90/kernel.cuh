@@ -5,18 +5,23 @@
 // loads between its own GEMMs; with CP_ASYNC every thread loads with cp.async instead of TMA
 // (cp_async_loads.cuh). PERSISTENT CTAs loop over tiles (tile_scheduler.cuh): the
 // producer runs ahead into the next tile's K/V while the consumers finish the epilogue.
+// CLUSTER configs launch in clusters of two CTAs (__cluster_dims__ on the second of the two
+// kernel templates below, which share this body); kv_multicast (config.cuh) says when the pair
+// shares its K/V loads.
 #pragma once
 
 template <class BaseCfg, bool CAUSAL, bool VARLEN>
-__global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+CF_DEVICE void flash_forward_sm90(const HopperForwardParams& params) {
     using Cfg = WithVarlen<BaseCfg, VARLEN>;
     using Scheduler = TileScheduler<Cfg, CAUSAL>;
+    constexpr bool MULTICAST = kv_multicast<Cfg, CAUSAL>();
     if constexpr (VARLEN)  // before any CTA leaves: every one takes its share of the rows
         zero_forward_tail<Cfg::D>(params.o, params.o_seq_stride, params.o_head_stride, params.lse,
                                   params.lse_head_stride, params.n_heads, params.cu_seqlens_q, params.batch,
                                   params.tail_total_q);
-    if constexpr (VARLEN && !Cfg::PERSISTENT) {
-        if (!Scheduler::first(params).valid) return;  // past its sequence's end; uniform, before any barrier
+    if constexpr ((VARLEN || Cfg::CLUSTER) && !Cfg::PERSISTENT) {
+        // past its sequence's end (or the cluster grid's pad): uniform, before any barrier
+        if (!Scheduler::first(params).valid) return;
     }
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     const SmemLayout<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
@@ -38,15 +43,18 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
             mbarrier_init(smem.q_full(b), 1);
             mbarrier_init(smem.q_empty(b), 4 * Cfg::CONSUMERS);  // one arrival per consumer warp
         }
+        // MULTICAST: the consumer warps of both CTAs release each stage
+        constexpr u32 releases = 4 * Cfg::CONSUMERS * (MULTICAST ? Cfg::CLUSTER_SIZE : 1);
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.k_full(s), 1);
             mbarrier_init(smem.v_full(s), 1);
-            mbarrier_init(smem.k_empty(s), 4 * Cfg::CONSUMERS);
-            mbarrier_init(smem.v_empty(s), 4 * Cfg::CONSUMERS);
+            mbarrier_init(smem.k_empty(s), releases);
+            mbarrier_init(smem.v_empty(s), releases);
         }
         fence_barrier_init();
     }
     __syncthreads();
+    if constexpr (MULTICAST) cluster_sync();  // the peer's barriers exist before the first copy or release
 
     if constexpr (Cfg::WARP_SPECIALIZED) {
         if (warpgroup == 0) {
@@ -58,6 +66,7 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
                     Producer<Cfg, CAUSAL>(params, smem, tile).run(n_blocks, ring, iter);
                     ring += n_blocks;
                 }
+                if constexpr (MULTICAST) Producer<Cfg, CAUSAL>(params, smem, Scheduler::first(params)).drain(ring);
             }
             return;
         }
@@ -111,4 +120,25 @@ __global__ void __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kern
         });
         Epilogue<Cfg, CAUSAL>::store(consumer);
     }
+}
+
+// The kernel NVRTC's name expressions name: one template per launch shape (SFINAE on CLUSTER),
+// so that configs without clusters keep a plain launch.
+template <bool B>
+struct EnableIf {};
+template <>
+struct EnableIf<true> {
+    using type = void;
+};
+
+template <class BaseCfg, bool CAUSAL, bool VARLEN>
+__global__ typename EnableIf<!BaseCfg::CLUSTER>::type __launch_bounds__(BaseCfg::N_THREADS, 1)
+    flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+    flash_forward_sm90<BaseCfg, CAUSAL, VARLEN>(params);
+}
+
+template <class BaseCfg, bool CAUSAL, bool VARLEN>
+__global__ typename EnableIf<BaseCfg::CLUSTER>::type __cluster_dims__(BaseCfg::CLUSTER_SIZE, 1, 1)
+    __launch_bounds__(BaseCfg::N_THREADS, 1) flash_forward_sm90_kernel(const __grid_constant__ HopperForwardParams params) {
+    flash_forward_sm90<BaseCfg, CAUSAL, VARLEN>(params);
 }

@@ -109,12 +109,15 @@ struct Consumer {
     }
 
     // ---- synchronisation ----
-    // Every warp releases a stage's K (V) once its own wgmmas reading it have completed.
-    CF_DEVICE void release_k(int stage) const {
-        if (lane == 0) mbarrier_arrive(smem.k_empty(stage));
-    }
-    CF_DEVICE void release_v(int stage) const {
-        if (lane == 0) mbarrier_arrive(smem.v_empty(stage));
+    // Every warp releases a stage's K (V) once its own wgmmas reading it have completed; with
+    // kv_multicast in both CTAs of the pair, whose producers both write the stage.
+    CF_DEVICE void release_k(int stage) const { release(smem.k_empty(stage)); }
+    CF_DEVICE void release_v(int stage) const { release(smem.v_empty(stage)); }
+    CF_DEVICE void release(u32 empty) const {
+        if (lane == 0) {
+            mbarrier_arrive(empty);
+            if constexpr (kv_multicast<Cfg, CAUSAL>()) mbarrier_arrive_remote(empty, cluster_rank() ^ 1u);
+        }
     }
     // EARLY_Q_RELEASE: the tile's last Q K^T has completed (or it has none), so the producer may
     // load the CTA's next Q into this tile while P V and the epilogue (from registers) finish.

@@ -12,6 +12,10 @@
 // nqb not dividing G its pairing drifted from round to round and lost 25% at 16k.) Consecutive
 // pairs still belong to one (head, batch), for L2.
 //
+// CLUSTER: the grid's query blocks are padded to an even count (whole clusters of two). Under
+// kv_multicast the pad's CTA runs a tile of rows past the sequence's end (its peer needs its
+// half of every K/V tile; the epilogue stores none of its rows); otherwise it leaves at once.
+//
 // VARLEN: the grid (or tile list) is sized for max_seqlen_q (params.seq_len_q); each tile reads
 // its sequence's lengths and first tokens from cu_seqlens_q/k, and tiles past the end of their
 // sequence are skipped (non-persistent CTAs exit, persistent ones move to their next round).
@@ -86,6 +90,8 @@ struct TileScheduler {
         if constexpr (Cfg::VARLEN) {
             t.read_sequence(p);
             t.valid = t.first_row() < t.len_q;
+        } else if constexpr (Cfg::CLUSTER && !kv_multicast<Cfg, CAUSAL>()) {
+            t.valid = t.first_row() < p.seq_len_q;  // the grid's pad to whole clusters
         }
         return t;
     }

@@ -16,7 +16,8 @@ registers, 16 bytes per lane after a lane-quad transpose, Q released early), `la
 rescaling), `ring` (the ping-pong turn ring runs on across a persistent CTA's tiles), `xtile` (a
 tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (each consumer
 warpgroup stops at its own last needed key block: none past the sequence's end, causal its own
-diagonal), `psmem` (P V reads P from shared memory, not registers) and `emuN` (exp2 of N quarters of the
+diagonal), `psmem` (P V reads P from shared memory, not registers), `cluster2` (CTAs in clusters
+of two that share each K/V tile's loads by TMA multicast) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -115,6 +116,12 @@ class HopperForwardKernelConfig(KernelConfig):
     # long rows); d_head 64 lost 3-9% on every tile (192 x 128, 192 x 192), where P V's
     # m64n64k16 from shared memory takes the SM's whole shared-memory bandwidth.
     p_smem: bool = False
+    # CTAs in clusters of two, the query blocks 2i and 2i + 1 of one head (the grid padded to an
+    # even count): on non-causal dense calls each CTA's producer loads every other 64-column block
+    # of a K or V tile and multicasts it into both CTAs, so each K/V tile leaves L2 once per pair
+    # (FlashAttention-3 clusters its non-causal d_head >= 128 forward so). Causal and varlen calls,
+    # whose paired tiles may visit different key blocks, run the two CTAs independently.
+    cluster: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -143,6 +150,9 @@ class HopperForwardKernelConfig(KernelConfig):
         yield ("wg_blocks needs warp_specialized and no cross_tile (the producer loads every block of the tile; "
                "the carried first block of xtile assumes every warpgroup visits all of them)",
                not self.wg_blocks or (self.warp_specialized and not self.cross_tile))
+        yield ("cluster needs warp_specialized (the producer's TMA multicast), no persistent (one tile per CTA, "
+               "paired with its neighbour's) and d_head a multiple of 128 (a CTA loads every other 64-column block)",
+               not self.cluster or (self.warp_specialized and not self.persistent and self.d_head % 128 == 0))
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
@@ -182,8 +192,8 @@ class HopperForwardKernelConfig(KernelConfig):
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
                                         "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
-                                        "psmem": "p_smem"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem")  # after emuN
+                                        "psmem": "p_smem", "cluster2": "cluster"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2")  # after emuN
     _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
 
     def short_form(self) -> str:
@@ -237,4 +247,4 @@ class HopperForwardKernelConfig(KernelConfig):
                    flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
                    cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"],
-                   p_smem=flags["p_smem"])
+                   p_smem=flags["p_smem"], cluster=flags["cluster"])

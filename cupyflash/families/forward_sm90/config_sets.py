@@ -112,6 +112,9 @@ _TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
 # reads 4 KiB per 32 tensor clocks, the SM's whole shared-memory bandwidth.
 _PSMEM_TILES = {128: ((192, 128),)}
 _PSMEM_LAZY = (False, True)
+# `cluster2` (K/V multicast to CTA pairs) is in no set: on an H200 (2026-11-28, NOTES.md item 281)
+# the d128 192 x 128 pick lost 1.7% with it, 128 x 176 and d256's 128 x 80 moved by -2..+2%
+# (noise-sized): the pair's lockstep costs what the halved L2 traffic saves.
 _SCHEDULES = ((False, False), (True, False), (True, True))  # (persistent, double_q)
 
 

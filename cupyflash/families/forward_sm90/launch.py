@@ -20,8 +20,8 @@ from .config import D_HEADS, HopperForwardKernelConfig
 from .config_sets import default_config
 from .params import operand_encoder, pack_params
 
-__all__ = ["Sm90Plan", "auto_config", "plan_sm90", "launch_sm90", "forward_sm90", "unsupported_reason", "get_kernel",
-           "pack_sm90", "make_repack"]
+__all__ = ["Sm90Plan", "auto_config", "cluster_padded", "plan_sm90", "launch_sm90", "forward_sm90",
+           "unsupported_reason", "get_kernel", "pack_sm90", "make_repack"]
 
 
 class Sm90Plan(NamedTuple):
@@ -47,7 +47,14 @@ class Sm90Plan(NamedTuple):
     def grid(self) -> tuple[int, int, int]:
         if self.cfg.persistent:  # one CTA per SM (these kernels fit one per SM), never more than work units
             return (max(1, min(self.n_work_units, self.sm_count or self.n_work_units)), 1, 1)
-        return (-(-self.base.seq_len_q // self.cfg.B_r), self.base.n_heads, self.base.out_shape[0])
+        return (cluster_padded(self.cfg, -(-self.base.seq_len_q // self.cfg.B_r)), self.base.n_heads,
+                self.base.out_shape[0])
+
+
+def cluster_padded(cfg: HopperForwardKernelConfig, query_blocks: int) -> int:
+    """A non-persistent grid's x extent: the query blocks, padded to whole clusters for `cluster`
+    configs (the pad's CTA computes rows past the end, or leaves: tile_scheduler.cuh)."""
+    return query_blocks + query_blocks % 2 if cfg.cluster else query_blocks
 
 
 def unsupported_reason(q: TensorView, k: TensorView, v: TensorView) -> str | None:
