@@ -8,7 +8,8 @@
 and d_head), the configs checked against the first one, then (after a 1 s warm-up) each run
 sustained for 1 s while
 nvidia-smi samples the SM clock and board power (the second half of the window is averaged),
-then timed in 6 interleaved rounds (median of round medians). A config that idles less draws
+then timed in 6 interleaved rounds (median of round medians); --cudnn adds SDPA's cuDNN backend
+as a peer on the same inputs. A config that idles less draws
 more power and, at the cap, clocks lower: the printed MHz and W say whether a speed difference
 is the schedule or the cap.
 
@@ -105,10 +106,23 @@ def _timed(torch, runs: dict, iters: int = 20) -> dict:
     return {c: statistics.median(v) for c, v in samples.items()}
 
 
-def clocks(cfgs: list, seqs: list[int]) -> None:
+def clocks(cfgs: list, seqs: list[int], cudnn: bool = False) -> None:
+    import contextlib
+
     import torch
     from cupyflash.families.forward_sm90 import forward_sm90
 
+    context = contextlib.nullcontext()
+    if cudnn:  # SDPA restricted to cuDNN, entered once (an entry costs microseconds)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        context = sdpa_kernel([SDPBackend.CUDNN_ATTENTION])
+    with context:
+        _clocks(torch, forward_sm90, cfgs, seqs, cudnn)
+
+
+def _clocks(torch, forward_sm90, cfgs: list, seqs: list[int], cudnn: bool) -> None:
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     sampler = ClockSampler()
     time.sleep(1.0)
     dtype = _torch_dtype(torch, cfgs[0])
@@ -123,8 +137,15 @@ def clocks(cfgs: list, seqs: list[int]) -> None:
             if err > 1e-2:
                 raise SystemExit(f"{c}: relative L2 {err:.2e} against {cfgs[0]}")
         runs = {c: (lambda _i, c=c: forward_sm90(c, q, k, v, out=out)) for c in cfgs}
+        if cudnn:
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            runs["sdpa_cudnn"] = lambda _i: sdpa(qt, kt, vt)
+            err = ((runs["sdpa_cudnn"](0).transpose(1, 2).float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise SystemExit(f"sdpa_cudnn: relative L2 {err:.2e} against {cfgs[0]}")
+        names = list(runs)
         power = {}
-        for c in [cfgs[0]] + cfgs:  # the first window brings the GPU to its cap; not reported
+        for c in [names[0]] + names:  # the first window brings the GPU to its cap; not reported
             t0 = time.time()
             while time.time() - t0 < 1.0:
                 for _ in range(20):
@@ -133,7 +154,7 @@ def clocks(cfgs: list, seqs: list[int]) -> None:
             power[c] = sampler.mean(t0 + 0.5, time.time())
         ms = _timed(torch, runs)
         flops = 4 * batch * seq * seq * heads * d
-        for c in cfgs:
+        for c in names:
             mhz, watts = power[c]
             print(f"S={seq:5d} {flops / ms[c] / 1e9:6.1f} TFLOP/s x{ms[cfgs[0]] / ms[c]:.3f}  {mhz:6.0f} MHz "
                   f"{watts:5.0f} W  {c}", flush=True)
@@ -166,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("mode", choices=("clocks", "tile-cost"))
     ap.add_argument("configs", nargs="+", help="forward_sm90 short forms (one dtype and d_head for `clocks`)")
     ap.add_argument("--seqs", default="4k,8k,16k", help="clocks: sequence lengths ('k' = 1024)")
+    ap.add_argument("--cudnn", action="store_true", help="clocks: SDPA's cuDNN backend too, as a peer")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig
@@ -177,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "clocks":
         if len({(c.dtype, c.d_head) for c in cfgs}) > 1:
             ap.error("configs: `clocks` compares configs of one dtype and d_head")
-        clocks(cfgs, parse_ints(args.seqs))
+        clocks(cfgs, parse_ints(args.seqs), args.cudnn)
     else:
         tile_cost(cfgs)
     return 0
