@@ -190,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per point")
+    ap.add_argument("--sustain", type=float, default=0.0,
+                    help="seconds of back-to-back calls before each timing (0: burst timing after a GPU spin; "
+                    "> 0: the clocks of continuous work at the power cap, as in a training loop)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     peers = [p_.strip() for p_ in args.peers.split(",") if p_.strip()]
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
                         def sdpa_bwd(o=o):
                             return torch.autograd.grad(o, (qt, kt, vt), dot, retain_graph=True)
 
-                        timers[name] = (lambda f=sdpa_bwd: time_events(torch, f, args.warmup, args.reps))
+                        timers[name] = (lambda f=sdpa_bwd: time_events(torch, f, args.warmup, args.reps, args.sustain))
                         if name == "sdpa_flash":
                             try:
                                 ref = [g.transpose(1, 2) for g in sdpa_bwd()]
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
                     if "fa3" in peers:
                         try:
                             run, block = fa3_backward(torch, q, k, v, do, causal)
-                            timers["fa3"] = (lambda r=run, b=block: time_host(r, b, args.warmup, args.reps))
+                            timers["fa3"] = (lambda r=run, b=block: time_host(r, b, args.warmup, args.reps, sustain=args.sustain))
                         except Exception as exc:  # not installed, or d_head other than 128
                             row.setdefault("errors", {})["fa3"] = f"{type(exc).__name__}: {exc}"[:200]
                     variants = [(None, False)] + [(c.replace(dtype=dtype), False) for c in extra if c.d_head == d]
@@ -266,7 +269,7 @@ def main(argv=None) -> int:
                             return cupyflash.backward(do, q, k, v, out, lse, causal=causal, deterministic=det, cfg=cfg)
 
                         cf_calls[key] = cf_bwd
-                        timers[key] = (lambda f=cf_bwd: time_events(torch, f, args.warmup, args.reps))
+                        timers[key] = (lambda f=cf_bwd: time_events(torch, f, args.warmup, args.reps, args.sustain))
                     ms_by_name = timed_rounds(timers, args.rounds)
                     torch.cuda.synchronize()
                     for name, ms in ms_by_name.items():

@@ -339,7 +339,7 @@ def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
     """cupyflash/tuning/default_h100.backward_sm80.json (`autotune --family backward_sm80
     --write-default` on the H100) answers every (dtype, d_head 64/128, causal) bucket it was tuned
     for with a valid tuning-set config that fits the H100's shared memory, for the device name an
-    H100 reports; other GPUs fall back to the family default."""
+    H100 reports (and an H200); other GPUs fall back to the family default."""
     from cupyflash.families.backward_sm80.config import MAX_SMEM_BYTES
     from cupyflash.tuning import clear_caches, default_table_path, explain_choice
 
@@ -357,5 +357,10 @@ def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
                     assert source == f"default table {path}", source
                     assert cfg.dtype is dtype and cfg.d_head == d and cfg in tune
                     assert max(cfg.smem_bytes(), cfg.dq_smem_bytes()) <= MAX_SMEM_BYTES
-    assert explain_choice(DType.BF16, 128, 4096, 4096, "NVIDIA A100-SXM4-80GB", False, "backward_sm80")[1] == "heuristic"
+    # the H200 (the same SM; its picks measured there, NOTES.md item 287) takes the same rows
+    for causal in (False, True):
+        assert explain_choice(DType.BF16, 128, 16384, 16384, "NVIDIA H200", causal, "backward_sm80") == \
+            explain_choice(DType.BF16, 128, 16384, 16384, name, causal, "backward_sm80")
+    for other in ("NVIDIA A100-SXM4-80GB", "NVIDIA H20", "NVIDIA H800"):  # unmeasured: the family default
+        assert explain_choice(DType.BF16, 128, 4096, 4096, other, False, "backward_sm80")[1] == "heuristic"
     clear_caches()
