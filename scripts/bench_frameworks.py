@@ -9,7 +9,8 @@ forward + backward through autograd against SDPA flash's; and a small packed rag
 (VARLEN_LENGTHS tokens, causal) through cupyflash.torch.attention_varlen, its forward with the lse
 and one forward + backward through autograd against SDPA flash on jagged nested tensors. Each is measured
 as host issue cost (calls queued behind a GPU spin, so only the host side counts) and as wall time
-of back-to-back calls, in interleaved rounds (medians).
+of back-to-back calls, in interleaved rounds (medians), and as the median over the rounds of each
+row's wall time over its SDPA peer's in the same round (per_round_ratio).
 
 JAX: cupyflash.jax.attention against jax.nn.dot_product_attention (cuDNN and XLA), as eager calls
 and inside one jitted program (a fori_loop chain x <- attention(x, k, v), and an unrolled chain of
@@ -47,6 +48,24 @@ def _varlen_offsets() -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ torch
+# The SDPA row each torch row is compared with (the rest: SDPA flash's forward).
+SDPA_PEERS = {"cupyflash fwd+bwd (autograd)": "SDPA flash fwd+bwd (autograd)",
+              "attention_varlen fwd+bwd (autograd)": "SDPA flash (nested) fwd+bwd (autograd)"}
+
+
+def per_round_ratio(samples: dict[str, dict[str, list[float]]], name: str, key: str = "wall") -> float | None:
+    """Median over the rounds of `name`'s time / its SDPA peer's time in the same round (SDPA_PEERS,
+    else "SDPA flash"), or None where the peer was not measured. A host's speed can change between
+    rounds (turbo, other tenants): the medians of each row then mix two host states, while the
+    ratio within a round compares the two at one speed. None for the training peers themselves."""
+    if name in SDPA_PEERS.values():  # a peer itself (of other rows)
+        return None
+    base = SDPA_PEERS.get(name, "SDPA flash")
+    if base not in samples or not samples[name][key]:
+        return None
+    return statistics.median(a / b for a, b in zip(samples[name][key], samples[base][key]))
+
+
 def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -135,6 +154,8 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
             samples[name]["gpu"].append(gpu)
     result = {name: {key: statistics.median(vals) for key, vals in got.items()} | {"samples": got}
               for name, got in samples.items()}
+    for name in samples:
+        result[name]["wall_vs_sdpa"] = per_round_ratio(samples, name)
     base = samples["cupyflash.forward"]["issue"]
     for name in ("torch.ops.cupyflash.attention_forward", "cupyflash.torch.attention", "custom_op (same body)"):
         result[name]["dispatch_us"] = statistics.median(a - b for a, b in zip(samples[name]["issue"], base))
@@ -289,12 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     if "torch" in data:
         print(f"\nPyTorch {data['torch_version']} (medians of {args.rounds} interleaved rounds; max |diff| vs SDPA "
               f"{data['torch']['max_abs_vs_sdpa']:.3g})")
-        print(f"| {'call':40s} | issue us | wall us | dispatch over forward, us |")
-        print(f"|{'-' * 42}|---------:|--------:|--------------------------:|")
+        print(f"| {'call':40s} | issue us | wall us | wall / SDPA, per round | dispatch over forward, us |")
+        print(f"|{'-' * 42}|---------:|--------:|-----------------------:|--------------------------:|")
         for name, fig in data["torch"].items():
             if isinstance(fig, dict):
                 extra = f"{fig['dispatch_us']:.1f}" if "dispatch_us" in fig else ""
-                print(f"| {name:40s} | {fig['issue']:8.1f} | {fig['wall']:7.1f} | {extra:>25s} |")
+                ratio = f"{fig['wall_vs_sdpa']:.3f}x" if fig.get("wall_vs_sdpa") is not None else ""
+                print(f"| {name:40s} | {fig['issue']:8.1f} | {fig['wall']:7.1f} | {ratio:>22s} | {extra:>25s} |")
     if "jax" in data:
         j = data["jax"]
         print(f"\nJAX {data['jax_version']} (us per attention call; median of {args.jax_reps}; max |diff| vs "
