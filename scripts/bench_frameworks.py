@@ -152,6 +152,9 @@ def bench_torch(rounds: int, calls: int) -> dict[str, Any]:
                 wall, gpu = _wall_us(torch, call, calls)
             samples[name]["wall"].append(wall)
             samples[name]["gpu"].append(gpu)
+        # each round as it ends (a run cut short by a time limit keeps what it measured)
+        print(f"torch round {r + 1}/{rounds}, wall us: "
+              + "; ".join(f"{name} {got['wall'][-1]:.1f}" for name, got in samples.items()), flush=True)
     result = {name: {key: statistics.median(vals) for key, vals in got.items()} | {"samples": got}
               for name, got in samples.items()}
     for name in samples:
