@@ -48,10 +48,11 @@ class GridShape:
 
 
 def grid_shape(seq: int, d_head: int, tokens: int = GRID_TOKENS, width: int = GRID_WIDTH) -> GridShape:
-    """The SPEC §6 problem at `seq`: batch = tokens/seq (1 beyond `tokens`), heads = width/d_head."""
-    if seq <= 0 or (seq < tokens and tokens % seq) or d_head <= 0 or width % d_head:
-        raise ValueError(f"seq {seq} must divide {tokens} (or exceed it) and d_head {d_head} must divide {width}")
-    return GridShape(max(1, tokens // seq), seq, width // d_head, d_head)
+    """The SPEC §6 problem at `seq`: batch = tokens/seq (1 beyond `tokens`), heads = width/d_head,
+    rounded where d_head does not divide the width (d_head 96: 21 heads, 2016 wide)."""
+    if seq <= 0 or (seq < tokens and tokens % seq) or d_head <= 0 or d_head > width:
+        raise ValueError(f"seq {seq} must divide {tokens} (or exceed it) and d_head {d_head} must be in 1..{width}")
+    return GridShape(max(1, tokens // seq), seq, round(width / d_head), d_head)
 
 
 _DTYPE_ALIASES = {"bf16": DType.BF16, "bfloat16": DType.BF16, "fp16": DType.FP16, "float16": DType.FP16,

@@ -139,7 +139,7 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
             otherwise); or a cupy/torch stream or an int handle.
         cfg: a config of a forward family (forward_sm80: mma.sync, sm_80+; forward_sm90:
             wgmma/TMA, sm_90), its short form, or None / 'auto': on Hopper the forward_sm90 family
-            where its TMA rules hold (d_head 64/128/256, positive strides), else forward_sm80's
+            where its TMA rules hold (positive strides below 2**40 bytes), else forward_sm80's
             tuned pick for max_seqlen_q/k.
         check_indices: a bool, or None to follow CUPYFLASH_CHECK_INDICES=1. The offsets live on
             the GPU and are NOT checked per call by default; with the check on they are copied

@@ -12,7 +12,7 @@ nested tensors and FA3: bench_mode_varlen.py), backward (issue 12's table: bench
                             [--causal] [--configs SHORT_FORM ...] [--all-tune] [--progression]
                             [--iters 50] [--sustain S] [--rounds N] [--json bench_results.json] [--plot PNG]
 
-Grid: batch*seq = 16384, heads*d_head = 2048, S_q = S_k = S; FLOPs = 4*B*H*S*S*D, or with --causal
+Grid: batch*seq = 16384, heads*d_head = 2048 (d_head 96: 21 heads), S_q = S_k = S; FLOPs = 4*B*H*S*S*D, or with --causal
 2*B*H*S*S*D (half the score matrix is masked, and skipped). Implementations: cupyflash
 (cfg='auto', plus --configs / --all-tune; causal=True with --causal), PyTorch SDPA with the
 FLASH_ATTENTION and CUDNN_ATTENTION backends on `.transpose(1, 2)` views of the same (B, S, H, D)

@@ -14,9 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-N_VALUES = (64, 80, 128, 176, 192, 256)  # key-tile columns (S = Q K^T) and head dimensions (O += P V)
+N_VALUES = (64, 80, 96, 128, 176, 192, 256)  # key-tile columns (S = Q K^T) and head dimensions (O += P V)
 # O += P V with P from shared memory (forward_sm90's `psmem`): A K-major, B (V) MN-major, N = d_head
-SS_TRANS_N_VALUES = (64, 128, 256)
+SS_TRANS_N_VALUES = (64, 96, 128, 256)
 DTYPES = (("FP16", "f16"), ("BF16", "bf16"))
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_sm90.cuh"
 

@@ -539,6 +539,7 @@ def test_spot_check_catches_errors_with_numpy_standing_in(monkeypatch):
 def test_grid_helpers():
     assert benchmarking.grid_shape(512, 128).shape == (32, 512, 16, 128)
     assert benchmarking.grid_shape(16384, 64).shape == (1, 16384, 32, 64)
+    assert benchmarking.grid_shape(4096, 96).shape == (4, 4096, 21, 96)  # the nearest head count
     with pytest.raises(ValueError):
         benchmarking.grid_shape(3000, 128)
     assert benchmarking.attention_flops(1, 16, 4096, 4096, 128) == 4 * 16 * 4096 * 4096 * 128

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cupyflash.config import DType
+from cupyflash.config import SUPPORTED_D_HEADS, DType
 from cupyflash import render
 from cupyflash.families import FAMILIES, family_of, get_family, parse_config, pick_family
 from cupyflash.families.forward_sm90 import FORWARD_SM90, config_sets, params, tma
-from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H
+from cupyflash.families.forward_sm90.config import D_HEADS, HopperForwardKernelConfig as H
 from cupyflash.families.forward_sm90.launch import plan_sm90, unsupported_reason
 from cupyflash.interop import TensorView, contiguous_strides
 
@@ -87,7 +87,7 @@ def test_parse_rejects(text, message):
 
 
 @pytest.mark.parametrize("fields, rule", [
-    ((DType.BF16, 96, 128, 128, 2, True, True, True, False), "d_head in"),
+    ((DType.BF16, 80, 128, 128, 2, True, True, True, False), "d_head in"),
     ((DType.BF16, 128, 256, 128, 2, True, False, True, False), "B_r in"),
     ((DType.BF16, 64, 192, 128, 2, False, False, False, False), "B_r == 192"),
     ((DType.BF16, 128, 192, 128, 2, True, True, True, False), "accumulator registers"),
@@ -145,7 +145,7 @@ def test_progression_adds_one_feature_per_step():
 def test_cp_async_step_is_in_the_progression_only():
     """The first step of every progression loads with cp.async; no tune candidate and no default does."""
     for dt in DType:
-        for d in (64, 128, 256):
+        for d in D_HEADS:
             steps = config_sets.progression_configs(dt, d)
             assert steps[0].cp_async and steps[0].replace(cp_async=False) == steps[1]
             assert not any(s.cp_async for s in steps[1:])
@@ -154,17 +154,17 @@ def test_cp_async_step_is_in_the_progression_only():
                 assert not config_sets.varlen_default_config(dt, d, causal).cp_async
     assert not any(c.cp_async for c in config_sets.get_kernel_configs("tune"))
     assert not config_sets.should_autotune(config_sets.progression_configs()[0])
-    assert sum(c.cp_async for c in config_sets.get_kernel_configs("prog_all")) == 2 * 3
+    assert sum(c.cp_async for c in config_sets.get_kernel_configs("prog_all")) == 2 * len(D_HEADS)
 
 
 def test_tune_set_follows_the_rule_and_covers_every_head_dim():
     tune = config_sets.get_kernel_configs("tune")
     assert all(config_sets.should_autotune(c) for c in tune)
-    assert {(c.dtype, c.d_head) for c in tune} == {(dt, d) for dt in DType for d in (64, 128, 256)}
+    assert {(c.dtype, c.d_head) for c in tune} == {(dt, d) for dt in DType for d in D_HEADS}
     for dt in DType:
-        for d in (64, 128, 256):
-            for causal in (False, True):
-                assert config_sets.default_config(dt, d, causal) in tune
+        for d in D_HEADS:
+            for causal in (False, True):  # wgblocks is one of autotune's knob twins of a causal row
+                assert config_sets.default_config(dt, d, causal).replace(wg_blocks=False) in tune
     with pytest.raises(ValueError, match="^key: expected one of"):
         config_sets.get_kernel_configs("fastest")
 
@@ -258,8 +258,19 @@ def test_tensor_map_spec_is_innermost_first_in_bytes():
     spec = tma.tensor_map_spec(0x10000, DType.BF16, shape, strides, 128)
     assert spec.dims == (128, 1000, 8, 2)
     assert spec.byte_strides == (8 * 128 * 2, 128 * 2, 1000 * 8 * 128 * 2)
-    assert spec.box == (64, 128, 1, 1) and spec.data_type == 9
+    assert spec.box == (64, 128, 1, 1) and spec.data_type == 9 and spec.swizzle == 3  # 128B
     assert tma.tensor_map_spec(0, DType.FP16, shape, strides, 64).data_type == 6
+
+
+def test_tensor_map_spec_d96_uses_64_byte_swizzled_boxes():
+    """d_head 96: boxes of 32 columns (64 bytes) with the 64B swizzle, three per row, as the
+    kernel's COL_BLOCK / ROW_BYTES for that head dimension (config.cuh)."""
+    shape = (1, 300, 4, 96)
+    spec = tma.tensor_map_spec(0, DType.BF16, shape, contiguous_strides(shape), 192)
+    assert spec.dims == (96, 300, 4, 1) and spec.box == (32, 192, 1, 1) and spec.swizzle == 2
+    assert [tma.col_block(d) for d in D_HEADS] == [64, 32, 64, 64]
+    text = (ROOT / "kernels_cu" / "forward_sm90" / "config.cuh").read_text()
+    assert "ROW_BYTES = D % 64 == 0 ? 128 : 64" in text and "COL_BLOCK = ROW_BYTES / 2" in text
 
 
 def test_tensor_map_spec_head_major_and_unit_extents():
@@ -296,8 +307,12 @@ def test_plan_uses_the_library_validation_and_family_rules():
     assert plain.grid == (3, 8, 2)
     with pytest.raises(ValueError, match="^v: seq_len"):
         plan_sm90(None, q, k, _view((2, 400, 2, 128)))
-    with pytest.raises(ValueError, match="^q: d_head 96 is not supported by forward_sm90"):
-        plan_sm90(None, _view((1, 8, 2, 96)), _view((1, 8, 2, 96)), _view((1, 8, 2, 96)))
+    # every head dimension the library takes is this family's (d_head 96 through 64-byte swizzling)
+    assert D_HEADS == SUPPORTED_D_HEADS
+    d96 = _view((1, 8, 2, 96))
+    assert plan_sm90(None, d96, d96, d96).cfg == config_sets.default_config(DType.BF16, 96)
+    with pytest.raises(ValueError, match="^q: d_head 80 is not supported"):
+        plan_sm90(None, _view((1, 8, 2, 80)), _view((1, 8, 2, 80)), _view((1, 8, 2, 80)))
     with pytest.raises(ValueError, match="^cfg: config dtype FP16"):
         plan_sm90(config_sets.default_config(DType.FP16, 128), q, k, k)
     with pytest.raises(ValueError, match="^cfg: config d_head 64"):

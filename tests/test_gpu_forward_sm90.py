@@ -36,7 +36,13 @@ if _is_sm90():
                                   "forward_sm90(FP16, 64, 128, 176, 3): tma+ws+pingpong+overlap+persistent",
                                   "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+persistent",
                                   "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap",
-                                  "forward_sm90(FP16, 64, 192, 64, 3): tma+ws+overlap+persistent")]
+                                  "forward_sm90(FP16, 64, 192, 64, 3): tma+ws+overlap+persistent",
+                                  # d_head 96 (64-byte swizzled tiles): three consumer warpgroups, P
+                                  # through shared memory, O from registers, a three-stage ring
+                                  "forward_sm90(BF16, 96, 192, 80, 2): tma+ws+pingpong+overlap+lazy",
+                                  "forward_sm90(FP16, 96, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem",
+                                  "forward_sm90(BF16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+ring",
+                                  "forward_sm90(FP16, 96, 128, 176, 3): tma+ws+pingpong+overlap+persistent+lazy")]
     # the second Q tile and the FMA-unit exp2 (one and two quarters of the scores)
     KNOBS = [H.parse(t) for t in ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2",
                                   "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+persistent+qbuf2+emu1",
@@ -51,7 +57,10 @@ if _is_sm90():
               default_config(DType.BF16, 256), default_config(DType.FP16, 256, True),
               H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile"),
               H.parse("forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+wgblocks"),
-              H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem")]
+              H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem"),
+              default_config(DType.BF16, 96), default_config(DType.FP16, 96, True),
+              H.parse("forward_sm90(BF16, 96, 128, 176, 2): tma+ws+pingpong+overlap"),
+              H.parse("forward_sm90(FP16, 96, 192, 80, 2): tma+ws+pingpong+overlap+lazy+wgblocks")]
 
     from cupyflash.tuning.tables import TuningTable, default_table_path
 
@@ -158,7 +167,7 @@ SHAPES = [(1, 1, 1, 2, 2), (1, 1, 300, 4, 1), (2, 77, 200, 4, 2), (2, 130, 63, 4
 
 
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
-@pytest.mark.parametrize("d_head", [64, 128, 256])
+@pytest.mark.parametrize("d_head", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_shapes_with_lse(shape, causal, d_head, dtype, rng):
@@ -192,8 +201,8 @@ def test_short_form_and_default(rng):
 
 
 def test_rejects_what_it_cannot_run(rng):
-    q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 96)
-    with pytest.raises(ValueError, match="^q: d_head 96"):
+    q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 80)
+    with pytest.raises(ValueError, match="^q: d_head 80"):
         forward_sm90(None, q, k, v)
     q, k, v = _inputs(rng, DType.BF16, 1, 64, 64, 2, 2, 128)
     with pytest.raises(ValueError, match="^cfg: config dtype"):

@@ -70,7 +70,12 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+cluster2",
                 "forward_sm90(FP16, 128, 128, 176, 2): tma+ws+pingpong+overlap+cluster2",
                 "forward_sm90(BF16, 128, 128, 128, 3): tma+ws+pingpong+cluster2",
-                "forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+oreg+lazy+cluster2")
+                "forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+oreg+lazy+cluster2",
+                # d_head 96's 64-byte swizzled tiles under the cross-tile carry, O from registers
+                # with the ring and per-warpgroup blocks, and P through shared memory (persistent)
+                "forward_sm90(BF16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring+xtile",
+                "forward_sm90(FP16, 96, 192, 80, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+wgblocks",
+                "forward_sm90(BF16, 96, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+psmem")
 
 if _is_sm90():
     import cupy as cp

@@ -44,8 +44,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
     from cupyflash.device import compute_capability
     from cupyflash.families.forward_sm90.config_sets import default_config
 
-    if compute_capability(cp.cuda.runtime.getDevice()) != 90 or d == 96:
-        pytest.skip("forward_sm90 needs an sm_90 GPU and d_head 64/128/256")
+    if compute_capability(cp.cuda.runtime.getDevice()) != 90:
+        pytest.skip("forward_sm90 needs an sm_90 GPU")
     if family == "sm90_xtile":  # cross-tile overlap: each tile's next first block under its last P V
         try:
             return default_config(dtype, d, causal).replace(persistent=True, double_q=True, turn_ring=True,

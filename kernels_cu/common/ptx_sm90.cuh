@@ -10,9 +10,20 @@
 // K-major (K contiguous): rows of 64 16-bit elements (128 bytes), 8-row core groups 1024 bytes
 // apart (SBO); LBO unused. MN-major (transposed B): 64 contiguous N elements per 128-byte row,
 // rows along K; SBO = 1024 between 8-row groups along K, LBO = distance between 64-wide N blocks.
-CF_DEVICE u64 smem_descriptor_sw128(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+// 64B-swizzled operands (SWIZZLE_BYTES 64, layout type 2) have rows of 32 16-bit elements,
+// 8-row core groups 512 bytes apart; a K-major k-step (16 elements, 32 bytes) still lies inside
+// one row, and MN-major B tiles hold 32 N elements per row, their N blocks LBO apart (d_head 96:
+// three such blocks; 128-byte rows would leave the last one half-used, which no canonical wgmma
+// layout describes).
+template <int SWIZZLE_BYTES>
+CF_DEVICE u64 smem_descriptor_swizzled(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    static_assert(SWIZZLE_BYTES == 128 || SWIZZLE_BYTES == 64, "128B or 64B swizzling");
+    constexpr u64 layout = SWIZZLE_BYTES == 128 ? 1ull : 2ull;
     return (u64)((smem_addr & 0x3FFFF) >> 4) | ((u64)((leading_bytes >> 4) & 0x3FFF) << 16) |
-           ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+           ((u64)((stride_bytes >> 4) & 0x3FFF) << 32) | (layout << 62);
+}
+CF_DEVICE u64 smem_descriptor_sw128(u32 smem_addr, u32 leading_bytes, u32 stride_bytes) {
+    return smem_descriptor_swizzled<128>(smem_addr, leading_bytes, stride_bytes);
 }
 
 // `desc` with its start address moved on by `bytes` (a multiple of 16). The start-address field is

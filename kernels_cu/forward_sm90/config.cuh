@@ -4,7 +4,9 @@
 // Tiles are stored as TMA writes them with 128-byte swizzling (cp_async configs write the same
 // layout with 16-byte copies): a tile of R rows and D columns is
 // D/64 column blocks, each R rows of 128 bytes (64 16-bit elements), so every wgmma operand is a
-// canonical 128B-swizzled layout (see smem_descriptor_sw128).
+// canonical 128B-swizzled layout (see smem_descriptor_swizzled). d_head 96 is not a multiple of
+// 64: its tiles use 64-byte swizzling, three column blocks of R rows x 64 bytes (32 elements).
+// P tiles (P_SMEM) are 128B-swizzled whatever d_head is: their columns are keys.
 #pragma once
 
 template <HopperForwardKernelConfig C>
@@ -45,15 +47,18 @@ struct StaticHopperForwardConfig {
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 240 : 256;
 
-    static constexpr int COL_BLOCK = 64;        // 16-bit elements per 128-byte swizzled row
+    static constexpr int ROW_BYTES = D % 64 == 0 ? 128 : 64;  // the swizzle span of Q, K, V (and O staging)
+    static constexpr int COL_BLOCK = ROW_BYTES / 2;  // 16-bit elements per swizzled row
     static constexpr int D_BLOCKS = D / COL_BLOCK;
-    static constexpr int ROW_BYTES = 128;
+    static constexpr int QK_STEPS_PER_BLOCK = COL_BLOCK / 16;  // k-steps of Q K^T per column block
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     // P_SMEM: each consumer warpgroup's P (64 rows x BC keys, 16-bit) as a K-major A operand,
-    // laid out as the Q tile: ceil(BC / 64) column blocks of 64 rows x 128 bytes.
-    static constexpr int P_COL_BLOCKS = (BC + COL_BLOCK - 1) / COL_BLOCK;
-    static constexpr int P_WG_BYTES = P_COL_BLOCKS * WG_ROWS * ROW_BYTES;
+    // laid out as a 128B-swizzled Q tile: ceil(BC / 64) column blocks of 64 rows x 128 bytes.
+    static constexpr int P_ROW_BYTES = 128;
+    static constexpr int P_COL_BLOCK = 64;
+    static constexpr int P_COL_BLOCKS = (BC + P_COL_BLOCK - 1) / P_COL_BLOCK;
+    static constexpr int P_WG_BYTES = P_COL_BLOCKS * WG_ROWS * P_ROW_BYTES;
     static constexpr int P_BYTES = P_SMEM ? CONSUMERS * P_WG_BYTES : 0;
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
@@ -69,7 +74,9 @@ struct StaticHopperForwardConfig {
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
 
-    static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
+    static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
+                  "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte ones)");
+    static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "tiles keep the swizzle patterns' alignment");
     static_assert(BR % WG_ROWS == 0 && CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
     static_assert(CONSUMERS < 3 || WARP_SPECIALIZED, "three consumer warpgroups need setmaxnreg's registers");
     static_assert(BC % 16 == 0 && BC <= 256, "key tile is a wgmma N (<= 256) and whole k-steps of P V");
@@ -85,6 +92,18 @@ struct StaticHopperForwardConfig {
     static_assert(!CLUSTER || (WARP_SPECIALIZED && !PERSISTENT && D_BLOCKS % 2 == 0),
                   "cluster: the producer warpgroup's TMA, one tile per CTA, whole 64-column blocks per CTA");
 };
+
+// The 16-byte chunk at which logical chunk `chunk` of row `row` of a Q/K/V column block lies:
+// TMA's 128B swizzle XORs address bits 4-6 with bits 7-9 (row % 8 for 128-byte rows), its 64B
+// swizzle bits 4-5 with bits 7-8 (row / 2 % 4 for 64-byte rows); blocks are aligned to the
+// pattern's period (1024 / 512 bytes).
+template <class Cfg>
+CF_DEVICE int swizzled_chunk(int row, int chunk) {
+    if constexpr (Cfg::ROW_BYTES == 128)
+        return chunk ^ (row % 8);
+    else
+        return chunk ^ ((row >> 1) % 4);
+}
 
 // Whether the two CTAs of a cluster share their K/V loads: each loads every other 64-column
 // block of each K and V tile and multicasts it into both CTAs' stage, so every block crosses

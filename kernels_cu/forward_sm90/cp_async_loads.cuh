@@ -25,9 +25,9 @@ struct CpAsyncLoader {
     }
 
     // ROWS rows from `src` (row stride `stride`) into the tile at `dst`: 16-byte chunk ch of row r
-    // goes to column block ch / 8, row r, chunk (ch % 8) ^ (r % 8) of its 128-byte row, the 128B
-    // swizzle (tiles are 1024-byte aligned). Consecutive threads take consecutive chunks of a row:
-    // coalesced reads, and each 8 of them write one 128-byte row, conflict-free. Rows at or past
+    // goes to column block ch / BLOCK_CHUNKS, row r, at its swizzled chunk (swizzled_chunk: the
+    // layout TMA writes). Consecutive threads take consecutive chunks of a row: coalesced reads,
+    // and each 8 of them write 128 bytes of one or two rows, conflict-free. Rows at or past
     // `valid` are written as zeros without being read.
     template <int ROWS>
     CF_DEVICE void load_tile(u32 dst, const u16* src, long long stride, int valid) const {
@@ -35,7 +35,9 @@ struct CpAsyncLoader {
 #pragma unroll
         for (int i = tid; i < CHUNKS; i += THREADS) {
             const int r = i / ROW_CHUNKS, ch = i % ROW_CHUNKS;
-            const u32 at = dst + (ch / 8) * ROWS * Cfg::ROW_BYTES + r * Cfg::ROW_BYTES + (((ch % 8) ^ (r % 8)) << 4);
+            constexpr int BLOCK_CHUNKS = Cfg::ROW_BYTES / 16;
+            const u32 at = dst + (ch / BLOCK_CHUNKS) * ROWS * Cfg::ROW_BYTES + r * Cfg::ROW_BYTES +
+                           (swizzled_chunk<Cfg>(r, ch % BLOCK_CHUNKS) << 4);
             const bool in = r < valid;
             cp_async_16(at, in ? src + r * stride + 8 * ch : src, in);
         }

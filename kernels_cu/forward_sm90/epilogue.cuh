@@ -1,5 +1,5 @@
 // Epilogue of one consumer warpgroup: O / row sum, converted to 16-bit, staged through the
-// warpgroup's own 64 rows of the Q tile (128B-swizzled, so the 4-byte writes of the accumulator
+// warpgroup's own 64 rows of the Q tile (swizzled, so the 4-byte writes of the accumulator
 // layout are bank-conflict free), then written to global memory in 16-byte chunks; plus the
 // log-sum-exp of each row when requested. O_DIRECT configs store O from the accumulator
 // registers instead (16-byte stores after a quad transpose), leaving the Q tile alone.
@@ -10,7 +10,7 @@ struct Epilogue {
     // Shared address of the 16-bit element (r, col) of the warpgroup's rows in the Q tile.
     CF_DEVICE static u32 q_tile_address(u32 q_base, int wg, int r, int col) {
         const int rr = wg * Cfg::WG_ROWS + r;
-        const int chunk = ((col % Cfg::COL_BLOCK) / 8) ^ (rr % 8);
+        const int chunk = swizzled_chunk<Cfg>(rr, (col % Cfg::COL_BLOCK) / 8);
         return q_base + (col / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES + rr * Cfg::ROW_BYTES + chunk * 16 + (col % 8) * 2;
     }
 

@@ -58,12 +58,15 @@ struct Consumer {
     CF_DEVICE void issue_qk(Scores& s, int stage) const { issue_qk(s, stage, tile_iter); }
     CF_DEVICE void issue_qk(Scores& s, int stage, int q_iter) const {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
-        const u64 q0 = smem_descriptor_sw128(sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, 1024);
-        const u64 k0 = smem_descriptor_sw128(sm.k(stage), 16, 1024);
+        constexpr int SBO = 8 * Cfg::ROW_BYTES;  // between 8-row core groups
+        const u64 q0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(
+            sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, SBO);
+        const u64 k0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.k(stage), 16, SBO);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < QK_STEPS; ++k) {
-            const int c = k / 4, kk = k % 4;  // 4 k-steps of 16 elements per 128-byte row
+            // 4 (2) k-steps of 16 elements per 128-byte (64-byte) row
+            const int c = k / Cfg::QK_STEPS_PER_BLOCK, kk = k % Cfg::QK_STEPS_PER_BLOCK;
             wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], descriptor_advance(q0, c * Cfg::BR * Cfg::ROW_BYTES + 32 * kk),
                                              descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
         }
@@ -72,17 +75,18 @@ struct Consumer {
 
     CF_DEVICE void issue_pv(int stage) {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
-        // k-step k covers keys 16k..16k+15: 16 rows of every 64-column block; the N blocks of the
+        // k-step k covers keys 16k..16k+15: 16 rows of every column block; the N blocks of the
         // head dimension are BC rows apart (LBO).
-        const u64 v0 = smem_descriptor_sw128(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES, 1024);
+        const u64 v0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES,
+                                                                8 * Cfg::ROW_BYTES);
         wgmma_fence();
         if constexpr (Cfg::P_SMEM) {
             // P's k-step k: 32 bytes into each 128-byte row of column block k / 4 (as Q in Q K^T)
-            const u64 p0 = smem_descriptor_sw128(sm.p(wg), 16, 1024);
+            const u64 p0 = smem_descriptor_sw128(sm.p(wg), 16, 8 * Cfg::P_ROW_BYTES);
 #pragma unroll
             for (int k = 0; k < PV_STEPS; ++k)
                 wgmma_ss<Cfg::dtype, Cfg::D, 1>(
-                    o, descriptor_advance(p0, (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES + 32 * (k % 4)),
+                    o, descriptor_advance(p0, (k / 4) * Cfg::WG_ROWS * Cfg::P_ROW_BYTES + 32 * (k % 4)),
                     descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
         } else {
 #pragma unroll

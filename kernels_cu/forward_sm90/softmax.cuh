@@ -62,7 +62,7 @@ struct WarpgroupSoftmax {
             u32 a[4];
             fragment(s, k, a);
             // key chunk 2k + (i >> 1) of the row: column block k / 4, chunk (2k) % 8 XOR the lane's
-            stmatrix_x4((lane_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::WG_ROWS * Cfg::ROW_BYTES, a[0], a[1],
+            stmatrix_x4((lane_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::WG_ROWS * Cfg::P_ROW_BYTES, a[0], a[1],
                         a[2], a[3]);
         }
     }
@@ -71,6 +71,6 @@ struct WarpgroupSoftmax {
     CF_DEVICE static u32 store_address(u32 p_tile, int warp, int lane) {
         const u32 r = lane & 7, i = (lane >> 3) & 3;
         const u32 row = 16 * warp + 8 * (i & 1) + r;
-        return p_tile + row * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
+        return p_tile + row * Cfg::P_ROW_BYTES + (((i >> 1) ^ r) << 4);
     }
 };

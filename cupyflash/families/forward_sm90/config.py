@@ -34,7 +34,7 @@ __all__ = ["HopperForwardKernelConfig", "D_HEADS", "B_R_VALUES", "B_C_VALUES", "
            "MAX_SMEM_PER_BLOCK", "FAMILY"]
 
 FAMILY = "forward_sm90"
-D_HEADS = (64, 128, 256)      # multiples of 64: whole 128-byte swizzled rows
+D_HEADS = (64, 96, 128, 256)  # multiples of 64: 128-byte swizzled rows; 96: three 64-byte ones
 B_R_VALUES = (64, 128, 192)   # 64 query rows per consumer warpgroup (one wgmma m64 tile)
 # key-tile columns: the N of S = Q K^T (FA3 uses 176 at d128, 80 at d256, 192 at d64)
 B_C_VALUES = (64, 80, 128, 176, 192)

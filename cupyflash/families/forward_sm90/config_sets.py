@@ -15,7 +15,7 @@ KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults", "varlen_defaults")
 
 # Key-tile columns of the progression: the largest B_c in {64, 128} whose S, P and O
 # accumulators fit the 240 consumer registers with the two-stage ring in shared memory.
-_DEFAULT_B_C = {64: 128, 128: 128, 256: 64}
+_DEFAULT_B_C = {64: 128, 96: 128, 128: 128, 256: 64}
 
 # The defaults, (d_head, causal) -> (B_r, B_c, n_stages, persistent), all with the producer
 # warpgroup, ping-pong and intra-warpgroup overlap. Measured on the H100 (scripts/bench_hopper.py,
@@ -28,12 +28,22 @@ _DEFAULT_B_C = {64: 128, 128: 128, 256: 64}
 # d64 and d256 rescale lazily (`lazy`, NOTES.md item 71): +4-9% at every d256 row and +0-11% on
 # d64 192x128 tiles in two probe runs; d128 keeps exact rescaling (-1..-4% with it). forward_varlen's
 # GPU tests passed on the lazy table picks at d64/d256.
-_LAZY_D_HEADS = (64, 256)
+_LAZY_D_HEADS = (64, 96, 256)
 _DEFAULTS = {
     (64, False): (192, 128, 2, False), (64, True): (192, 128, 2, False),
+    (96, False): (192, 128, 2, False), (96, True): (192, 128, 2, False),
     (128, False): (128, 176, 2, False), (128, True): (128, 128, 2, False),
     (256, False): (128, 80, 2, False), (256, True): (128, 64, 2, False),
 }
+
+
+# d_head 96 (64-byte swizzled tiles, 2026-11-28 on an H200 at the power cap, bench.py beside SDPA
+# cuDNN and flash, 2 rounds, 1k-16k, NOTES.md item 291): three consumer warpgroups with P through
+# shared memory, 192 x 128 (P V's m64n96k16 reads 5 KiB per 48 tensor clocks, inside the SM's
+# shared-memory bandwidth, unlike d64's), lazy; causal with per-warpgroup blocks. 1.18-1.29x
+# cuDNN at S >= 2k non-causal (192 x 80 1.15-1.24x, 128 x 176 1.11-1.24x), causal 1.15-1.28x; at
+# 1k 1.02-1.03x, where the 128 x 128 persistent qbuf2 tile reached 1.07-1.08x.
+_DEFAULT_KNOBS = {(96, False): dict(p_smem=True), (96, True): dict(p_smem=True, wg_blocks=True)}
 
 
 @functools.lru_cache(maxsize=64)  # per-call path of forward_sm90: building a config costs ~10 us
@@ -41,7 +51,8 @@ def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperFor
     """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
     b_r, b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
     return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent,
-                                     lazy_rescale=d_head in _LAZY_D_HEADS)
+                                     lazy_rescale=d_head in _LAZY_D_HEADS,
+                                     **_DEFAULT_KNOBS.get((d_head, bool(causal)), {}))
 
 
 # forward_varlen's picks where they differ from _DEFAULTS. d_head 128, both masks: three consumer
@@ -90,9 +101,10 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
 # (exp_emulation) stays out: on the H100 (2026-11-23, docs/autotune_sm90_candidates_h100.jsonl)
 # a quarter of the scores on the FMA units lost a median 6% (0.83-1.04x over 192 d64 pairs,
 # 0.88-1.06x over 24 d128 ones), causal or not: the softmax is bound by issue, not by MUFU.
-_TUNE_TILES = {64: ((192, 128), (128, 128), (128, 176)), 128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
-_TUNE_STAGES = {64: (2, 3), 128: (2, 3), 256: (2,)}
-_TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
+_TUNE_TILES = {64: ((192, 128), (128, 128), (128, 176)), 96: ((192, 80), (128, 128), (128, 176)),
+               128: ((128, 128), (128, 176)), 256: ((128, 64), (128, 80))}
+_TUNE_STAGES = {64: (2, 3), 96: (2, 3), 128: (2, 3), 256: (2,)}
+_TUNE_PINGPONG = {64: (True,), 96: (True,), 128: (True,), 256: (False, True)}
 # Lazy rescaling (threshold 2^8), measured on the H100 (2026-11-23, scripts/probe_sm90_d64_256.py,
 # two runs beside cuDNN): d256 +4-9% at every S from 1k to 16k, causal or not; d64 +0-11% on the
 # three-consumer 192x128 tile but -4..-10% on the two-consumer 128x176 one; so both time both (the
@@ -102,7 +114,7 @@ _TUNE_PINGPONG = {64: (True,), 128: (True,), 256: (False, True)}
 # NOTES.md item 167.)
 # d64's 128x128 tile: causal S <= 2k (no ragged 192-row last block, a smaller diagonal),
 # +16-27% over 192x128 at 512/1k.
-_TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
+_TUNE_LAZY = {64: (False, True), 96: (False, True), 128: (False,), 256: (False, True)}
 # Tiles whose P only fits with `psmem` (P V reads P from shared memory): d128 with three consumer
 # warpgroups, 192 x 128 (64 + 64 accumulator registers at 160 per consumer thread). Measured on an
 # H200 (2026-11-28, bench.py beside the table's picks, NOTES.md item 276): +3-5% over the
@@ -110,7 +122,7 @@ _TUNE_LAZY = {64: (False, True), 128: (False,), 256: (False, True)}
 # (+5% there, unlike d128's two-consumer tiles), so both are timed. At d64, psmem lost 3-9% to
 # the register P on every tile tried (192 x 128, 192 x 192): P V's m64n64k16 from shared memory
 # reads 4 KiB per 32 tensor clocks, the SM's whole shared-memory bandwidth.
-_PSMEM_TILES = {128: ((192, 128),)}
+_PSMEM_TILES = {96: ((192, 128),), 128: ((192, 128),)}
 _PSMEM_LAZY = (False, True)
 # `cluster2` (K/V multicast to CTA pairs) is in no set: on an H200 (2026-11-28, NOTES.md item 281)
 # the d128 192 x 128 pick lost 1.7% with it, 128 x 176 and d256's 128 x 80 moved by -2..+2%

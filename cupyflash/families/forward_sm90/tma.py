@@ -5,8 +5,8 @@ CuPy exposes no cuTensorMapEncodeTiled, so it is called through ctypes on the dr
 
 Q, K, V of shape (batch, seq, heads, d_head) with strides in elements become 4-D tensor maps
 (d_head, seq, heads, batch) - innermost first - with byte strides, boxes of 64 x rows x 1 x 1
-(64 16-bit elements = one 128-byte swizzled row) and zero fill out of bounds, so the rows past
-a sequence end read as zeros. Encoded descriptors are cached by everything they encode
+(64 16-bit elements = one 128-byte swizzled row; d_head 96: 32 x rows x 1 x 1, 64-byte swizzled
+rows, see col_block) and zero fill out of bounds, so the rows past a sequence end read as zeros. Encoded descriptors are cached by everything they encode
 (pointer, dtype, shape, strides, box), so a repeated call costs a dict lookup.
 """
 from __future__ import annotations
@@ -19,13 +19,22 @@ from typing import NamedTuple
 from ...config import DType
 
 __all__ = ["TensorMapSpec", "tensor_map_spec", "encode", "encode_cached", "descriptor", "clear_cache",
-           "tma_layout_problem", "COL_BLOCK"]
+           "tma_layout_problem", "COL_BLOCK", "col_block"]
 
 COL_BLOCK = 64  # elements per box row: 128 bytes, the 128B swizzle span
+
+
+def col_block(d_head: int) -> int:
+    """16-bit elements per box row for a head dimension: 64 (128-byte rows, 128B swizzle) where
+    d_head is a multiple of 64, else 32 (64-byte rows, 64B swizzle: d_head 96's three blocks).
+    Must match StaticHopperForwardConfig::COL_BLOCK."""
+    return COL_BLOCK if d_head % COL_BLOCK == 0 else COL_BLOCK // 2
+
 
 # CUtensorMapDataType / Interleave / Swizzle / L2promotion / FloatOOBfill enumerators (cuda.h)
 _DATA_TYPE = {DType.FP16: 6, DType.BF16: 9}
 _INTERLEAVE_NONE = 0
+_SWIZZLE_64B = 2
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zero
@@ -41,6 +50,7 @@ class TensorMapSpec(NamedTuple):
     dims: tuple[int, int, int, int]        # (d_head, seq, heads, batch), innermost first
     byte_strides: tuple[int, int, int]     # of dims 1..3 (dim 0 is contiguous)
     box: tuple[int, int, int, int]         # (64, rows, 1, 1)
+    swizzle: int = _SWIZZLE_128B           # CUtensorMapSwizzle: its span is box[0]'s bytes
 
 
 def tensor_map_spec(ptr: int, dtype: DType, shape: tuple[int, ...], strides: tuple[int, ...],
@@ -56,8 +66,10 @@ def tensor_map_spec(ptr: int, dtype: DType, shape: tuple[int, ...], strides: tup
     for extent, stride, fallback in zip((batch, seq, heads), strides[:3], contiguous):
         byte_strides.append((stride if extent > 1 else fallback) * item)
     # innermost first: (d, seq, heads, batch) -> strides of seq, heads, batch
+    cols = col_block(d)
     return TensorMapSpec(_DATA_TYPE[dtype], ptr, (d, seq, heads, batch),
-                         (byte_strides[1], byte_strides[2], byte_strides[0]), (COL_BLOCK, box_rows, 1, 1))
+                         (byte_strides[1], byte_strides[2], byte_strides[0]), (cols, box_rows, 1, 1),
+                         _SWIZZLE_128B if cols == COL_BLOCK else _SWIZZLE_64B)
 
 
 def tma_layout_problem(name: str, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int = 2) -> str | None:
@@ -102,7 +114,7 @@ def encode(spec: TensorMapSpec) -> bytes:
     box = (ctypes.c_uint32 * 4)(*spec.box)
     elem = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     rc = fn(ctypes.addressof(out), spec.data_type, 4, ctypes.c_void_p(spec.address), dims, strides, box, elem,
-            _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
+            _INTERLEAVE_NONE, spec.swizzle, _L2_PROMOTION_256B, _OOB_FILL_ZEROS)
     if rc != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {rc} for {spec}")
     return bytes(out)
