@@ -91,10 +91,12 @@ def progression_configs(dtype: DType | None = DType.BF16, d_head: int | None = 1
 # (B_r, B_c, n_warps, d_split, double_buffer, pds_smem) per d_head. d_head 64/128: FlashAttention-2's
 # tilings with P/dS through shared memory, the fastest of the H100 tuning runs that also fit an
 # A100's 163 KB of shared memory per block (the H100's shipped table may pick `pipelined` ones,
-# 226 KB); 96/256: no spills.
+# 226 KB); 256: no spills. d_head 96: the fastest of its tune set on an H200 at the power cap
+# (2026-11-28, bf16 4k / 16k, both masks, NOTES.md item 296): 64 x 64, 4 warps, P/dS through
+# shared memory, 211-229 TFLOP/s, 1.60-1.72x the earlier 64 x 64 8-warp d_split 2 pick (89 KB).
 _DEFAULTS = {
     64: (128, 128, 8, 1, True, True),
-    96: (64, 64, 8, 2, False, False),
+    96: (64, 64, 4, 1, True, True),
     128: (64, 128, 8, 1, True, True),
     256: (64, 64, 8, 2, False, False),
 }

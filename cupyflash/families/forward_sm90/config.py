@@ -72,7 +72,7 @@ class HopperForwardKernelConfig(KernelConfig):
     # the rest by MUFU.EX2: at d_head 64 the 16 ex2/clock/SM take as long as the GEMMs.
     exp_emulation: int = 0
     # Q/K/V loaded by the consumer threads with 16-byte cp.async (zero-filled past the sequence
-    # ends) into the same 128B-swizzled tiles, instead of TMA: wgmma without the copy engine.
+    # ends) into the same swizzled tiles, instead of TMA: wgmma without the copy engine.
     cp_async: bool = False
     # O written to global memory straight from the accumulator registers (4-byte stores) instead
     # of staged through the Q tile; persistent CTAs then release their Q tile as soon as the
