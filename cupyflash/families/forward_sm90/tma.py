@@ -6,8 +6,9 @@ CuPy exposes no cuTensorMapEncodeTiled, so it is called through ctypes on the dr
 Q, K, V of shape (batch, seq, heads, d_head) with strides in elements become 4-D tensor maps
 (d_head, seq, heads, batch) - innermost first - with byte strides, boxes of 64 x rows x 1 x 1
 (64 16-bit elements = one 128-byte swizzled row; d_head 96: 32 x rows x 1 x 1, 64-byte swizzled
-rows, see col_block) and zero fill out of bounds, so the rows past a sequence end read as zeros. Encoded descriptors are cached by everything they encode
-(pointer, dtype, shape, strides, box), so a repeated call costs a dict lookup.
+rows, see col_block) and zero fill out of bounds, so the rows past a sequence end read as zeros.
+Encoded descriptors are cached by everything they encode (pointer, dtype, shape, strides, box),
+so a repeated call costs a dict lookup.
 """
 from __future__ import annotations
 
