@@ -41,7 +41,9 @@ def _hopper_default(dtype: DType, d_head: int, causal: bool, seq_len_q: int = 0)
 # table on the H100). d_head 64 joined in the eighth session (NOTES.md item 111): with 128 query
 # rows per iteration split over the two consumer warpgroups and dQ added by TMA reductions it runs
 # 1.6-1.8x backward_sm80's table (before, its dQ was reduced twice per key block and it was slower).
-AUTO_D_HEADS = (64, 128)
+# d_head 96 joined in the thirty-second session (NOTES.md item 297): with 64-byte swizzled Q/K/V/dO
+# tiles it runs 1.6-1.9x backward_sm80's d96 default on the H200 (cuDNN's level).
+AUTO_D_HEADS = (64, 96, 128)
 
 
 def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView) -> str | None:

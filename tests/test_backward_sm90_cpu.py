@@ -71,7 +71,7 @@ def test_default_config_text():
     for dt, d in ((DType.BF16, 128), (DType.FP16, 64)):
         assert config_sets.default_config(dt, d, causal=True) == config_sets.default_config(dt, d, causal=False).replace(
             nomask=True)
-    assert config_sets.LONG_CAUSAL_ROWS == {128: 4096} and config_sets.LONG_NONCAUSAL_ROWS == {128: 8192}
+    assert config_sets.LONG_CAUSAL_ROWS == {96: 0, 128: 4096} and config_sets.LONG_NONCAUSAL_ROWS == {96: 8192, 128: 8192}
     causal = cfg.replace(nomask=True)
     assert config_sets.default_config(DType.BF16, 128, True, 4095) == causal
     assert config_sets.default_config(DType.BF16, 128, True, 4096) == causal.replace(n_stages=3)
@@ -82,9 +82,13 @@ def test_default_config_text():
     assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64.replace(nomask=True)
     assert config_sets.default_config(DType.FP16, 64, False, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 12 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
-    assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, n_stages=3) for dt in DType}
-    assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt) for dt in DType}
+    assert len(defaults) == 18 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    # d_head 96: d_head 128's tile and knobs, three stages for every causal call
+    assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, d_head=d, n_stages=3)
+                                                        for dt in DType for d in (96, 128)}
+    assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt, d_head=d) for dt in DType for d in (96, 128)}
+    assert config_sets.default_config(DType.BF16, 96, False) == cfg.replace(d_head=96)
+    assert config_sets.default_config(DType.BF16, 96, True) == causal.replace(d_head=96, n_stages=3)
     prog = config_sets.progression_configs()
     assert prog[-1] == causal and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
@@ -99,7 +103,8 @@ def test_parse_rejects(text):
 
 
 @pytest.mark.parametrize("fields, rule", [
-    ((DType.BF16, 96, 64, 128, 2), "d_head in"),
+    ((DType.BF16, 80, 64, 128, 2), "d_head in"),
+    ((DType.BF16, 96, 128, 128, 2), "accumulator registers"),
     ((DType.BF16, 256, 64, 64, 2), "d_head in"),
     ((DType.BF16, 128, 96, 128, 2), "B_r in"),
     ((DType.BF16, 128, 128, 128, 2), "accumulator registers"),
@@ -147,13 +152,18 @@ def test_dq_tma_short_form_and_smem():
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma and not c.dq_frag]
     assert {(c.d_head, c.B_r, c.B_c, c.n_stages) for c in tma_cfgs} == {
-        (d, 64, 128, st) for d in (64, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
+        (d, 64, 128, st) for d in (64, 96, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
     # per d_head with 64-row blocks: 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch
     # knob sets on dq_mid: all at 2 stages; pdl+dq_early and the full set at 3; the block order knobs
-    # at 2 and 3; d_head 128: the swizzled twins of the causal defaults, dq_mid+nomask, at 2 and 3)
-    for d in (64, 128):
+    # at 2 and 3; the swizzled twins of the causal defaults, dq_mid+nomask: d_head 128 at 2 and 3
+    # stages, d_head 96 at 3)
+    for d, twins in ((64, 0), (96, 1), (128, 2)):
         assert len([c for c in tma_cfgs if c.d_head == d and c.B_r == 64]) == 2 * (
-            3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS) + (2 if d == 128 else 0))
+            3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS) + twins)
+    # d_head 96: 64-byte swizzled tiles; each warpgroup stages all 96 dQ columns (three panels)
+    d96 = cfg.replace(d_head=96)
+    assert (d96.dq_rows, d96.dq_columns) == (64, 96)
+    assert d96.smem_bytes() - d96.replace(dq_tma=False).smem_bytes() == 2 * 64 * 96 * 4
     # 128-row blocks (d_head 64, two stages at most): plain, dq_mid, nomask at 1 and 2 stages, the
     # launch knob sets without dq_early (lpt, pdl) and B_R128_KNOB_SETS at 2, the causal default's twin
     assert len([c for c in tma_cfgs if c.B_r == 128]) == 2 * (3 * 2 + 2 + len(config_sets.B_R128_KNOB_SETS) + 1)
@@ -182,7 +192,7 @@ def test_dq_frag_short_form_rules_and_set():
 
 
 def test_config_sets():
-    assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 128}
+    assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 96, 128}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
@@ -197,8 +207,8 @@ def test_config_sets():
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid+nomask+lpt+pdl+persistent+dynamic+dq_frag"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
-    with pytest.raises(ValueError, match="^q: d_head 96"):
-        config_sets.default_config(DType.BF16, 96)
+    with pytest.raises(ValueError, match="^q: d_head 256"):
+        config_sets.default_config(DType.BF16, 256)
 
 
 def test_companion_config_pads_like_this_family():
@@ -632,27 +642,28 @@ def sm80_launches(faked_backward, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("dtype", list(DType))
 def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, causal):
     _call(None, causal=causal, b=1, sq=300, sk=300, h=2, hk=2, d=d, dtype=dtype)
     _call(None, causal=causal, b=1, sq=4096, sk=300, h=2, hk=2, d=d, dtype=dtype)  # a long call
     [(plan, _, _, _), (long_plan, _, _, _)] = faked_backward["launches"]
     assert plan.cfg == config_sets.default_config(dtype, d, causal)
-    assert plan.cfg.n_stages == 2 and plan.cfg.dq_tma and plan.cfg.dq_mid
+    assert plan.cfg.dq_tma and plan.cfg.dq_mid
     # persistent CTAs for both masks, causal tiles from a counter; d_head 64: 128-row blocks
-    want = (True, True, 64 if d == 128 else 128)
+    want = (True, True, 128 if d == 64 else 64)
     assert (plan.cfg.persistent, plan.cfg.dynamic, plan.cfg.B_r) == want
-    # 4096 query rows: a causal call at d_head 128 takes three stages, everything else as before
-    assert long_plan.cfg == plan.cfg.replace(n_stages=3 if causal and d == 128 else 2)
+    # 4096 query rows: a causal call at d_head 128 takes three stages (d_head 96: every causal
+    # call), everything else as before
+    assert long_plan.cfg == plan.cfg.replace(n_stages=3 if causal and d == 128 else plan.cfg.n_stages)
+    assert plan.cfg.n_stages == (3 if causal and d == 96 else 2)
     _call(None, causal=causal, b=1, sq=8192, sk=300, h=2, hk=2, d=d, dtype=dtype)  # longer: non-causal rotates
-    rotate = not causal and d == 128
+    rotate = not causal and d in (96, 128)
     assert faked_backward["launches"][2][0].cfg == long_plan.cfg.replace(rotate=rotate, dynamic=not rotate)
 
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
                                         (89, 64, "compute capability 8.9"),
-                                        (90, 96, "q: d_head 96 is not supported by backward_sm90"),
                                         (90, 256, "q: d_head 256")])
 def test_cfg_none_falls_back_to_backward_sm80_with_a_reason(sm80_launches, cc, d, why):
     from cupyflash.backward_api import hopper_reason

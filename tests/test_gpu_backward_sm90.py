@@ -1,6 +1,6 @@
 """GPU tests of the Hopper backward family (explicit `cfg=backward_sm90(...)`): gradients of every
 config and of the defaults over lengths (tails, seq_q != seq_k), causal masking (bottom-right),
-GQA/MQA, d_head 64/128 and both dtypes against a float64 reference (SPEC §5 on dq, dk, dv);
+GQA/MQA, d_head 64/96/128 and both dtypes against a float64 reference (SPEC §5 on dq, dk, dv);
 deterministic mode bit-identical over 3 runs; agreement with backward_sm80. Skipped cleanly
 without a GPU, and on GPUs that are not compute capability 9.0 (sm_90a code)."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ if has_gpu():
     from gpu_backward_reference import attention_backward_reference, check_gradients
     from gpu_reference import poisoned, random_inputs, to_float32
 
-D_HEADS = (64, 128)
+D_HEADS = (64, 96, 128)
 ALL = get_kernel_configs("all")
 DEFAULTS = get_kernel_configs("defaults")
 FIGURES: list[dict] = []
@@ -285,7 +285,7 @@ def test_dq_frag_shapes(dtype, d_head, case, rng):
     run_case(default_config(dtype, d_head, causal).replace(dq_frag=True), batch, sq, sk, h, hk, causal, rng)
 
 
-@pytest.mark.parametrize("d_head,rows", [(64, 0), (128, 0), (128, 4096), (128, 8192)], ids=lambda x: str(x))
+@pytest.mark.parametrize("d_head,rows", [(64, 0), (96, 0), (128, 0), (128, 4096), (128, 8192)], ids=lambda x: str(x))
 def test_dq_frag_walks_many_tiles(d_head, rows, rng, monkeypatch):
     """dq_frag on every default config (three stages for long causal calls, rotate for long
     non-causal ones at d_head 128): three CTAs walk all tiles, and repeated calls agree."""
@@ -322,23 +322,23 @@ def test_agrees_with_backward_sm80(causal, rng):
 
 def test_default_pick_is_backward_sm90(rng):
     """cfg=None runs backward_sm90's default on the H100 (same bits as the explicit config in
-    deterministic mode), and backward_sm80 where the Hopper family does not apply (d_head 96)."""
+    deterministic mode), and backward_sm80 where the Hopper family does not apply (d_head 256)."""
     from cupyflash.backward_api import _select, hopper_reason
     from cupyflash.interop import as_view
 
-    for causal in (True, False):  # the d_head 128 default, each mask
-        q, k, v, dout, out, lse = _inputs(DType.BF16, 128, 1, 300, 300, 2, 2, causal, rng)
+    for d_head, causal in ((128, True), (128, False), (96, True), (96, False)):  # the defaults, each mask
+        q, k, v, dout, out, lse = _inputs(DType.BF16, d_head, 1, 300, 300, 2, 2, causal, rng)
         assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
         auto = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
         explicit = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
-                                      cfg=default_config(DType.BF16, 128, causal))
+                                      cfg=default_config(DType.BF16, d_head, causal))
         for a, b in zip(auto, explicit):
             assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
-    q, k, v, dout, out, lse = _inputs(DType.BF16, 96, 1, 200, 200, 2, 2, False, rng)
-    assert "d_head 96" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
+    q, k, v, dout, out, lse = _inputs(DType.BF16, 256, 1, 200, 200, 2, 2, False, rng)
+    assert "d_head 256" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
     auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)
     sm80 = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True,
-                              cfg=_select(DType.BF16, 96, 200, 200, q.device.id, False))
+                              cfg=_select(DType.BF16, 256, 200, 200, q.device.id, False))
     for a, b in zip(auto, sm80):
         assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
 

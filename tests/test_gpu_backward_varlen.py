@@ -195,13 +195,13 @@ def test_replays_on_a_given_stream(rng):
     assert len(_PLANS) == 1
 
 
-@pytest.mark.parametrize("d_head", [128, 96], ids=["d128", "d96-backward_sm80"])
+@pytest.mark.parametrize("d_head", [128, 96, 256], ids=["d128", "d96", "d256-backward_sm80"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cfg_none_replays_its_call(rng, causal, d_head):
     """Later calls with the first one's signature (new outputs, the current stream) replay its
     launch from parameter blocks packed once: the full path's bits (deterministic), zeros past the
     last sequence, new outputs each time; CuPy arrays and torch tensors each get their own replay.
-    d_head 96 takes backward_sm80 on every GPU."""
+    d_head 256 takes backward_sm80 on every GPU."""
     from cupyflash.backward_varlen import _PLANS, clear
 
     clear()
@@ -215,7 +215,7 @@ def test_cfg_none_replays_its_call(rng, causal, d_head):
     first = call(*arrays)
     assert len(_PLANS) == 1
     (replay,) = _PLANS.values()  # its pointers go into blocks packed once (both families)
-    assert replay.packed is not None and (d_head == 96) == (type(replay.plan.cfg).__name__ == "BackwardKernelConfig")
+    assert replay.packed is not None and (d_head == 256) == (type(replay.plan.cfg).__name__ == "BackwardKernelConfig")
     for _ in range(2):
         stale = [poisoned(cp, dtype, x.shape) for x in (q, k, v)]
         del stale

@@ -4,8 +4,10 @@
 //
 // One CTA owns B_c keys of one (batch, kv head): K and V are loaded once; per query block
 // (B_r rows of one query head of the GQA group) the producer loads Q, dO, lse2 and dvec into a
-// ring stage. Tiles are stored as TMA writes them with 128-byte swizzling (D/64 column blocks of
-// R rows x 128 bytes), so every wgmma operand is a canonical 128B-swizzled layout.
+// ring stage. Tiles are stored as TMA writes them, swizzled: with 128-byte swizzling (D/64 column
+// blocks of R rows x 128 bytes), or at d_head 96 (no multiple of 64 columns) with 64-byte
+// swizzling (three blocks of R rows x 64 bytes), so every wgmma operand is a canonical swizzled
+// layout. The dS^T tiles (keys x queries) are always 128B-swizzled: their columns are queries.
 #pragma once
 
 template <HopperBackwardKernelConfig C>
@@ -27,8 +29,6 @@ struct StaticHopperBackwardConfig {
     static constexpr bool PERSISTENT = C.persistent;  // one CTA per SM walks tiles t, t + grid, ...
     static constexpr bool DYNAMIC = C.dynamic;        // ... tiles claimed from a counter instead
     static constexpr bool DQ_FRAG = C.dq_frag;        // dq_tma: dQ staged and added in fragment order
-    // dq_frag's parts of a 64-row dq_accum block (dq_block_counter's comment has the layout)
-    static constexpr int DQ_PART_ROWS = 64, DQ_PART_COLS = 64, DQ_PART_FLOATS = DQ_PART_ROWS * DQ_PART_COLS;
     // lpt: the Q and dO bytes of the heads one chunk of CTAs streams (H100: 50 MB of L2).
     static constexpr int LPT_L2_KIB = 16 << 10;
 
@@ -45,9 +45,12 @@ struct StaticHopperBackwardConfig {
     static constexpr int ROW_KERNEL_ROWS = 64;
     static constexpr int ROW_KERNEL_THREADS = 256;
 
-    static constexpr int COL_BLOCK = 64;   // 16-bit elements per 128-byte swizzled row
+    static constexpr int ROW_BYTES = D % 64 == 0 ? 128 : 64;  // the swizzle span of Q, K, V, dO tiles
+    static constexpr int COL_BLOCK = ROW_BYTES / 2;            // 16-bit elements per swizzled row
     static constexpr int D_BLOCKS = D / COL_BLOCK;
-    static constexpr int ROW_BYTES = 128;
+    static constexpr int K_STEPS_PER_BLOCK = COL_BLOCK / 16;   // k-steps over d_head per column block
+    static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;     // between 8-row core groups (SBO)
+    static constexpr int DS_ROW_BYTES = 128;                   // dS^T rows: 64 queries, 128B-swizzled
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int STAT_BYTES = BR * 4;          // lse2 or dvec of one query block
@@ -70,6 +73,9 @@ struct StaticHopperBackwardConfig {
     static constexpr bool DS_SHARED = DQ_ROWS || DQ_SPLIT;  // one dS^T barrier for both warpgroups
     static constexpr int DQ_M = DQ_ROWS ? BR / 2 : BR;      // dQ rows of one warpgroup
     static constexpr int DQ_N = DQ_SPLIT ? D / 2 : D;       // dQ columns of one warpgroup
+    // dq_frag's parts of a 64-row dq_accum block, one warpgroup's DQ_M x DQ_N share each
+    // (dq_block_counter's comment has the layout)
+    static constexpr int DQ_PART_ROWS = 64, DQ_PART_COLS = DQ_N, DQ_PART_FLOATS = DQ_PART_ROWS * DQ_PART_COLS;
     // dq_tma: per warpgroup, its DQ_M x DQ_N share of the block's dQ as panels of [DQ_M rows][32
     // fp32] (128 bytes a row, 128B-swizzled as the TMA map reads them, 1024-byte aligned).
     static constexpr int DQ_PANEL_COLS = 32;
@@ -97,13 +103,14 @@ struct StaticHopperBackwardConfig {
     static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
-    static_assert(D % COL_BLOCK == 0, "d_head is a multiple of 64 (128-byte swizzled rows)");
+    static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
+                  "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte swizzled blocks)");
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
-    static_assert(!DQ_TMA || (CONSUMERS == 2 && (D == 64 || D == 128)),
+    static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0),
                   "dq_tma: two warpgroups, each staging whole 32-column panels (d_head 128: half of dQ's columns)");
     static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
@@ -112,9 +119,10 @@ struct StaticHopperBackwardConfig {
     static_assert(!DYNAMIC || (PERSISTENT && PDL), "dynamic: the family's (pdl) preprocess resets the tile counter");
     static_assert(!DQ_EARLY || BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(!DQ_BULK || BR == 64, "dq_bulk: the staged rows are one 64-row block");
-    static_assert(!DQ_FRAG || (DQ_TMA && PDL && DQ_N == 64),
-                  "dq_frag: the family's convert kernel reads 64 x 64 fragment-order parts");
-    static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (128B swizzle atoms)");
+    static_assert(!DQ_FRAG || (DQ_TMA && PDL && D % DQ_N == 0 && DQ_N % 32 == 0),
+                  "dq_frag: the family's convert kernel reads 64 x DQ_N fragment-order parts, 32 columns a pass");
+    static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (swizzle atoms)");
+    static_assert(KV_BYTES % 1024 == 0, "K/V tiles 1024-byte aligned (swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
@@ -131,7 +139,7 @@ struct BwdSmem {
     // dS^T of warpgroup wg in buffer buf (its first query block; the next is B_c rows on); a
     // buffer's warpgroups are contiguous (keys 0..B_c-1).
     CF_DEVICE u32 ds(int buf, int wg) const {
-        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS * (Cfg::BR / 64) + wg) * (Cfg::WG_KEYS * Cfg::ROW_BYTES);
+        return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS * (Cfg::BR / 64) + wg) * (Cfg::WG_KEYS * Cfg::DS_ROW_BYTES);
     }
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
     // dq_tma: panel `panel` of consumer warpgroup `wg`.
@@ -342,8 +350,9 @@ CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_hea
 }
 
 // dq_frag's dq_accum layout: every 64-row block of a (batch, head) starts where its rows start in
-// the row-major layout and holds D / 64 parts (64 columns each, in column order). A part is one
-// consumer warpgroup's m64n64 fp32 dQ accumulator in the order wgmma leaves it in registers:
+// the row-major layout and holds D / DQ_N parts (DQ_N columns each, in column order: two of 64 at
+// d_head 128, one at 64 and 96). A part is one consumer warpgroup's m64nDQ_N fp32 dQ accumulator
+// in the order wgmma leaves it in registers:
 // float4 (j, t) at float (j * 128 + t) * 4, for n-tile j and warpgroup thread t, holds (r, c),
 // (r, c + 1), (r + 8, c), (r + 8, c + 1) with r = 16 (t / 32) + (t % 32) / 4, c = 8 j + 2 (t % 4).
 // The consumers stage it with one conflict-free 16-byte store per n-tile and the writer adds it

@@ -57,16 +57,22 @@ struct BwdConsumer {
     CF_DEVICE static int query_col(int j, int e, int lane) { return 8 * j + 2 * (lane & 3) + (e & 1); }
 
     // ---- descriptors ----
-    // One descriptor per tile (and warpgroup), advanced per k-step (descriptor_advance).
+    // One descriptor per tile (and warpgroup), advanced per k-step (descriptor_advance). The Q,
+    // K, V, dO tiles are swizzled over ROW_BYTES (128, or 64 at d_head 96): a d-step k lies in
+    // column block k / K_STEPS_PER_BLOCK, 32 bytes per step inside it.
+    static constexpr int KSB = Cfg::K_STEPS_PER_BLOCK;
+    CF_DEVICE static u64 tile_descriptor(u32 addr, u32 leading_bytes) {
+        return smem_descriptor_swizzled<Cfg::ROW_BYTES>(addr, leading_bytes, Cfg::CORE_GROUP_BYTES);
+    }
     CF_DEVICE u64 kmajor_a(u32 tile, int k) const {  // K or V rows of this warpgroup, d-steps
-        return descriptor_advance(smem_descriptor_sw128(tile + warp_uniform(wg) * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16, 1024),
-                                  (k / 4) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % 4));
+        return descriptor_advance(tile_descriptor(tile + warp_uniform(wg) * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16),
+                                  (k / KSB) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % KSB));
     }
     CF_DEVICE static u64 kmajor_b(u32 tile, int k) {  // Q or dO as the N = B_r operand, d-steps
-        return descriptor_advance(smem_descriptor_sw128(tile, 16, 1024), (k / 4) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % 4));
+        return descriptor_advance(tile_descriptor(tile, 16), (k / KSB) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % KSB));
     }
     CF_DEVICE static u64 mnmajor_b_q(u32 tile, int k) {  // Q or dO as the N = d operand, query-steps
-        return descriptor_advance(smem_descriptor_sw128(tile, Cfg::BR * Cfg::ROW_BYTES, 1024), 16 * k * Cfg::ROW_BYTES);
+        return descriptor_advance(tile_descriptor(tile, Cfg::BR * Cfg::ROW_BYTES), 16 * k * Cfg::ROW_BYTES);
     }
     // First key (inside the CTA's block), query row (inside the query block) and d column of
     // warpgroup w's dQ GEMM. The descriptors pass warp_uniform(wg), which keeps them on the
@@ -78,20 +84,19 @@ struct BwdConsumer {
     CF_DEVICE int dq_col0() const { return dq_col0(wg); }
     CF_DEVICE u64 mnmajor_b_k(u32 k_tile, int k) const {  // K as the N = d operand of dQ, key-steps (whole column blocks)
         const int w = warp_uniform(wg);
-        return descriptor_advance(
-            smem_descriptor_sw128(k_tile + (dq_col0(w) / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
-                                      dq_key0(w) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES, 1024),
-            16 * k * Cfg::ROW_BYTES);
+        return descriptor_advance(tile_descriptor(k_tile + (dq_col0(w) / Cfg::COL_BLOCK) * Cfg::BC * Cfg::ROW_BYTES +
+                                                      dq_key0(w) * Cfg::ROW_BYTES, Cfg::BC * Cfg::ROW_BYTES),
+                                  16 * k * Cfg::ROW_BYTES);
     }
     // dS^T [key][query] as the M = queries operand, key-steps: the buffers of every warpgroup
     // are contiguous in the key, so key k of the CTA is row k of the buffer's query block (this
-    // warpgroup's 64 query rows: block dq_row0() / 64).
+    // warpgroup's 64 query rows: block dq_row0() / 64). (128B-swizzled at every d_head.)
     CF_DEVICE u64 ds_a(u32 ds_tile, int k) const {
         const int w = warp_uniform(wg);
         return descriptor_advance(
-            smem_descriptor_sw128(ds_tile + (dq_row0(w) / 64) * Cfg::BC * Cfg::ROW_BYTES + dq_key0(w) * Cfg::ROW_BYTES,
-                                  Cfg::DS_BYTES, 1024),
-            16 * k * Cfg::ROW_BYTES);
+            smem_descriptor_sw128(ds_tile + (dq_row0(w) / 64) * Cfg::BC * Cfg::DS_ROW_BYTES + dq_key0(w) * Cfg::DS_ROW_BYTES,
+                                  Cfg::DS_BYTES, 8 * Cfg::DS_ROW_BYTES),
+            16 * k * Cfg::DS_ROW_BYTES);
     }
 
     // Accumulator pairs of 16 columns -> the A fragment of one k-step (mma.m16n8k16 layout).
@@ -306,11 +311,11 @@ struct BwdConsumer {
         const u32 base = opaque(smem.base), t = opaque(tid);
         const u32 r = t & 7, i = (t >> 3) & 3;
         const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;  // the lane's row of the warpgroup's keys
-        const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::ROW_BYTES + (((i >> 1) ^ r) << 4);
+        const u32 ds_row = base + (smem.ds(buf, wg) - smem.base) + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
         // (query chunk 2k + h of a row: chunk (2k + h) % 8 of query block k / 4, B_c rows on)
 #pragma unroll
         for (int k = 0; k < QK; ++k)
-            stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::ROW_BYTES, dsa[k][0],
+            stmatrix_x4((ds_row ^ (u32)(((2 * k) % 8) << 4)) + (k / 4) * Cfg::BC * Cfg::DS_ROW_BYTES, dsa[k][0],
                         dsa[k][1], dsa[k][2], dsa[k][3]);
     }
 
@@ -353,7 +358,7 @@ struct BwdConsumer {
         }
     }
 
-    // dq_tma: this warpgroup's dQ columns into its two swizzled panels (once the writer warp's
+    // dq_tma: this warpgroup's dQ columns into its swizzled panels (DQ_N / 32) (once the writer warp's
     // reductions have read the previous block's), then handed to the writer warp.
     CF_DEVICE void stage_dq_panels(const float (&dq)[DQ_N / 8][4], int row) const {
         named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
@@ -371,7 +376,7 @@ struct BwdConsumer {
         fence_proxy_async_shared();  // the TMA reductions read the panels through the async proxy
         named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
     }
-    // dq_frag: this warpgroup's dQ (one 64 x 64 part, config.cuh) in fragment order: n-tile j's
+    // dq_frag: this warpgroup's dQ (one 64 x DQ_N part, config.cuh) in fragment order: n-tile j's
     // four values as one 16-byte store at (j * 128 + tid) * 16, a warp's 32 stores contiguous
     // (conflict-free, no swizzle arithmetic), then handed to the writer warp.
     CF_DEVICE void stage_dq_fragments(const float (&dq)[DQ_N / 8][4]) const {

@@ -51,24 +51,28 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
 }
 
 // dq_frag: dq = dq_accum * softmax_scale read from the fragment order (config.cuh). Thread i takes
-// warpgroup thread t = i % 128 and n-tiles 4 g .. 4 g + 3 (g = i / 128) of every 64-column part:
-// four coalesced 16-byte loads, then quad_transpose gives each lane 8 consecutive columns of its
-// rows r and r + 8, stored 16 bytes at a time.
+// warpgroup thread t = i % 128 and the n-tile groups 4 g .. 4 g + 3 with g = i / 128, i / 128 + 2,
+// ... of every part (32 columns a group: two of a 64-column part, three of d_head 96's): four
+// coalesced 16-byte loads a group, then quad_transpose gives each lane 8 consecutive columns of
+// its rows r and r + 8, stored 16 bytes at a time.
 template <class Cfg>
 CF_DEVICE void convert_fragments_block(const BackwardParams& p, int batch) {
     static_assert(Cfg::ROW_KERNEL_ROWS == Cfg::DQ_PART_ROWS && Cfg::ROW_KERNEL_THREADS == 256,
                   "dq_frag: one 64-row block of parts per convert CTA, 128 threads per 4 n-tiles");
+    constexpr int GROUPS = Cfg::DQ_PART_COLS / 32;  // of 4 n-tiles per part
     const int head = blockIdx.y;
     const int row0 = blockIdx.x * Cfg::DQ_PART_ROWS;
     const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
     u16* dst = static_cast<u16*>(p.dq) + batch * p.dq_batch_stride + head * p.dq_head_stride +
                (long long)row0 * p.dq_seq_stride;
-    const int t = threadIdx.x % 128, g = threadIdx.x / 128, lane = threadIdx.x & 31;
+    const int t = threadIdx.x % 128, g0 = threadIdx.x / 128, lane = threadIdx.x & 31;
     const int r = 16 * (t / 32) + (t % 32) / 4;
     const bool ok0 = row0 + r < p.seq_len_q, ok1 = row0 + r + 8 < p.seq_len_q;  // (every lane shuffles)
     const float s = p.softmax_scale;
 #pragma unroll
-    for (int part = 0; part < Cfg::D / Cfg::DQ_PART_COLS; ++part) {
+    for (int pg = 0; pg < Cfg::D / Cfg::DQ_PART_COLS * ((GROUPS + 1) / 2); ++pg) {
+        const int part = pg / ((GROUPS + 1) / 2), g = g0 + 2 * (pg % ((GROUPS + 1) / 2));
+        if (GROUPS % 2 != 0 && g >= GROUPS) continue;  // (uniform per warp: the shuffles below need every lane)
         u32 w0[4], w1[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {

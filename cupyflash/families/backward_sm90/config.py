@@ -17,7 +17,9 @@ B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec rin
 is one wgmma m64 tile (64 query rows) per consumer warpgroup: with two warpgroups and B_r 128
 (d_head 64 only: the accumulator budget) each takes 64 of the rows over all B_c keys; with B_r 64
 at d_head 128 each takes half of the columns over all keys; otherwise each computes all of dQ
-over its own 64 keys (each element added twice per CTA). How dQ is accumulated is the variant,
+over its own 64 keys (each element added twice per CTA; d_head 96's halves would be no whole
+32-column panels). Q, K, V and dO tiles are 128-byte swizzled, at d_head 96 (no multiple of 64
+columns) 64-byte swizzled in three 32-column blocks, as the forward family's. How dQ is accumulated is the variant,
 not the config: fp32 atomics (red.global.add.v2.f32) into a workspace, or with `deterministic`
 backward_sm80's separate dQ pass. `dq_bulk` (two consumer warpgroups at d_head 128 and B_r 64
 only) stages each block's fp32 dQ in shared memory and adds it to the workspace with bulk
@@ -58,9 +60,9 @@ preprocess resets the counter); causal tiles, of unequal length, then balance ov
 Non-causal calls (tiles all alike) and the deterministic variant (no dQ workspace) keep the
 static walk.
 `dq_frag` (needs dq_tma and pdl) keeps dQ in the order wgmma leaves it in registers: each
-consumer warpgroup stages its 64 x 64 share with one conflict-free 16-byte shared store per
-n-tile (8, against the swizzled panels' 16 8-byte stores), the writer warp adds it with one 1-D
-bulk reduction (16 KiB) to a dq_accum that holds each 64-row block in that order
+consumer warpgroup stages its 64 x 64 share (64 x 96 at d_head 96) with one conflict-free 16-byte
+shared store per n-tile (8, against the swizzled panels' 16 8-byte stores), the writer warp adds
+it with one 1-D bulk reduction (16 KiB; 24 KiB) to a dq_accum that holds each 64-row block in that order
 (kernels_cu/backward_sm90/config.cuh), and the family's convert kernel undoes the order (no TMA
 map of the workspace).
 """
@@ -78,7 +80,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
          "dq_frag")  # the boolean fields after n_stages, short-form order
-D_HEADS = (64, 128)          # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
+D_HEADS = (64, 96, 128)      # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
 STAGE_VALUES = (1, 2, 3)

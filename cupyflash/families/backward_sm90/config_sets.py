@@ -54,9 +54,17 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # one (the d128 loop 517 -> 418 instructions, d64 716 -> 586). H100, 3 rounds, the default and
 # its nomask twin in one process beside FA3: d128 bf16 / fp16 causal 2k +1.8% / +3.1%, 4k +4.0% /
 # +6.1%, 1k level, 16k +1.3% / -0.6%; d64 bf16 2k +1.4%, 4k-16k level.
+# Since the thirty-second session (NOTES.md item 297) d_head 96 runs here too, with 64-byte
+# swizzled Q/K/V/dO tiles and d_head 128's tile and knobs (each warpgroup computes all 96 dQ
+# columns over its own keys: 96 is no two whole 32-column halves of panels), three stages for every
+# causal call and rotate for long non-causal ones (LONG_CAUSAL_ROWS / LONG_NONCAUSAL_ROWS). H200
+# at the power cap, 3 rounds, 1k-16k: causal three stages +1-5% over two on all 10 rows; non-causal
+# rotate +1.5-4% at 8k-16k, level at 2k-4k; 1.5-1.9x backward_sm80's d96 default.
 CAUSAL_KNOBS = {"nomask": True}
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
+             96: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
+                               "dynamic": True, "dq_frag": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True})}
 
@@ -65,15 +73,16 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
 # deeper ring carries the producer further into the next tile while the consumers finish the last
 # one (causal tiles are short and many). H100, bf16/fp16, 3 interleaved rounds, two runs: 4k
 # +5-8%, 8k +6-8%, 16k +2-3% over two stages; 2k level; 1k -2% (so shorter calls keep two stages;
-# non-causal calls -2% at 1k and level at 4k/16k, so they keep two as well).
-LONG_CAUSAL_ROWS = {128: 4096}
+# non-causal calls -2% at 1k and level at 4k/16k, so they keep two as well). d_head 96: every causal
+# call (item 297).
+LONG_CAUSAL_ROWS = {96: 0, 128: 4096}
 # Non-causal calls at d_head 128 with at least this many query rows start each CTA's walk over the
 # query blocks at its own block (`rotate`, on the persistent static walk; `dynamic` only orders
 # causal tiles, so the config leaves it out): the CTAs of a head then add into different dQ rows.
 # Two runs of 5 interleaved rounds (NOTES.md item 127): 8k +1.9-2.6% in both dtypes (cuDNN's level
 # there, which the plain walk missed by 1-2%), 16k +1.5% on average (-0.8 to +4.5%), 4k -1.7%,
-# 2k -2%.
-LONG_NONCAUSAL_ROWS = {128: 8192}
+# 2k -2%. d_head 96 alike (item 297: 8k +1.5-2%, 16k +4%, 2k-4k level).
+LONG_NONCAUSAL_ROWS = {96: 8192, 128: 8192}
 
 # Launch knob combinations in the `all` set (on the dq_tma+dq_mid tile, two stages).
 LAUNCH_KNOB_SETS = ({"lpt": True}, {"pdl": True}, {"pdl": True, "dq_early": True},
@@ -174,6 +183,8 @@ def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_le
             cfg = cfg.replace(dq_frag=False)
         else:
             cfg = cfg.replace(dq_mid=False, rotate=False, dynamic=True)
+    elif d_head == 96 and not causal:  # varlen tiles differ in work: claimed (d96 keeps dq_mid, no C7512)
+        cfg = cfg.replace(rotate=False, dynamic=True)
     return cfg
 
 
