@@ -51,6 +51,7 @@ struct StaticHopperForwardConfig {
     static constexpr int COL_BLOCK = ROW_BYTES / 2;  // 16-bit elements per swizzled row
     static constexpr int D_BLOCKS = D / COL_BLOCK;
     static constexpr int QK_STEPS_PER_BLOCK = COL_BLOCK / 16;  // k-steps of Q K^T per column block
+    static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;     // between 8-row core groups (SBO)
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     // P_SMEM: each consumer warpgroup's P (64 rows x BC keys, 16-bit) as a K-major A operand,

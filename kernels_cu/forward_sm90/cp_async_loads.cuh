@@ -1,7 +1,8 @@
 // Loads without TMA (cp_async configs: the progression's first step, wgmma alone). Every consumer
-// thread copies 16-byte chunks of Q, K and V with cp.async into the same 128B-swizzled tiles TMA
-// writes, zero-filling rows past the sequence ends (src-size 0), and the K/V ring's stages are
-// handed over with cp.async groups and CTA barriers instead of mbarriers.
+// thread copies 16-byte chunks of Q, K and V with cp.async into the same swizzled tiles TMA writes
+// (128-byte rows, 64-byte at d_head 96), zero-filling rows past the sequence ends (src-size 0),
+// and the K/V ring's stages are handed over with cp.async groups and CTA barriers instead of
+// mbarriers.
 //
 // The parameter struct's descriptor slots then hold a plain record of the tensor (params.py,
 // global_tensor_record): opaque[0] the pointer, opaque[1..3] the batch, seq and head strides in

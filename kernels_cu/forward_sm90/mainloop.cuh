@@ -58,10 +58,9 @@ struct Consumer {
     CF_DEVICE void issue_qk(Scores& s, int stage) const { issue_qk(s, stage, tile_iter); }
     CF_DEVICE void issue_qk(Scores& s, int stage, int q_iter) const {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
-        constexpr int SBO = 8 * Cfg::ROW_BYTES;  // between 8-row core groups
         const u64 q0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(
-            sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, SBO);
-        const u64 k0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.k(stage), 16, SBO);
+            sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, Cfg::CORE_GROUP_BYTES);
+        const u64 k0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.k(stage), 16, Cfg::CORE_GROUP_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < QK_STEPS; ++k) {
@@ -78,7 +77,7 @@ struct Consumer {
         // k-step k covers keys 16k..16k+15: 16 rows of every column block; the N blocks of the
         // head dimension are BC rows apart (LBO).
         const u64 v0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.v(stage), Cfg::BC * Cfg::ROW_BYTES,
-                                                                8 * Cfg::ROW_BYTES);
+                                                                Cfg::CORE_GROUP_BYTES);
         wgmma_fence();
         if constexpr (Cfg::P_SMEM) {
             // P's k-step k: 32 bytes into each 128-byte row of column block k / 4 (as Q in Q K^T)

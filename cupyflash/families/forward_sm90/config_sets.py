@@ -17,7 +17,7 @@ KERNEL_SET_KEYS = ("tune", "prog", "prog_all", "defaults", "varlen_defaults")
 # accumulators fit the 240 consumer registers with the two-stage ring in shared memory.
 _DEFAULT_B_C = {64: 128, 96: 128, 128: 128, 256: 64}
 
-# The defaults, (d_head, causal) -> (B_r, B_c, n_stages, persistent), all with the producer
+# The defaults, (d_head, causal) -> (B_r, B_c, n_stages, knobs), one CTA per tile, all with the producer
 # warpgroup, ping-pong and intra-warpgroup overlap. Measured on the H100 (scripts/bench_hopper.py,
 # 2026-11-23, batch*seq 16k): d128 B_c 176 beats 128 by 0-5% without masking at S >= 2k (FA3's
 # tile too); causal keeps 128 (176 lost 5-15%: more masked work on the diagonal). d256: B_c 80
@@ -25,34 +25,30 @@ _DEFAULT_B_C = {64: 128, 96: 128, 128: 128, 256: 64}
 # warpgroups (B_r 192) beat two by 0-10% (causal: -10% at 1k, +0-12% from 2k). Persistent CTAs
 # are level without masking; causal, the snake schedule is level at S <= 2k but loses 25% at 16k
 # (128 query blocks per head against 132 CTAs: the snake's pairing drifts), so none are default.
-# d64 and d256 rescale lazily (`lazy`, NOTES.md item 71): +4-9% at every d256 row and +0-11% on
+# d64, d96 and d256 rescale lazily (`lazy`, NOTES.md item 71): +4-9% at every d256 row and +0-11% on
 # d64 192x128 tiles in two probe runs; d128 keeps exact rescaling (-1..-4% with it). forward_varlen's
 # GPU tests passed on the lazy table picks at d64/d256.
-_LAZY_D_HEADS = (64, 96, 256)
-_DEFAULTS = {
-    (64, False): (192, 128, 2, False), (64, True): (192, 128, 2, False),
-    (96, False): (192, 128, 2, False), (96, True): (192, 128, 2, False),
-    (128, False): (128, 176, 2, False), (128, True): (128, 128, 2, False),
-    (256, False): (128, 80, 2, False), (256, True): (128, 64, 2, False),
-}
-
-
+_LAZY = {"lazy_rescale": True}
 # d_head 96 (64-byte swizzled tiles, 2026-11-28 on an H200 at the power cap, bench.py beside SDPA
 # cuDNN and flash, 2 rounds, 1k-16k, NOTES.md item 291): three consumer warpgroups with P through
 # shared memory, 192 x 128 (P V's m64n96k16 reads 5 KiB per 48 tensor clocks, inside the SM's
 # shared-memory bandwidth, unlike d64's), lazy; causal with per-warpgroup blocks. 1.18-1.29x
 # cuDNN at S >= 2k non-causal (192 x 80 1.15-1.24x, 128 x 176 1.11-1.24x), causal 1.15-1.28x; at
 # 1k 1.02-1.03x, where the 128 x 128 persistent qbuf2 tile reached 1.07-1.08x.
-_DEFAULT_KNOBS = {(96, False): dict(p_smem=True), (96, True): dict(p_smem=True, wg_blocks=True)}
+_D96 = {**_LAZY, "p_smem": True}
+_DEFAULTS = {
+    (64, False): (192, 128, 2, _LAZY), (64, True): (192, 128, 2, _LAZY),
+    (96, False): (192, 128, 2, _D96), (96, True): (192, 128, 2, {**_D96, "wg_blocks": True}),
+    (128, False): (128, 176, 2, {}), (128, True): (128, 128, 2, {}),
+    (256, False): (128, 80, 2, _LAZY), (256, True): (128, 64, 2, _LAZY),
+}
 
 
 @functools.lru_cache(maxsize=64)  # per-call path of forward_sm90: building a config costs ~10 us
 def default_config(dtype: DType, d_head: int, causal: bool = False) -> HopperForwardKernelConfig:
     """The family's pick for (dtype, d_head, causal) without a tuning table (see _DEFAULTS)."""
-    b_r, b_c, stages, persistent = _DEFAULTS[(d_head, bool(causal))]
-    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, persistent,
-                                     lazy_rescale=d_head in _LAZY_D_HEADS,
-                                     **_DEFAULT_KNOBS.get((d_head, bool(causal)), {}))
+    b_r, b_c, stages, knobs = _DEFAULTS[(d_head, bool(causal))]
+    return HopperForwardKernelConfig(dtype, d_head, b_r, b_c, stages, True, True, True, False, **knobs)
 
 
 # forward_varlen's picks where they differ from _DEFAULTS. d_head 128, both masks: three consumer
