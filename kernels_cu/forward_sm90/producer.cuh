@@ -27,9 +27,9 @@ struct Producer {
         for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
             const u32 block = dst + c * Cfg::BC * Cfg::ROW_BYTES;
             if constexpr (MULTICAST) {
-                if (c % 2 == rank)
+                if (c % Cfg::CLUSTER_SIZE == rank)  // every CTA of the cluster: mask (1 << size) - 1
                     tma_load_4d_multicast(block, desc, full, c * Cfg::COL_BLOCK, tile.k_coord(key0), kv_head,
-                                          tile.tma_batch(), 0b11);
+                                          tile.tma_batch(), (1u << Cfg::CLUSTER_SIZE) - 1);
             } else {
                 tma_load_4d(block, desc, full, c * Cfg::COL_BLOCK, tile.k_coord(key0), kv_head, tile.tma_batch());
             }
