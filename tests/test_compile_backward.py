@@ -20,6 +20,12 @@ VARLEN_SPILL_LIMIT = 32
 # promised spill-free: d_head 64 and 128 (pds_smem defaults); d_head 256 is 8 warps at 255 registers
 # with at most a few words spilled (measured 0-96 bytes of spill stores + loads with NVRTC 12.9)
 SPILL_LIMIT = {64: 0, 128: 0, 256: 96}
+# d_head 96's default (64 x 64, 4 warps, picked on an H200, NOTES.md item 296) runs its kernels at
+# 254-255 registers and spills (bytes of spill stores + loads, NVRTC 12.9, item 297): on sm_90 up to
+# 72 (dkdv, varlen causal) and 48 (the deterministic dQ pass); on sm_80 144-160 in dkdv, 264 in
+# its varlen causal instance, the dQ pass none. Pinned here so that more is noticed; on Hopper
+# cfg=None runs backward_sm90 at d_head 96 (only the deterministic dQ pass is this family's).
+D96_SPILL_LIMIT = {"sm_80": (160, 264), "sm_90": (48, 72)}  # (dense, varlen) per kernel
 # the H100 table's d_head 128 pick (pipelined, one barrier per iteration), spill-free as well
 PIPELINED = "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe"
 
@@ -29,10 +35,10 @@ def cache(tmp_path_factory):
     return KernelCache(tmp_path_factory.mktemp("backward_cache"))
 
 
-def check_every_variant(cfg, arch, cache, spill_limit) -> None:
+def check_every_variant(cfg, arch, cache, spill_limit, varlen_extra=VARLEN_SPILL_LIMIT) -> None:
     """Every (causal, deterministic, varlen) variant of `cfg` compiles for `arch` with no ptxas
     warning, at most 255 registers and spills within `spill_limit(role)` bytes (varlen: at most
-    VARLEN_SPILL_LIMIT more); a second lookup is a cache hit (no recompile)."""
+    `varlen_extra` more); a second lookup is a cache hit (no recompile)."""
     for causal, det, varlen in VARIANTS:
         variant = BACKWARD_SM80.variant(causal=causal, deterministic=det, varlen=varlen)
         module = compile_config(cfg, arch, cache, variant=variant).module
@@ -41,7 +47,7 @@ def check_every_variant(cfg, arch, cache, spill_limit) -> None:
             res = module.resources.get(expr)
             if res is None:
                 pytest.skip("NVRTC served this module without a ptxas report")
-            limit = spill_limit(role) + (VARLEN_SPILL_LIMIT if varlen else 0)
+            limit = spill_limit(role) + (varlen_extra if varlen else 0)
             assert res.registers <= 255 and res.spill_bytes <= limit, (role, causal, det, varlen, res)
         assert compile_config(cfg, arch, cache, variant=variant).cached
 
@@ -51,6 +57,13 @@ def check_every_variant(cfg, arch, cache, spill_limit) -> None:
 def test_default_config_compiles_within_register_budget(cache, arch, d_head):
     cfg = default_config(DType.BF16 if d_head != 256 else DType.FP16, d_head)
     check_every_variant(cfg, arch, cache, lambda role: SPILL_LIMIT[d_head] if role in ("dkdv", "dq") else 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_d96_default_spills_stay_within_their_measured_bytes(cache, arch):
+    dense, varlen = D96_SPILL_LIMIT[arch]
+    check_every_variant(default_config(DType.BF16, 96), arch, cache,
+                        lambda role: dense if role in ("dkdv", "dq") else 0, varlen_extra=varlen - dense)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
