@@ -53,9 +53,9 @@ def test_no_ptxas_warnings(compiled):
 
 
 # backward_sm80's deterministic dQ kernel (role "dq", reused through the companion config) at d_head
-# 96 runs at 254 registers on sm_90 and spills 24 bytes in its causal instance (NOTES.md item 297);
-# every kernel of this family's own is spill-free.
-REUSED_DQ_SPILL_LIMIT = {96: 32}
+# 96 runs at 254 registers on sm_90 and spills in its causal instance: 24 bytes of stores and 24 of
+# loads (spill_bytes 48, NOTES.md item 297); every kernel of this family's own is spill-free.
+REUSED_DQ_SPILL_LIMIT = {96: 48}
 
 
 def test_no_spills_and_registers_reported(compiled):
