@@ -11,7 +11,7 @@
 #pragma once
 
 template <HopperBackwardKernelConfig C>
-struct StaticHopperBackwardConfig {
+struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_BLOCK, D_BLOCKS, ...
     static constexpr HopperBackwardKernelConfig cfg = C;
     static constexpr DType dtype = C.dtype;
     static constexpr int D = C.d_head;
@@ -45,11 +45,6 @@ struct StaticHopperBackwardConfig {
     static constexpr int ROW_KERNEL_ROWS = 64;
     static constexpr int ROW_KERNEL_THREADS = 256;
 
-    static constexpr int ROW_BYTES = D % 64 == 0 ? 128 : 64;  // the swizzle span of Q, K, V, dO tiles
-    static constexpr int COL_BLOCK = ROW_BYTES / 2;            // 16-bit elements per swizzled row
-    static constexpr int D_BLOCKS = D / COL_BLOCK;
-    static constexpr int K_STEPS_PER_BLOCK = COL_BLOCK / 16;   // k-steps over d_head per column block
-    static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;     // between 8-row core groups (SBO)
     static constexpr int DS_ROW_BYTES = 128;                   // dS^T rows: 64 queries, 128B-swizzled
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
@@ -103,8 +98,6 @@ struct StaticHopperBackwardConfig {
     static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
-    static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
-                  "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte swizzled blocks)");
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");

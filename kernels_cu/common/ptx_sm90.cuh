@@ -26,6 +26,21 @@ CF_DEVICE u64 smem_descriptor_sw128(u32 smem_addr, u32 leading_bytes, u32 stride
     return smem_descriptor_swizzled<128>(smem_addr, leading_bytes, stride_bytes);
 }
 
+// Geometry of the Hopper families' 16-bit [rows][d_head] Q/K/V/dO tiles as TMA writes them:
+// 128-byte swizzled rows of 64 elements where d_head is a multiple of 64, else (d_head 96)
+// 64-byte swizzled rows of 32 (cupyflash/families/forward_sm90/tma.py col_block). A tile is
+// D_BLOCKS column blocks of R rows; a K-major k-step (16 elements) is 32 bytes inside a row.
+template <int D>
+struct SwizzledTiles {
+    static constexpr int ROW_BYTES = D % 64 == 0 ? 128 : 64;  // the swizzle span
+    static constexpr int COL_BLOCK = ROW_BYTES / 2;           // 16-bit elements per swizzled row
+    static constexpr int D_BLOCKS = D / COL_BLOCK;
+    static constexpr int K_STEPS_PER_BLOCK = COL_BLOCK / 16;  // k-steps over d_head per column block
+    static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;    // between 8-row core groups (SBO)
+    static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
+                  "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte ones)");
+};
+
 // `desc` with its start address moved on by `bytes` (a multiple of 16). The start-address field is
 // address >> 4 in the low 14 bits, and shared addresses stay below 228 KiB (< 2^18), so the add
 // never carries into the leading-byte field: one add per k-step instead of re-encoding the

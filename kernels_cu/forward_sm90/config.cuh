@@ -10,7 +10,7 @@
 #pragma once
 
 template <HopperForwardKernelConfig C>
-struct StaticHopperForwardConfig {
+struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_BLOCK, D_BLOCKS, ...
     static constexpr HopperForwardKernelConfig cfg = C;
     static constexpr DType dtype = C.dtype;
     static constexpr int D = C.d_head;
@@ -47,11 +47,6 @@ struct StaticHopperForwardConfig {
     static constexpr int PRODUCER_REGS = 24;
     static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 240 : 256;
 
-    static constexpr int ROW_BYTES = D % 64 == 0 ? 128 : 64;  // the swizzle span of Q, K, V (and O staging)
-    static constexpr int COL_BLOCK = ROW_BYTES / 2;  // 16-bit elements per swizzled row
-    static constexpr int D_BLOCKS = D / COL_BLOCK;
-    static constexpr int QK_STEPS_PER_BLOCK = COL_BLOCK / 16;  // k-steps of Q K^T per column block
-    static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;     // between 8-row core groups (SBO)
     static constexpr int Q_BYTES = BR * D * 2;
     static constexpr int KV_BYTES = BC * D * 2;
     // P_SMEM: each consumer warpgroup's P (64 rows x BC keys, 16-bit) as a K-major A operand,
@@ -75,8 +70,6 @@ struct StaticHopperForwardConfig {
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
 
-    static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
-                  "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte ones)");
     static_assert(Q_BYTES % 1024 == 0 && KV_BYTES % 1024 == 0, "tiles keep the swizzle patterns' alignment");
     static_assert(BR % WG_ROWS == 0 && CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
     static_assert(CONSUMERS < 3 || WARP_SPECIALIZED, "three consumer warpgroups need setmaxnreg's registers");
@@ -90,7 +83,7 @@ struct StaticHopperForwardConfig {
                   "cross_tile: the next tile's Q in the other Q tile, its first turn merged into the ring");
     static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
-    static_assert(!CLUSTER || (WARP_SPECIALIZED && !PERSISTENT && D_BLOCKS % 2 == 0),
+    static_assert(!CLUSTER || (WARP_SPECIALIZED && !PERSISTENT && SwizzledTiles<D>::D_BLOCKS % 2 == 0),
                   "cluster: the producer warpgroup's TMA, one tile per CTA, whole 64-column blocks per CTA");
 };
 

@@ -65,7 +65,7 @@ struct Consumer {
 #pragma unroll
         for (int k = 0; k < QK_STEPS; ++k) {
             // 4 (2) k-steps of 16 elements per 128-byte (64-byte) row
-            const int c = k / Cfg::QK_STEPS_PER_BLOCK, kk = k % Cfg::QK_STEPS_PER_BLOCK;
+            const int c = k / Cfg::K_STEPS_PER_BLOCK, kk = k % Cfg::K_STEPS_PER_BLOCK;
             wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], descriptor_advance(q0, c * Cfg::BR * Cfg::ROW_BYTES + 32 * kk),
                                              descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
         }
