@@ -264,12 +264,12 @@ def test_tensor_map_spec_is_innermost_first_in_bytes():
 
 def test_tensor_map_spec_d96_uses_64_byte_swizzled_boxes():
     """d_head 96: boxes of 32 columns (64 bytes) with the 64B swizzle, three per row, as the
-    kernel's COL_BLOCK / ROW_BYTES for that head dimension (config.cuh)."""
+    kernel's COL_BLOCK / ROW_BYTES for that head dimension (SwizzledTiles, common/ptx_sm90.cuh)."""
     shape = (1, 300, 4, 96)
     spec = tma.tensor_map_spec(0, DType.BF16, shape, contiguous_strides(shape), 192)
     assert spec.dims == (96, 300, 4, 1) and spec.box == (32, 192, 1, 1) and spec.swizzle == 2
     assert [tma.col_block(d) for d in D_HEADS] == [64, 32, 64, 64]
-    text = (ROOT / "kernels_cu" / "forward_sm90" / "config.cuh").read_text()
+    text = (ROOT / "kernels_cu" / "common" / "ptx_sm90.cuh").read_text()
     assert "ROW_BYTES = D % 64 == 0 ? 128 : 64" in text and "COL_BLOCK = ROW_BYTES / 2" in text
 
 

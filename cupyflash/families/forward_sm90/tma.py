@@ -28,7 +28,7 @@ COL_BLOCK = 64  # elements per box row: 128 bytes, the 128B swizzle span
 def col_block(d_head: int) -> int:
     """16-bit elements per box row for a head dimension: 64 (128-byte rows, 128B swizzle) where
     d_head is a multiple of 64, else 32 (64-byte rows, 64B swizzle: d_head 96's three blocks).
-    Must match StaticHopperForwardConfig::COL_BLOCK."""
+    Must match SwizzledTiles<D>::COL_BLOCK (kernels_cu/common/ptx_sm90.cuh)."""
     return COL_BLOCK if d_head % COL_BLOCK == 0 else COL_BLOCK // 2
 
 
