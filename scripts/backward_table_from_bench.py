@@ -8,7 +8,8 @@ For every point of the sweep (dtype, d_head, S, causal) the candidates are the c
 (dq, dk, dv) differ from SDPA flash's by more than twice the SPEC §5 relative L2 bound of its dtype
 (both sides carry their own rounding) is dropped. The fastest of the rest becomes the table's entry
 for that bucket, unless it beats the table's own choice by less than `--margin` (relative): then
-the entry stays (noise must not churn the table). Points the sweep did not measure keep their
+the entry stays (noise must not churn the table); an entry without figures (written before its
+config was measured) takes them from the sweep. Points the sweep did not measure keep their
 entries. The table's meta appends the sweep's command and date to the earlier sweeps'. This is the short path when a
 device session cannot afford `python -m cupyflash autotune` over the whole grid: the sweep's grid
 is the bench grid (batch*seq = 16k, 16 heads), where the autotune grid keeps heads*d_head = 2048.
@@ -33,9 +34,9 @@ from cupyflash.tuning import TuningTable  # noqa: E402
 DEFAULT_TABLE = Path(__file__).resolve().parent.parent / "cupyflash" / "tuning" / "default_h100.backward_sm80.json"
 
 
-def pick(row: dict, margin: float) -> tuple[BackwardKernelConfig, dict, int] | None:
-    """(config, its figures, number of correct candidates) for one sweep point, or None when the
-    table's own choice stays (or nothing was measured)."""
+def pick(row: dict, margin: float) -> tuple[BackwardKernelConfig, dict, int, bool] | None:
+    """(config, its figures, number of correct candidates, whether it replaces the table's own
+    choice) for one sweep point, or None when nothing was measured."""
     dtype = DType.parse(row["dtype"].upper())
     bound = 2 * REL_L2_TOLERANCE[dtype]
     timed = {}
@@ -57,8 +58,8 @@ def pick(row: dict, margin: float) -> tuple[BackwardKernelConfig, dict, int] | N
     auto = row.get("auto_config") or ""
     current = BackwardKernelConfig.parse(auto).replace(dtype=dtype) if auto.startswith("backward_sm80") else None
     if current in timed and timed[best]["tflops"] < timed[current]["tflops"] * (1 + margin):
-        return None
-    return best, timed[best], len(timed)
+        return current, timed[current], len(timed), False
+    return best, timed[best], len(timed), True
 
 
 def update(table: TuningTable, sweep: dict, margin: float) -> list[str]:
@@ -68,10 +69,14 @@ def update(table: TuningTable, sweep: dict, margin: float) -> list[str]:
         chosen = pick(row, margin)
         if chosen is None:
             continue
-        cfg, fig, n = chosen
+        cfg, fig, n, replaces = chosen
         causal, seq = bool(row["causal"]), int(row["seq"])
         old = table.get(cfg.dtype, cfg.d_head, seq, causal)
-        old_text = old.config.short_form() if old is not None and old.seq == seq else "-"
+        own = old is not None and old.seq == seq and old.causal == causal
+        if not replaces and own and old.tflops is not None:
+            continue  # the table's choice stays, with the figures it was chosen on
+        # (an entry written before it was measured, tflops None, takes its config's figures here)
+        old_text = old.config.short_form() if own else "-"
         table.set(cfg, seq, round(fig["tflops"], 2), round(fig["ms"], 5), causal=causal, batch=row["batch"],
                   heads=row["heads"], candidates=n, correct=n, source="bench_backward sweep")
         changes.append(f"{cfg.dtype.name} d{cfg.d_head} S={seq} causal={int(causal)}: {old_text} -> "

@@ -337,9 +337,10 @@ def test_resolve_config():
 # ----------------------------------------------------------------------------- shipped H100 table
 def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
     """cupyflash/tuning/default_h100.backward_sm80.json (`autotune --family backward_sm80
-    --write-default` on the H100) answers every (dtype, d_head 64/128, causal) bucket it was tuned
-    for with a valid tuning-set config that fits the H100's shared memory, for the device name an
-    H100 reports (and an H200); other GPUs fall back to the family default."""
+    --write-default` on the H100; d_head 256's rows from an H200 sweep, NOTES.md item 301) answers
+    every (dtype, d_head 64/128/256, causal) bucket it was tuned for with a valid tuning-set config
+    that fits the H100's shared memory, for the device name an H100 reports (and an H200); other
+    GPUs fall back to the family default."""
     from cupyflash.families.backward_sm80.config import MAX_SMEM_BYTES
     from cupyflash.tuning import clear_caches, default_table_path, explain_choice
 
@@ -350,7 +351,7 @@ def test_shipped_h100_table_serves_cfg_none(tmp_path, monkeypatch):
     assert path.is_file(), path
     tune = set(get_kernel_configs("tune"))
     for dtype in DType:
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for causal in (False, True):
                 for seq in (1024, 3000, 16384, 100_000):
                     cfg, source = explain_choice(dtype, d, seq, seq, name, causal, "backward_sm80")

@@ -59,6 +59,9 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
     "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+ldmid+dqv",
     "backward_sm80 (FP16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe+dqf+dqv",
     "backward_sm80 (BF16, 64, 64, 64, 4): dsplit_1+swizzled+dbuf+pds+dqv",  # 4 warps, 32-row S tiles
+    # 8 warps over 64 keys: 16-row S tiles, 8 keys of the 1-D layout per warp (d_head 256's pick)
+    "backward_sm80 (FP16, 128, 64, 64, 8): dsplit_1+swizzled+dbuf+pds",
+    "backward_sm80 (FP16, 256, 64, 64, 8): dsplit_1+swizzled+dbuf+pds+dqf+ldmid+dqv",
 )]
 FIGURES: list[dict] = []
 
@@ -203,13 +206,13 @@ def test_torch_tensors_come_back_as_torch(rng):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_cfg_none_replays_this_family_from_packed_blocks(rng, causal):
-    """d_head 96 (this family's on every GPU: backward_sm90 has no d96): a second cfg=None call
+    """d_head 256 (this family's on every GPU: backward_sm90 has no d256): a second cfg=None call
     with a signature replays the first call's plan from a BackwardParams block packed once, with
     new outputs and the full path's bits (deterministic), GQA and ragged lengths, CuPy and torch."""
     from cupyflash import backward_plans
 
     backward_plans.clear()
-    dtype, d = DType.BF16, 96
+    dtype, d = DType.BF16, 256
     q = random_inputs(cp, dtype, (2, 130, 4, d), rng)
     k, v = (random_inputs(cp, dtype, (2, 77, 2, d), rng) for _ in range(2))
     dout = random_inputs(cp, dtype, q.shape, rng)

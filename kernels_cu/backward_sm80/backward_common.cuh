@@ -113,7 +113,7 @@ struct StaticBackwardKernelConfig {
     static constexpr int ROW_KERNEL_THREADS = 256;
 
     static_assert(N_WARPS % D_SPLIT == 0 && BC % KEY_GROUPS == 0, "warps split evenly over keys and columns");
-    static_assert(WARP_KEYS % 16 == 0 && MK >= 1, "each warp owns whole 16-key m-tiles");
+    static_assert(PDS_SMEM || (WARP_KEYS % 16 == 0 && MK >= 1), "each warp owns whole 16-key m-tiles");
     static_assert(DKV_N_TILES % 2 == 0, "dK/dV columns per warp come in pairs of n-tiles");
     static_assert(DQ_N_TILES % 2 == 0, "dQ columns per warp come in pairs of n-tiles");
     static_assert((BR * D / 8) % N_THREADS == 0 && (BC * D / 8) % N_THREADS == 0, "tiles spread over threads");

@@ -165,7 +165,9 @@ class BackwardKernelConfig(KernelConfig):
                 and ds in D_SPLIT_VALUES):
             return
         rows = bc * ds // w
-        yield "B_c * d_split / n_warps key rows per warp is a positive multiple of 16", rows >= 16 and rows % 16 == 0
+        if not self.pds_smem:  # the 1-D layout's warps own whole 16-key m-tiles (pds_smem: 2-D grids below)
+            yield ("B_c * d_split / n_warps key rows per warp is a positive multiple of 16",
+                   rows >= 16 and rows % 16 == 0)
         yield "d_head / d_split is a multiple of 16 (pairs of n-tiles per warp)", (d // ds) % 16 == 0
         q_mtiles = br // 16
         if w > q_mtiles:
@@ -174,6 +176,7 @@ class BackwardKernelConfig(KernelConfig):
                (br * d // 8) % (32 * w) == 0 and (bc * d // 8) % (32 * w) == 0 and (bc * d // 8) % (2 * br) == 0)
         if self.pds_smem:
             yield "pds_smem needs double_buffer and d_split 1", self.double_buffer and ds == 1
+            yield "pds_smem needs B_c >= 64 (P/dS tile rows of at least eight 16-byte chunks)", bc >= 64
             wq, wk = br // 32, bc // 32
             rows = self.pds_s_rows
             grids = (bc % 32 == 0 and w % wq == 0 and w % wk == 0 and (br * wk) % w == 0
@@ -184,7 +187,7 @@ class BackwardKernelConfig(KernelConfig):
                    grids and (d * wk // w) % 16 == 0 and (d * wq // w) % 16 == 0)
             if not grids:
                 return
-        if rows >= 16 and rows % 16 == 0:
+        if self.pds_smem or (rows >= 16 and rows % 16 == 0):
             yield (f"dK/dV + S^T/dP^T accumulators <= {MAX_ACCUMULATOR_REGISTERS} registers per thread",
                    self.accumulator_registers() <= MAX_ACCUMULATOR_REGISTERS)
         if self.pipelined:

@@ -41,9 +41,15 @@ def should_autotune(cfg: BackwardKernelConfig) -> bool:
     FLOP); d_split 2 measured 0.66x at d128.
     d_head 96/256: no pipelined or kv_regs; a d_split of 2 only where the unsplit config would not fit (d_head 256) or
     where it lets a CTA hold a larger key block with 8 warps ((B_c * 2 / n_warps) keys per warp
-    equal to 16)."""
+    equal to 16). d_head 256 with pds_smem (Hopper only): with its ordering knobs and mbarrier."""
     if not cfg.swizzled:
         return False
+    if cfg.d_head == 256 and cfg.pds_smem:
+        # P/dS through shared memory at d_head 256 (64 x 64, 8 warps, 214-230 KB: Hopper's shared
+        # memory only): 1.3-1.4x the d_split 2 configs on an H200 (NOTES.md item 301), so its
+        # ordering knobs are tuned too, but not the ones that spill there (dq_spread, dq_late) and
+        # not kv_regs (no registers left for K/V fragments)
+        return not (cfg.kv_regs or cfg.dq_spread or cfg.dq_late)
     if cfg.mbarrier or cfg.dq_first or cfg.load_mid or cfg.dq_spread or cfg.dq_late or cfg.dq_v4:
         # the ordering knobs, measured (H100 sweep, NOTES.md) at the shipped layouts only: d_head 64
         # 128 x 128 (mbarrier: the pipelined loop that fits its shared memory) and d_head 128 64 x 128
