@@ -43,7 +43,9 @@ def _hopper_default(dtype: DType, d_head: int, causal: bool, seq_len_q: int = 0)
 # 1.6-1.8x backward_sm80's table (before, its dQ was reduced twice per key block and it was slower).
 # d_head 96 joined in the thirty-second session (NOTES.md item 297): with 64-byte swizzled Q/K/V/dO
 # tiles it runs 1.6-1.9x backward_sm80's d96 default on the H200 (cuDNN's level).
-AUTO_D_HEADS = (64, 96, 128)
+# d_head 256 joined in the thirty-third session (NOTES.md item 302): two warpgroups sharing 64 keys,
+# each with half of dK/dV's columns, 1.24-1.28x backward_sm80's pds pick on the H200.
+AUTO_D_HEADS = (64, 96, 128, 256)
 
 
 def hopper_reason(dout: TensorView, q: TensorView, k: TensorView, v: TensorView) -> str | None:

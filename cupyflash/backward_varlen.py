@@ -134,7 +134,7 @@ def backward_varlen(dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_se
         deterministic: True computes dQ in a separate pass per query block instead of fp32
             atomics (the same bits on every run).
         stream: default the caller's current stream (torch's for torch tensors, CuPy's otherwise).
-        cfg: None/'auto' (on Hopper at d_head 64/96/128 with TMA-readable packed arrays backward_sm90's
+        cfg: None/'auto' (on Hopper at d_head 64/96/128/256 with TMA-readable packed arrays backward_sm90's
             varlen default for max_seqlen_q (config_sets.varlen_default_config), else backward_sm80's tuned or default config for
             max_seqlen_q/k), or a config of either backward family or its short form.
 
@@ -390,7 +390,7 @@ def _as_4d(view: TensorView) -> _Packed4D:
 
 def _hopper_reason(q: TensorView, k: TensorView, v: TensorView, dout: TensorView) -> str | None:
     """Why cfg=None runs backward_sm80 rather than backward_sm90 on these packed arrays, or None:
-    backward_api.hopper_reason's rules (compute capability 9.0, d_head 64/96/128, TMA-readable
+    backward_api.hopper_reason's rules (compute capability 9.0, d_head 64/96/128/256, TMA-readable
     layouts) on their one-batch 4-D views, and tokens in both (an empty array has no tensor map)."""
     from .backward_api import hopper_reason
 

@@ -17,6 +17,9 @@ from pathlib import Path
 N_VALUES = (64, 80, 96, 128, 176, 192, 256)  # key-tile columns (S = Q K^T) and head dimensions (O += P V)
 # O += P V with P from shared memory (forward_sm90's `psmem`): A K-major, B (V) MN-major, N = d_head
 SS_TRANS_N_VALUES = (64, 96, 128, 256)
+# A and B from shared memory, both K-major, only: backward_sm90's S^T = K Q^T and dP^T = V dO^T at
+# d_head 256, where each of the two warpgroups sharing the CTA's 64 keys takes 32 of the queries
+SS_ONLY_N_VALUES = (32,)
 DTYPES = (("FP16", "f16"), ("BF16", "bf16"))
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_sm90.cuh"
 
@@ -81,6 +84,8 @@ CF_DEVICE void wgmma_rs<DType::{dtype}, {n}, {trans}>(float (&d)[{n // 8}][4], c
 def render() -> str:
     parts = [PREAMBLE]
     for dtype, ptx in DTYPES:
+        for n in SS_ONLY_N_VALUES:
+            parts.append(_ss(dtype, ptx, n))
         for n in N_VALUES:
             parts.append(_ss(dtype, ptx, n))
             parts.append(_rs(dtype, ptx, n, 1))

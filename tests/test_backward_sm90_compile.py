@@ -1,5 +1,6 @@
 """Compile the Hopper backward family for sm_90a with NVRTC (no GPU): every variant of the
-defaults (d_head 64 and 128, both dtypes, dense and varlen) and the bf16 tune set, with zero ptxas warnings
+defaults (d_head 64, 96 and 128, both dtypes, dense and varlen), d_head 256's tile in both masks
+(atomic and deterministic dQ) and the bf16 tune set, with zero ptxas warnings
 (C7508 setmaxnreg ignored, C7515/C7511 wgmma serialised, C7517 ...), no spills, registers
 reported; and the C++ shared-memory size equal to the config's."""
 from __future__ import annotations
@@ -25,8 +26,12 @@ def _modules():
     backward_varlen's defaults and varlen kernels, and the bf16 tune set's other configs."""
     defaults = config_sets.get_kernel_configs("defaults")
     tune = [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16 and c not in defaults]
+    # d_head 256 (no default yet): its two-stage tile with both masks, atomic and deterministic dQ
+    kv_split = [c for c in tune if c.kv_split and not c.nomask]
     return ([(c, BACKWARD_SM90.variant(causal=causal, deterministic=det))
              for c, causal in config_sets.default_launches() for det in (False, True)]
+            + [(c, BACKWARD_SM90.variant(causal=causal, deterministic=det))
+               for c in kv_split for causal in (False, True) for det in (False, True)]
             + [(c, BACKWARD_SM90.variant(causal=causal, deterministic=det, varlen=True))
                for c, causal in config_sets.varlen_default_launches() for det in (False, True)]
             + [(c, BACKWARD_SM90.variant()) for c in tune])

@@ -82,7 +82,15 @@ def test_default_config_text():
     assert config_sets.default_config(DType.FP16, 64, True, 1 << 16) == d64.replace(nomask=True)
     assert config_sets.default_config(DType.FP16, 64, False, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
-    assert len(defaults) == 18 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    assert len(defaults) == 20 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
+    # d_head 256: two warpgroups share 64 keys (kv_split), dQ by fp32 atomics, no nomask (item 302)
+    d256 = config_sets.default_config(DType.BF16, 256, causal=True, seq_len_q=1 << 16)
+    assert d256 == config_sets.default_config(DType.BF16, 256, causal=False)
+    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 2)" and d256.kv_split
+    assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns, d256.accumulator_registers()) == (2, 64, 128, 192)
+    # K, V (32 KiB each) + 2 stages of Q, dO (64 KiB each) + two buffers of P^T and dS^T (8 KiB each)
+    # + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB: within the 227 KiB
+    assert d256.smem_bytes() == 2 * 32768 + 2 * 65536 + 2 * 2 * 8192 + 2 * 512 + 48 + 1024 <= 227 * 1024
     # d_head 96: d_head 128's tile and knobs, three stages for every causal call
     assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, d_head=d, n_stages=3)
                                                         for dt in DType for d in (96, 128)}
@@ -105,7 +113,9 @@ def test_parse_rejects(text):
 @pytest.mark.parametrize("fields, rule", [
     ((DType.BF16, 80, 64, 128, 2), "d_head in"),
     ((DType.BF16, 96, 128, 128, 2), "accumulator registers"),
-    ((DType.BF16, 256, 64, 64, 2), "d_head in"),
+    ((DType.BF16, 256, 64, 128, 2), "d_head 256 splits dK/dV's columns"),   # two warpgroups share 64 keys
+    ((DType.BF16, 256, 64, 64, 2, False, True), "dq_tma needs"),
+    ((DType.BF16, 256, 64, 64, 3), "shared memory"),
     ((DType.BF16, 128, 96, 128, 2), "B_r in"),
     ((DType.BF16, 128, 128, 128, 2), "accumulator registers"),
     ((DType.BF16, 64, 128, 64, 2), "B_r 128 needs two consumer warpgroups"),
@@ -187,12 +197,13 @@ def test_dq_frag_short_form_rules_and_set():
     with pytest.raises(ValueError, match="dq_frag needs dq_tma and pdl"):
         HopperBackwardKernelConfig(DType.BF16, 128, 64, 128, 2, dq_frag=True)
     frag = [c for c in config_sets.get_kernel_configs("all") if c.dq_frag]
-    assert sorted(frag) == config_sets.default_configs()  # and their swizzled-panel twins are in the set
+    # every default but d_head 256's (dQ by atomics: no staging room) and their swizzled-panel twins
+    assert sorted(frag) == [c for c in config_sets.default_configs() if not c.kv_split]
     assert all(c.replace(dq_frag=False) in config_sets.get_kernel_configs("all") for c in frag)
 
 
 def test_config_sets():
-    assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 96, 128}
+    assert {c.d_head for c in config_sets.get_kernel_configs("defaults")} == {64, 96, 128, 256}
     assert all(c.n_stages >= 2 for c in config_sets.get_kernel_configs("tune"))
     prog = config_sets.get_kernel_configs("prog")
     assert [c.short_form().partition(": ")[2] for c in prog] == ["", "dq_tma", "dq_tma+dq_mid",
@@ -207,8 +218,8 @@ def test_config_sets():
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid+nomask+lpt+pdl+persistent+dynamic+dq_frag"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
-    with pytest.raises(ValueError, match="^q: d_head 256"):
-        config_sets.default_config(DType.BF16, 256)
+    with pytest.raises(ValueError, match="^q: d_head 80"):
+        config_sets.default_config(DType.BF16, 80)
 
 
 def test_companion_config_pads_like_this_family():
@@ -664,7 +675,7 @@ def test_cfg_none_runs_the_hopper_default_on_sm90(faked_backward, dtype, d, caus
 
 @pytest.mark.parametrize("cc, d, why", [(80, 128, "compute capability 8.0; backward_sm90 needs 9.0"),
                                         (89, 64, "compute capability 8.9"),
-                                        (90, 256, "q: d_head 256")])
+                                        (89, 256, "compute capability 8.9")])
 def test_cfg_none_falls_back_to_backward_sm80_with_a_reason(sm80_launches, cc, d, why):
     from cupyflash.backward_api import hopper_reason
 

@@ -205,12 +205,14 @@ def test_torch_tensors_come_back_as_torch(rng):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_cfg_none_replays_this_family_from_packed_blocks(rng, causal):
-    """d_head 256 (this family's on every GPU: backward_sm90 has no d256): a second cfg=None call
-    with a signature replays the first call's plan from a BackwardParams block packed once, with
-    new outputs and the full path's bits (deterministic), GQA and ragged lengths, CuPy and torch."""
-    from cupyflash import backward_plans
+def test_cfg_none_replays_this_family_from_packed_blocks(rng, causal, monkeypatch):
+    """cfg=None on this family (on Hopper too: backward_sm90 taken out of cfg=None's d_heads): a
+    second call with a signature replays the first call's plan from a BackwardParams block packed
+    once, with new outputs and the full path's bits (deterministic), GQA and ragged lengths, CuPy
+    and torch."""
+    from cupyflash import backward_api, backward_plans
 
+    monkeypatch.setattr(backward_api, "AUTO_D_HEADS", ())
     backward_plans.clear()
     dtype, d = DType.BF16, 256
     q = random_inputs(cp, dtype, (2, 130, 4, d), rng)

@@ -37,6 +37,8 @@ if has_gpu():
 D_HEADS = (64, 96, 128)
 ALL = get_kernel_configs("all")
 DEFAULTS = get_kernel_configs("defaults")
+# d_head 256: two warpgroups share 64 keys, each with half of dK/dV's columns (no default yet)
+KV_SPLIT = [c for c in ALL if c.kv_split]
 FIGURES: list[dict] = []
 
 
@@ -80,8 +82,8 @@ def prewarmed_cache():
     dense = [v for v in BACKWARD_SM90.all_variants()  # dense calls (varlen: its own module)
              if v == BACKWARD_SM90.variant(causal=v[0], deterministic=v[1])]
     prewarm_groups((ALL, ["sm_90a"], dict(variants=[BACKWARD_SM90.variant()])),
-                   (DEFAULTS + bulk + launch, ["sm_90a"], dict(variants=dense)),
-                   ([forward_default(dt, d) for dt in DType for d in D_HEADS], [this_arch(cp)],
+                   (DEFAULTS + bulk + launch + KV_SPLIT, ["sm_90a"], dict(variants=dense)),
+                   ([forward_default(dt, d) for dt in DType for d in D_HEADS + (256,)], [this_arch(cp)],
                     dict(causal=(False, True))))
     yield
     write_figures(FIGURES)
@@ -157,7 +159,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
-@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("d_head", D_HEADS + (256,))
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 def test_default_config_shapes(dtype, d_head, case, rng):
     batch, sq, sk, h, hk, causal = case
@@ -183,6 +185,27 @@ def test_nomask_on_the_causal_defaults(dtype, d_head, case, rng):
 @pytest.mark.parametrize("d_head", D_HEADS)
 def test_nomask_walks_many_tiles_on_three_ctas(d_head, rng, monkeypatch):
     walk_on_three_ctas(default_config(DType.BF16, d_head, True, 4096).replace(nomask=True), rng, monkeypatch)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("cfg", KV_SPLIT, ids=str)
+def test_kv_split_shapes(cfg, case, rng):
+    """d_head 256: both warpgroups' halves of P^T and dS^T meet in shared memory; every shape of
+    the matrix (tails, S_q != S_k, MQA/GQA, causal rows without keys), one and two stages."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(cfg, batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cfg", [c for c in KV_SPLIT if c.n_stages == 2 and not c.nomask], ids=str)
+def test_kv_split_deterministic_is_bit_identical(cfg, causal, rng):
+    """d_head 256 with backward_sm80's dQ pass: correct, and the same bits over 3 runs."""
+    q, k, v, dout, out, lse = _inputs(cfg.dtype, 256, 2, 333, 270, 4, 2, causal, rng)
+    runs = [cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, cfg=cfg) for _ in range(3)]
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
+    check_gradients(cp, cfg.dtype, q, k, v, dout, runs[0], None, causal=causal, context=f"{cfg} deterministic")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
@@ -295,7 +318,7 @@ def test_dq_frag_walks_many_tiles(d_head, rows, rng, monkeypatch):
         repeats_agree(cfg, 2, 1100, 1100, 32, 16, causal, rng)
 
 
-@pytest.mark.parametrize("d_head", D_HEADS)
+@pytest.mark.parametrize("d_head", D_HEADS + (256,))
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
 @pytest.mark.parametrize("causal", [False, True])
 def test_deterministic_is_correct_and_bit_identical(dtype, d_head, causal, rng):
@@ -322,11 +345,12 @@ def test_agrees_with_backward_sm80(causal, rng):
 
 def test_default_pick_is_backward_sm90(rng):
     """cfg=None runs backward_sm90's default on the H100 (same bits as the explicit config in
-    deterministic mode), and backward_sm80 where the Hopper family does not apply (d_head 256)."""
+    deterministic mode), and backward_sm80 where the Hopper family does not apply (a layout TMA
+    cannot read: k and v broadcast over the batch)."""
     from cupyflash.backward_api import _select, hopper_reason
     from cupyflash.interop import as_view
 
-    for d_head, causal in ((128, True), (128, False), (96, True), (96, False)):  # the defaults, each mask
+    for d_head, causal in ((128, True), (128, False), (96, True), (96, False), (256, True), (256, False)):
         q, k, v, dout, out, lse = _inputs(DType.BF16, d_head, 1, 300, 300, 2, 2, causal, rng)
         assert hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v")))) is None
         auto = cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
@@ -334,8 +358,11 @@ def test_default_pick_is_backward_sm90(rng):
                                       cfg=default_config(DType.BF16, d_head, causal))
         for a, b in zip(auto, explicit):
             assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all())
-    q, k, v, dout, out, lse = _inputs(DType.BF16, 256, 1, 200, 200, 2, 2, False, rng)
-    assert "d_head 256" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"))))
+    q, k, v, dout, _, _ = _inputs(DType.BF16, 256, 2, 200, 200, 2, 2, False, rng)
+    k, v = (cp.broadcast_to(x[:1], x.shape) for x in (k, v))
+    out, lse = cupyflash.forward(forward_default(DType.BF16, 256), q, k, v, return_lse=True)
+    assert "batch stride is 0" in hopper_reason(*(as_view(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"),
+                                                                             (v, "v"))))
     auto = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True)
     sm80 = cupyflash.backward(dout, q, k, v, out, lse, deterministic=True,
                               cfg=_select(DType.BF16, 256, 200, 200, q.device.id, False))

@@ -195,15 +195,21 @@ def test_replays_on_a_given_stream(rng):
     assert len(_PLANS) == 1
 
 
-@pytest.mark.parametrize("d_head", [128, 96, 256], ids=["d128", "d96", "d256-backward_sm80"])
+@pytest.mark.parametrize("d_head", [128, 96, 256, -256], ids=["d128", "d96", "d256", "d256-backward_sm80"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cfg_none_replays_its_call(rng, causal, d_head):
+def test_cfg_none_replays_its_call(rng, causal, d_head, monkeypatch):
     """Later calls with the first one's signature (new outputs, the current stream) replay its
     launch from parameter blocks packed once: the full path's bits (deterministic), zeros past the
     last sequence, new outputs each time; CuPy arrays and torch tensors each get their own replay.
-    d_head 256 takes backward_sm80 on every GPU."""
+    -256: d_head 256 with backward_sm90 taken out of cfg=None's d_heads (backward_sm80 on every GPU)."""
+    from cupyflash import backward_api
     from cupyflash.backward_varlen import _PLANS, clear
+    from cupyflash.device import compute_capability
 
+    sm80 = d_head < 0 or compute_capability(cp.cuda.runtime.getDevice()) != 90
+    if d_head < 0:
+        monkeypatch.setattr(backward_api, "AUTO_D_HEADS", ())
+        d_head = -d_head
     clear()
     dtype = DType.BF16
     arrays, hq, hk = _replay_problem(rng, [50, 0, 129], [70, 3, 129], causal, d_head)
@@ -215,7 +221,7 @@ def test_cfg_none_replays_its_call(rng, causal, d_head):
     first = call(*arrays)
     assert len(_PLANS) == 1
     (replay,) = _PLANS.values()  # its pointers go into blocks packed once (both families)
-    assert replay.packed is not None and (d_head == 256) == (type(replay.plan.cfg).__name__ == "BackwardKernelConfig")
+    assert replay.packed is not None and sm80 == (type(replay.plan.cfg).__name__ == "BackwardKernelConfig")
     for _ in range(2):
         stale = [poisoned(cp, dtype, x.shape) for x in (q, k, v)]
         del stale

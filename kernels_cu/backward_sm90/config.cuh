@@ -33,7 +33,14 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int LPT_L2_KIB = 16 << 10;
 
     static constexpr int WG_KEYS = 64;                 // keys of one consumer warpgroup (wgmma m64)
-    static constexpr int CONSUMERS = BC / WG_KEYS;
+    // d_head 256 (KV_SPLIT): 64 keys x 256 columns of dK and dV would be 256 registers per thread of
+    // one warpgroup, so two warpgroups share the CTA's 64 keys, each accumulating half of dK/dV's
+    // columns; each computes S^T and dP^T for half of the query block, and the whole P^T and dS^T
+    // tiles (the A operands of both warpgroups' dV, dK and dQ GEMMs) meet in shared memory.
+    static constexpr bool KV_SPLIT = D == 256;
+    static constexpr int CONSUMERS = KV_SPLIT ? 2 : BC / WG_KEYS;
+    static constexpr int DKV_N = KV_SPLIT ? D / 2 : D;       // dK/dV columns of one warpgroup
+    static constexpr int S_QUERIES = KV_SPLIT ? BR / 2 : BR;  // queries of one warpgroup's S^T, dP^T
     static constexpr int N_THREADS = 128 * (CONSUMERS + 1);  // + the producer warpgroup
     // The CTA keeps the registers it was launched with (168 x 384 = 64512; setmaxnreg moves them
     // between warpgroups, an increase waits until they are free): 40 x 128 + 232 x 256 = 64512.
@@ -55,6 +62,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int STAGE_BYTES = 2 * Q_BYTES;
     // One warpgroup's dS^T, [key][query]: a buffer holds BR / 64 query blocks of [B_c keys][128
     // bytes] (the warpgroups' keys contiguous in each, so one descriptor spans all B_c keys).
+    // KV_SPLIT: a buffer holds the shared dS^T tile (ds(buf, 0)) and P^T tile (ds(buf, 1)).
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
@@ -101,6 +109,8 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
+    static_assert(!KV_SPLIT || (BC == WG_KEYS && BR == 64 && DQ_SPLIT && !DQ_BULK && !DQ_TMA),
+                  "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns through atomics");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
     static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0),

@@ -1,6 +1,6 @@
 // Epilogue of one consumer warpgroup: dK * softmax_scale and dV (sums over every query head of
-// the GQA group) converted to 16-bit and stored from the accumulator layout, rows past seq_len_k
-// skipped. A lane quad holds a row's 32 columns of 4 n-tiles, 2 per lane and n-tile;
+// the GQA group; d_head 256: the warpgroup's half of the columns) converted to 16-bit and stored
+// from the accumulator layout, rows past seq_len_k skipped. A lane quad holds a row's 32 columns of 4 n-tiles, 2 per lane and n-tile;
 // quad_transpose gives every lane 8 consecutive columns, so one 16-byte store instruction of a
 // warp writes 64 contiguous bytes of each of its 8 rows. The 4-byte stores of the accumulator layout (four times the store instructions, 16 bytes
 // per row each) kept the consumers in the epilogue ~6 us per tile (NOTES.md item 153). The
@@ -23,10 +23,10 @@ struct BwdEpilogue {
             const int key = key0 + c.key_row(2 * h);
             const bool inside = key < seq.len_k;  // (the shuffles below need every lane)
 #pragma unroll
-            for (int g = 0; g < Cfg::D / 32; ++g) {
+            for (int g = 0; g < Cfg::DKV_N / 32; ++g) {
                 const uint4 k = quad_row_chunk<Cfg::dtype>(c.dk, g, 2 * h, p.softmax_scale, c.lane);
                 const uint4 v = quad_row_chunk<Cfg::dtype>(c.dv, g, 2 * h, 1.f, c.lane);
-                const int col = 32 * g + 8 * quad_lane;  // n-tile 4 g + quad_lane
+                const int col = c.dkv_col0() + 32 * g + 8 * quad_lane;  // n-tile 4 g + quad_lane of its columns
                 if (inside) {
                     st_global_16(dk + key * p.dk_seq_stride + col, k);
                     st_global_16(dv + key * p.dv_seq_stride + col, v);

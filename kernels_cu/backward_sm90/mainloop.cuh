@@ -17,13 +17,19 @@
 // With dq_tma the dQ block is staged in shared memory and a writer warp adds it with TMA tensor
 // reductions (dq_writer.cuh) instead of the red.global.add.v2 above.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
+// d_head 256 (Cfg::KV_SPLIT): both warpgroups hold the CTA's 64 keys; warpgroup w computes S^T and
+// dP^T for queries 32 w .. 32 w + 31 (N = 32), stores its halves of P^T and dS^T to shared
+// memory, and after a barrier of both runs dV += P^T dO, dK += dS^T Q for columns 128 w .. 128 w
+// + 127 (wgmma ss, A = P^T / dS^T from shared memory) and dQ for the same columns.
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BwdConsumer {
     using Seq = BwdSeq<Cfg::BR, VARLEN>;
-    static constexpr int NT = Cfg::BR / 8;        // n-tiles of S^T over the queries
-    static constexpr int QK = Cfg::BR / 16;       // k-steps over the queries (dV, dK)
+    static constexpr bool KV_SPLIT = Cfg::KV_SPLIT;
+    static constexpr int NT = Cfg::S_QUERIES / 8;   // n-tiles of this warpgroup's S^T over the queries
+    static constexpr int QK = Cfg::S_QUERIES / 16;  // k-steps over those queries (the A fragments of P^T, dS^T)
+    static constexpr int DKV_N = Cfg::DKV_N;        // dK/dV columns of this warpgroup
     static constexpr int DK = Cfg::D / 16;        // k-steps over d_head (S^T, dP^T)
     static constexpr bool DQ_SPLIT = Cfg::DQ_SPLIT;  // dQ by columns over the warpgroups
     static constexpr bool DQ_ROWS = Cfg::DQ_ROWS;    // ... by query rows; neither: by keys
@@ -39,21 +45,26 @@ struct BwdConsumer {
     const int it_base;   // ring position of the tile's first query block (persistent CTAs run on)
     const u32 kv_phase;  // parity of the tile's kv_full phase (tiles this CTA took before, mod 2)
 
-    float dk[Cfg::D / 8][4];
-    float dv[Cfg::D / 8][4];
+    float dk[DKV_N / 8][4];
+    float dv[DKV_N / 8][4];
 
     CF_DEVICE BwdConsumer(const HopperBackwardParams& params, BwdSmem<Cfg> layout, BwdSchedule s, int warpgroup,
                           int thread, int ring = 0, int tile_index = 0)
         : p(params), smem(layout), sched(s), wg(warpgroup), tid(thread), lane(thread & 31), warp(thread >> 5),
           it_base(ring), kv_phase((u32)tile_index & 1u) {
 #pragma unroll
-        for (int n = 0; n < Cfg::D / 8; ++n)
+        for (int n = 0; n < DKV_N / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
     }
 
     // Key index (inside the CTA's block) of accumulator element e of this thread.
-    CF_DEVICE int key_row(int e) const { return wg * Cfg::WG_KEYS + 16 * warp + (lane >> 2) + 8 * (e >> 1); }
+    CF_DEVICE int key_row(int e) const {
+        return (KV_SPLIT ? 0 : wg * Cfg::WG_KEYS) + 16 * warp + (lane >> 2) + 8 * (e >> 1);
+    }
+    // First query (inside the block) of this warpgroup's S^T and dP^T, and first dK/dV column.
+    CF_DEVICE int s_query0() const { return KV_SPLIT ? wg * Cfg::S_QUERIES : 0; }
+    CF_DEVICE int dkv_col0() const { return KV_SPLIT ? wg * DKV_N : 0; }
     CF_DEVICE static int query_col(int j, int e, int lane) { return 8 * j + 2 * (lane & 3) + (e & 1); }
 
     // ---- descriptors ----
@@ -65,8 +76,24 @@ struct BwdConsumer {
         return smem_descriptor_swizzled<Cfg::ROW_BYTES>(addr, leading_bytes, Cfg::CORE_GROUP_BYTES);
     }
     CF_DEVICE u64 kmajor_a(u32 tile, int k) const {  // K or V rows of this warpgroup, d-steps
-        return descriptor_advance(tile_descriptor(tile + warp_uniform(wg) * Cfg::WG_KEYS * Cfg::ROW_BYTES, 16),
+        const int key0 = KV_SPLIT ? 0 : warp_uniform(wg) * Cfg::WG_KEYS;
+        return descriptor_advance(tile_descriptor(tile + key0 * Cfg::ROW_BYTES, 16),
                                   (k / KSB) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % KSB));
+    }
+    // KV_SPLIT: Q or dO rows of this warpgroup's queries as the N = 32 operand of S^T / dP^T
+    // (32 rows on inside every column block: the 1024-byte swizzle phase is kept), d-steps.
+    CF_DEVICE u64 kmajor_b_half(u32 tile, int k) const {
+        return kmajor_b(tile + warp_uniform(wg) * Cfg::S_QUERIES * Cfg::ROW_BYTES, k);
+    }
+    // KV_SPLIT: P^T or dS^T [key][query] (128-byte rows of the 64 queries) as the K-major A operand of
+    // dV / dK (M = the 64 keys), query-steps.
+    CF_DEVICE static u64 pds_a(u32 tile, int k) {
+        return descriptor_advance(smem_descriptor_sw128(tile, 16, 8 * Cfg::DS_ROW_BYTES), 32 * k);
+    }
+    // KV_SPLIT: dO or Q columns of this warpgroup's half as the MN-major N = 128 operand (its two
+    // 64-column swizzle blocks), query-steps.
+    CF_DEVICE u64 mnmajor_b_half(u32 tile, int k) const {
+        return mnmajor_b_q(tile + (warp_uniform(wg) * DKV_N / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES, k);
     }
     CF_DEVICE static u64 kmajor_b(u32 tile, int k) {  // Q or dO as the N = B_r operand, d-steps
         return descriptor_advance(tile_descriptor(tile, 16), (k / KSB) * Cfg::BR * Cfg::ROW_BYTES + 32 * (k % KSB));
@@ -147,15 +174,23 @@ struct BwdConsumer {
                 min(sched.m_blocks, max(0, (last_key - causal_offset + Cfg::BR - 1) / Cfg::BR - sched.m_begin)));
             for (int head_start = 0; head_start < n; head_start += sched.m_blocks) {
                 int it = head_start;
-                for (; it < head_start + masked; ++it) block<true, KEY_TAIL>(it, key_base, causal_offset);
-                for (; it < head_start + sched.m_blocks; ++it) block<false, KEY_TAIL>(it, key_base, causal_offset);
+                for (; it < head_start + masked; ++it) step<true, KEY_TAIL>(it, key_base, causal_offset);
+                for (; it < head_start + sched.m_blocks; ++it) step<false, KEY_TAIL>(it, key_base, causal_offset);
             }
         } else {
-            for (int it = 0; it < n; ++it) block<CAUSAL, KEY_TAIL>(it, key_base, causal_offset);
+            for (int it = 0; it < n; ++it) step<CAUSAL, KEY_TAIL>(it, key_base, causal_offset);
         }
     }
 
     // Query block `it` of the walk (MASK: the causal diagonal's compares).
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void step(int it, int key_base, int causal_offset) {
+        if constexpr (KV_SPLIT)
+            block_kv_split<MASK, KEY_TAIL>(it, key_base, causal_offset);
+        else
+            block<MASK, KEY_TAIL>(it, key_base, causal_offset);
+    }
+
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void block(int it, int key_base, int causal_offset) {
         const int s = bwd_stage(it_base + it, Cfg::STAGES);
@@ -182,12 +217,7 @@ struct BwdConsumer {
         probabilities<MASK, KEY_TAIL>(st, s, key_base, q0, causal_offset);
         wgmma_wait<0>();
         fence_registers(dpt);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));  // dS^T
-        }
+        dscores(st, dpt, s);
         u32 pa[QK][4], dsa[QK][4];
         to_fragments(st, pa);
         to_fragments(dpt, dsa);
@@ -275,15 +305,7 @@ struct BwdConsumer {
                     named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
                 }
             } else {
-                float* acc = p.dq_accum +
-                             (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D +
-                             dq_col0();
-#pragma unroll
-                for (int j = 0; j < DQ_N / 8; ++j) {
-                    const int col = 8 * j + 2 * (lane & 3);
-                    red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
-                    red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
-                }
+                add_dq_atomic(dq, head, q0, row);
             }
             if constexpr (DK_AFTER_DQ) {
                 wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
@@ -293,11 +315,116 @@ struct BwdConsumer {
         }
     }
 
-    // This lane's lse2 pair of n-tile 0 in stage s (query_col(0, 0, lane)); n-tile j is 32 j bytes
-    // on, dvec STAT_BYTES on. Opaque, so that the compiler cannot see that the lane's offset and
-    // the tile's are disjoint bits and join them with an OR per load (14 LOP3 an iteration): as
-    // an add, each tile's offset is the load's immediate.
-    CF_DEVICE u32 stats_lane(int s) const { return opaque(smem.lse2(s) + 4 * query_col(0, 0, lane)); }
+    // Query block `it` with KV_SPLIT (d_head 256, the header's last paragraph).
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void block_kv_split(int it, int key_base, int causal_offset) {
+        const int s = bwd_stage(it_base + it, Cfg::STAGES);
+        const int head = sched.q_head(it);
+        const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
+
+        // S^T and dP^T: the 64 keys x this warpgroup's 32 queries
+        float st[NT][4], dpt[NT][4];
+        const BwdSmem<Cfg> kv{opaque(smem.base)};
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(st, kmajor_a(kv.k(), k), kmajor_b_half(smem.q(s), k), k > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b_half(smem.dout(s), k), k > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers(st);
+        probabilities<MASK, KEY_TAIL>(st, s, key_base, q0 + s_query0(), causal_offset);
+        wgmma_wait<0>();
+        fence_registers(dpt);
+        dscores(st, dpt, s);
+        u32 pa[QK][4], dsa[QK][4];
+        to_fragments(st, pa);
+        to_fragments(dpt, dsa);
+
+        // This warpgroup's query halves of dS^T and P^T into buffer buf (last read by the GEMMs
+        // of iteration it - 2, which both warpgroups completed before the barrier of it - 1).
+        const int buf = (it_base + it) & 1;
+        store_query_half(dsa, kv.ds(buf, 0));
+        store_query_half(pa, kv.ds(buf, 1));
+        fence_proxy_async_shared();
+        named_barrier_sync(DS_BARRIER, DS_THREADS);  // both warpgroups' halves are written
+
+        // dV += P^T dO and dK += dS^T Q over the block's 64 queries, this warpgroup's columns; then dQ
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < Cfg::BR / 16; ++k)
+            wgmma_ss<Cfg::dtype, DKV_N, 1>(dv, pds_a(kv.ds(buf, 1), k), mnmajor_b_half(smem.dout(s), k), 1);
+#pragma unroll
+        for (int k = 0; k < Cfg::BR / 16; ++k)
+            wgmma_ss<Cfg::dtype, DKV_N, 1>(dk, pds_a(kv.ds(buf, 0), k), mnmajor_b_half(smem.q(s), k), 1);
+        wgmma_commit();
+        if constexpr (DETERMINISTIC) {
+            wgmma_wait<0>();
+            fence_registers(dv);
+            fence_registers(dk);
+            release(s);
+        } else {
+            float dq[DQ_N / 8][4];
+#pragma unroll
+            for (int k = 0; k < DQ_STEPS; ++k)
+                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
+            wgmma_commit();
+            wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+            fence_registers(dv);
+            fence_registers(dk);
+            release(s);
+            wgmma_wait<0>();
+            fence_registers(dq);
+            add_dq_atomic(dq, head, q0, 16 * warp + (lane >> 2));
+        }
+    }
+
+    // dP^T -> dS^T in place: P^T * (dP^T - dvec[q]).
+    CF_DEVICE void dscores(const float (&pt)[NT][4], float (&dpt)[NT][4], int s) const {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[j][e] = pt[j][e] * (dpt[j][e] - ((e & 1) ? dvec.y : dvec.x));
+        }
+    }
+
+    // KV_SPLIT: this warpgroup's 64 keys x 32 queries of P^T or dS^T (A fragments) into the
+    // [key][query] tile at `tile` (128-byte rows, 128B-swizzled), query chunks 4 wg .. 4 wg + 3:
+    // one stmatrix.x4 per k-step, as store_ds.
+    CF_DEVICE void store_query_half(const u32 (&a)[QK][4], u32 tile) const {
+        const u32 t = opaque(tid);
+        const u32 r = t & 7, i = (t >> 3) & 3;
+        const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;
+        const u32 row = tile + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
+#pragma unroll
+        for (int k = 0; k < QK; ++k)
+            stmatrix_x4(row ^ (u32)(((4 * wg + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
+    }
+
+    // dQ of this warpgroup (rows dq_row0() + row, + 8; its DQ_N columns) added to the fp32
+    // dq_accum with red.global.add.v2 (the atomic dQ mode).
+    CF_DEVICE void add_dq_atomic(const float (&dq)[DQ_N / 8][4], int head, int q0, int row) const {
+        float* acc = p.dq_accum + (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D + dq_col0();
+#pragma unroll
+        for (int j = 0; j < DQ_N / 8; ++j) {
+            const int col = 8 * j + 2 * (lane & 3);
+            red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
+            red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
+        }
+    }
+
+    // This lane's lse2 pair of n-tile 0 of its warpgroup's queries in stage s (query_col(0, 0,
+    // lane), s_query0() on); n-tile j is 32 j bytes on, dvec STAT_BYTES on. Opaque, so that the
+    // compiler cannot see that the lane's offset and the tile's are disjoint bits and join them
+    // with an OR per load (14 LOP3 an iteration): as an add, each tile's offset is the load's immediate.
+    CF_DEVICE u32 stats_lane(int s) const {
+        return opaque(smem.lse2(s) + 4 * (s_query0() + query_col(0, 0, lane)));
+    }
 
     // dS^T of this warpgroup's keys into dS buffer `buf` (one stmatrix.x4 per k-step).
     CF_DEVICE void store_ds(const u32 (&dsa)[QK][4], int buf) const {

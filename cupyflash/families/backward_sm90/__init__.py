@@ -8,7 +8,7 @@ same fp32 workspaces and `BackwardParams` for the three kernels it reuses from b
 only the dK/dV kernel is new, with its own `HopperBackwardParams` (TMA descriptors first).
 
 `backward(cfg=None)` runs it where `pick_family("backward", cc)` prefers it (priority 1, compute
-capability 9.0) and the call suits it (d_head 64/96/128, TMA-readable layouts):
+capability 9.0) and the call suits it (d_head 64/96/128/256, TMA-readable layouts):
 `backward_api.hopper_reason` says why not otherwise, and backward_sm80 runs the call.
 """
 from __future__ import annotations

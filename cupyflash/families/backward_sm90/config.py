@@ -12,7 +12,8 @@ name expression and the short form, which names the family:
     backward_sm90(BF16, 64, 128, 128, 2): dq_tma+dq_mid
     backward_sm90(dtype, d_head, B_r, B_c, n_stages)[: KNOB+KNOB...]  (KNOBS, in that order)
 
-B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys),
+B_c keys per CTA (64 per consumer warpgroup: the wgmma m64 rows of S^T, dP^T, dK, dV are keys;
+at d_head 256 two warpgroups share 64 keys, see `kv_split`),
 B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. dQ = dS K
 is one wgmma m64 tile (64 query rows) per consumer warpgroup: with two warpgroups and B_r 128
 (d_head 64 only: the accumulator budget) each takes 64 of the rows over all B_c keys; with B_r 64
@@ -80,7 +81,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
          "dq_frag")  # the boolean fields after n_stages, short-form order
-D_HEADS = (64, 96, 128)      # dK and dV (d_head fp32 registers) stay in registers: d 256 would not fit
+D_HEADS = (64, 96, 128, 256)  # dK and dV stay in registers (d_head 256: half of the columns per warpgroup)
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
 STAGE_VALUES = (1, 2, 3)
@@ -132,6 +133,9 @@ class HopperBackwardKernelConfig(KernelConfig):
                "else half of the columns at d_head 128, else all of dQ over its own keys)",
                not self.dq_tma or self.B_c == 2 * WG_KEYS)
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
+        yield ("d_head 256 splits dK/dV's columns over two warpgroups that share 64 keys: B_r 64, B_c 64, fp32 atomics "
+               "for dQ (two 128-column halves of dQ; K, V and two Q/dO stages leave no room to stage them)",
+               self.d_head != 256 or (self.B_r == 64 and self.B_c == WG_KEYS and not (self.dq_bulk or self.dq_tma)))
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
         yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
                not self.pdl or self.dq_tma)
@@ -150,8 +154,16 @@ class HopperBackwardKernelConfig(KernelConfig):
 
     # ------------------------------------------------------------- resources
     @property
+    def kv_split(self) -> bool:
+        """d_head 256: two consumer warpgroups share the CTA's 64 keys and take half of dK/dV's
+        columns each (64 keys x 256 columns of dK and dV are 256 registers per thread of one
+        warpgroup); each computes S^T and dP^T for half of the query block, and P^T and dS^T meet
+        in shared memory."""
+        return self.d_head == 256
+
+    @property
     def consumer_warpgroups(self) -> int:
-        return self.B_c // WG_KEYS
+        return 2 if self.kv_split else self.B_c // WG_KEYS
 
     @property
     def n_threads(self) -> int:
@@ -172,6 +184,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         return self.d_head // 2 if split else self.d_head
 
     def accumulator_registers(self) -> int:
+        if self.kv_split:  # half of dK and dV, S^T and dP^T of half of the queries, half of dQ's columns
+            return self.d_head // 2 + max(self.B_r // 2, self.d_head // 4)
         return self.d_head + max(self.B_r, self.d_head // 2)
 
     def smem_bytes(self) -> int:
@@ -179,7 +193,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         kv = 2 * self.B_c * self.d_head * 2
         stage = 2 * self.B_r * self.d_head * 2  # Q and dO tiles (a multiple of 1024 bytes)
         stats = self.n_stages * 2 * self.B_r * 4  # lse2 and dvec rows of every stage, their own ring
-        ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2  # two alternating dS^T buffers
+        # two alternating buffers of a dS^T tile per warpgroup (kv_split: one P^T and one dS^T tile)
+        ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         if self.dq_tma:  # each warpgroup's share of the block's fp32 dQ, unpadded swizzled panels
             dq = self.consumer_warpgroups * self.dq_rows * self.dq_columns * 4

@@ -60,13 +60,21 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # causal call and rotate for long non-causal ones (LONG_CAUSAL_ROWS / LONG_NONCAUSAL_ROWS). H200
 # at the power cap, 3 rounds, 1k-16k: causal three stages +1-5% over two on all 10 rows; non-causal
 # rotate +1.5-4% at 8k-16k, level at 2k-4k; 1.5-1.9x backward_sm80's d96 default.
+# Since the thirty-third session (NOTES.md item 302) d_head 256 runs here too: two consumer
+# warpgroups share 64 keys and split dK/dV's columns (`kv_split`), P^T and dS^T meet in shared
+# memory, dQ by fp32 atomics (K, V and the Q/dO ring leave no room to stage it). H200 at the power
+# cap, bf16, 1k-16k, 2 rounds: 220-305 TFLOP/s, 1.17-1.30x SDPA flash and 1.24-1.28x
+# backward_sm80's pds pick; one stage level with two; `nomask` -1..-4% on the causal rows, so
+# d_head 256's causal calls go without it (NO_NOMASK_D_HEADS).
 CAUSAL_KNOBS = {"nomask": True}
+NO_NOMASK_D_HEADS = (256,)
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
              96: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                "dynamic": True, "dq_frag": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
-                                "dynamic": True, "dq_frag": True})}
+                                "dynamic": True, "dq_frag": True}),
+             256: (64, 64, 2, {})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
 # ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
@@ -116,6 +124,8 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
         except ValueError:
             continue
         out.append(cfg)
+        if cfg.kv_split:  # d_head 256 (fp32 atomics only): the causal walk's split
+            out += _with(cfg, nomask=True)
         if tma:  # the schedule knobs, on the dq_tma tile only (the set stays small)
             out += _with(cfg, dq_mid=True) + _with(cfg, nomask=True)
             if st == 2:  # the launch knobs on the dq_tma+dq_mid tile
@@ -144,7 +154,7 @@ def default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: in
         stages = 3
     if not causal and seq_len_q >= LONG_NONCAUSAL_ROWS.get(d_head, 1 << 62):
         knobs = {**knobs, "rotate": True, "dynamic": False}
-    if causal:
+    if causal and d_head not in NO_NOMASK_D_HEADS:
         knobs = {**knobs, **CAUSAL_KNOBS}
     return HopperBackwardKernelConfig(dtype, d_head, br, bc, stages, **knobs)
 
@@ -153,7 +163,7 @@ def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
     """(config, causal) of every call cfg=None makes: default_config over both masks, short and
     long calls. (A config is not launched with the other mask: `rotate` orders only non-causal
     walks, and its causal instance, never run, is the one ptxas serialises, C7512.)"""
-    return sorted({(default_config(dt, d, causal, rows), causal) for dt in DType for d in D_HEADS
+    return sorted({(default_config(dt, d, causal, rows), causal) for dt in DType for d in _DEFAULTS
                    for causal in (False, True)
                    for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
 
@@ -190,7 +200,7 @@ def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_le
 
 def varlen_default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
     """(config, causal) of every call backward_varlen's cfg=None makes, as default_launches."""
-    return sorted({(varlen_default_config(dt, d, causal, rows), causal) for dt in DType for d in D_HEADS
+    return sorted({(varlen_default_config(dt, d, causal, rows), causal) for dt in DType for d in _DEFAULTS
                    for causal in (False, True)
                    for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
 
