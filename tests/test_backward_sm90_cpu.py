@@ -83,14 +83,18 @@ def test_default_config_text():
     assert config_sets.default_config(DType.FP16, 64, False, 1 << 16) == d64
     defaults = config_sets.get_kernel_configs("defaults")
     assert len(defaults) == 20 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
-    # d_head 256: two warpgroups share 64 keys (kv_split), dQ by fp32 atomics, no nomask (item 302)
+    # d_head 256: two warpgroups share 64 keys (kv_split), one stage, dQ staged in fragment order
+    # for the writer warp, no nomask (items 302-303)
     d256 = config_sets.default_config(DType.BF16, 256, causal=True, seq_len_q=1 << 16)
     assert d256 == config_sets.default_config(DType.BF16, 256, causal=False)
-    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 2)" and d256.kv_split
+    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag" and d256.kv_split
     assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns, d256.accumulator_registers()) == (2, 64, 128, 192)
-    # K, V (32 KiB each) + 2 stages of Q, dO (64 KiB each) + two buffers of P^T and dS^T (8 KiB each)
-    # + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB: within the 227 KiB
-    assert d256.smem_bytes() == 2 * 32768 + 2 * 65536 + 2 * 2 * 8192 + 2 * 512 + 48 + 1024 <= 227 * 1024
+    # K, V (32 KiB each) + one stage of Q, dO (64 KiB) + two buffers of P^T and dS^T (8 KiB each) +
+    # both warpgroups' 64 x 128 fp32 dQ (64 KiB) + lse2, dvec (512 bytes) + barriers + 1 KiB: within the
+    # 227 KiB; a second stage would not fit beside the staged dQ
+    assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024 <= 227 * 1024
+    with pytest.raises(ValueError, match="shared memory"):
+        d256.replace(n_stages=2)
     # d_head 96: d_head 128's tile and knobs, three stages for every causal call
     assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, d_head=d, n_stages=3)
                                                         for dt in DType for d in (96, 128)}
@@ -114,7 +118,8 @@ def test_parse_rejects(text):
     ((DType.BF16, 80, 64, 128, 2), "d_head in"),
     ((DType.BF16, 96, 128, 128, 2), "accumulator registers"),
     ((DType.BF16, 256, 64, 128, 2), "d_head 256 splits dK/dV's columns"),   # two warpgroups share 64 keys
-    ((DType.BF16, 256, 64, 64, 2, False, True), "dq_tma needs"),
+    ((DType.BF16, 256, 64, 64, 2, False, True), "shared memory"),             # dq_tma: one stage only
+    ((DType.BF16, 256, 64, 64, 1, False, True, True), "d_head 256 splits"),   # no dq_mid
     ((DType.BF16, 256, 64, 64, 3), "shared memory"),
     ((DType.BF16, 128, 96, 128, 2), "B_r in"),
     ((DType.BF16, 128, 128, 128, 2), "accumulator registers"),
@@ -162,7 +167,7 @@ def test_dq_tma_short_form_and_smem():
     assert cfg.smem_bytes() - plain.smem_bytes() == 64 * 128 * 4  # two warpgroups' swizzled fp32 panels
     tma_cfgs = [c for c in config_sets.get_kernel_configs("all") if c.dq_tma and not c.dq_frag]
     assert {(c.d_head, c.B_r, c.B_c, c.n_stages) for c in tma_cfgs} == {
-        (d, 64, 128, st) for d in (64, 96, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2)}
+        (d, 64, 128, st) for d in (64, 96, 128) for st in (1, 2, 3)} | {(64, 128, 128, 1), (64, 128, 128, 2), (256, 64, 64, 1)}
     # per d_head with 64-row blocks: 2 dtypes x (3 stage counts x (plain, dq_mid, nomask) + the launch
     # knob sets on dq_mid: all at 2 stages; pdl+dq_early and the full set at 3; the block order knobs
     # at 2 and 3; the swizzled twins of the causal defaults, dq_mid+nomask: d_head 128 at 2 and 3
@@ -197,8 +202,9 @@ def test_dq_frag_short_form_rules_and_set():
     with pytest.raises(ValueError, match="dq_frag needs dq_tma and pdl"):
         HopperBackwardKernelConfig(DType.BF16, 128, 64, 128, 2, dq_frag=True)
     frag = [c for c in config_sets.get_kernel_configs("all") if c.dq_frag]
-    # every default but d_head 256's (dQ by atomics: no staging room) and their swizzled-panel twins
-    assert sorted(frag) == [c for c in config_sets.default_configs() if not c.kv_split]
+    # every default and d_head 256's knob combinations, and their swizzled-panel twins
+    assert set(frag) == set(config_sets.default_configs()) | {c for c in config_sets.get_kernel_configs("all")
+                                                               if c.kv_split and c.dq_frag}
     assert all(c.replace(dq_frag=False) in config_sets.get_kernel_configs("all") for c in frag)
 
 

@@ -109,8 +109,8 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
-    static_assert(!KV_SPLIT || (BC == WG_KEYS && BR == 64 && DQ_SPLIT && !DQ_BULK && !DQ_TMA),
-                  "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns through atomics");
+    static_assert(!KV_SPLIT || (BC == WG_KEYS && BR == 64 && DQ_SPLIT && !DQ_BULK && !DQ_MID),
+                  "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns (atomics or dq_tma)");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
     static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0),

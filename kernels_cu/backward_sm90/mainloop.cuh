@@ -80,10 +80,12 @@ struct BwdConsumer {
         return descriptor_advance(tile_descriptor(tile + key0 * Cfg::ROW_BYTES, 16),
                                   (k / KSB) * Cfg::BC * Cfg::ROW_BYTES + 32 * (k % KSB));
     }
-    // KV_SPLIT: Q or dO rows of this warpgroup's queries as the N = 32 operand of S^T / dP^T
-    // (32 rows on inside every column block: the 1024-byte swizzle phase is kept), d-steps.
-    CF_DEVICE u64 kmajor_b_half(u32 tile, int k) const {
-        return kmajor_b(tile + warp_uniform(wg) * Cfg::S_QUERIES * Cfg::ROW_BYTES, k);
+    // Q or dO rows of this warpgroup's queries as the N = S_QUERIES operand of S^T / dP^T, d-steps:
+    // all B_r rows, or with KV_SPLIT 32 rows on inside every column block (the 1024-byte swizzle
+    // phase is kept).
+    CF_DEVICE u64 kmajor_b_own(u32 tile, int k) const {
+        if constexpr (KV_SPLIT) return kmajor_b(tile + warp_uniform(wg) * Cfg::S_QUERIES * Cfg::ROW_BYTES, k);
+        else return kmajor_b(tile, k);
     }
     // KV_SPLIT: P^T or dS^T [key][query] (128-byte rows of the 64 queries) as the K-major A operand of
     // dV / dK (M = the 64 keys), query-steps.
@@ -202,22 +204,7 @@ struct BwdConsumer {
         // K and V descriptors derived here from an opaque copy of the shared base, not kept
         // across the loop (at the consumers' 232 registers ptxas spilled one of them)
         const BwdSmem<Cfg> kv{opaque(smem.base)};
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < DK; ++k)
-            wgmma_ss<Cfg::dtype, Cfg::BR, 0>(st, kmajor_a(kv.k(), k), kmajor_b(smem.q(s), k), k > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int k = 0; k < DK; ++k)
-            wgmma_ss<Cfg::dtype, Cfg::BR, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b(smem.dout(s), k), k > 0);
-        wgmma_commit();
-
-        wgmma_wait<1>();  // S^T is ready; dP^T may still run
-        fence_registers(st);
-        probabilities<MASK, KEY_TAIL>(st, s, key_base, q0, causal_offset);
-        wgmma_wait<0>();
-        fence_registers(dpt);
-        dscores(st, dpt, s);
+        score_tiles<MASK, KEY_TAIL>(st, dpt, kv, s, key_base, q0, causal_offset);
         u32 pa[QK][4], dsa[QK][4];
         to_fragments(st, pa);
         to_fragments(dpt, dsa);
@@ -278,35 +265,7 @@ struct BwdConsumer {
                 wgmma_wait<0>();
                 fence_registers(dq);
             }
-            const int row = 16 * warp + (lane >> 2);
-            if constexpr (Cfg::DQ_FRAG) {
-                stage_dq_fragments(dq);
-            } else if constexpr (Cfg::DQ_TMA) {
-                stage_dq_panels(dq, row);
-            } else if constexpr (Cfg::DQ_BULK) {
-                // Stage this half of dQ (the previous block's reductions finished reading the
-                // rows before this iteration's dS^T barrier), then the issuing warp adds the
-                // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
-#pragma unroll
-                for (int j = 0; j < DQ_N / 8; ++j) {
-                    const int col = dq_col0() + 8 * j + 2 * (lane & 3);
-                    st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
-                    st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
-                }
-                fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
-                if (issues_dq()) {
-                    named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
-                    float* dst = p.dq_accum +
-                                 (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
-                    bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
-                    bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
-                    bulk_commit_group();
-                } else {
-                    named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
-                }
-            } else {
-                add_dq_atomic(dq, head, q0, row);
-            }
+            hand_over_dq(dq, head, q0);
             if constexpr (DK_AFTER_DQ) {
                 wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
                 fence_registers(dk);
@@ -323,24 +282,10 @@ struct BwdConsumer {
         const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
 
-        // S^T and dP^T: the 64 keys x this warpgroup's 32 queries
+        // P^T and dS^T: the 64 keys x this warpgroup's 32 queries
         float st[NT][4], dpt[NT][4];
         const BwdSmem<Cfg> kv{opaque(smem.base)};
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < DK; ++k)
-            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(st, kmajor_a(kv.k(), k), kmajor_b_half(smem.q(s), k), k > 0);
-        wgmma_commit();
-#pragma unroll
-        for (int k = 0; k < DK; ++k)
-            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b_half(smem.dout(s), k), k > 0);
-        wgmma_commit();
-        wgmma_wait<1>();
-        fence_registers(st);
-        probabilities<MASK, KEY_TAIL>(st, s, key_base, q0 + s_query0(), causal_offset);
-        wgmma_wait<0>();
-        fence_registers(dpt);
-        dscores(st, dpt, s);
+        score_tiles<MASK, KEY_TAIL>(st, dpt, kv, s, key_base, q0, causal_offset);
         u32 pa[QK][4], dsa[QK][4];
         to_fragments(st, pa);
         to_fragments(dpt, dsa);
@@ -379,8 +324,31 @@ struct BwdConsumer {
             release(s);
             wgmma_wait<0>();
             fence_registers(dq);
-            add_dq_atomic(dq, head, q0, 16 * warp + (lane >> 2));
+            hand_over_dq(dq, head, q0);
         }
+    }
+
+    // S^T = K Q^T and dP^T = V dO^T for this warpgroup's keys and queries (s_query0() on), as two
+    // wgmma groups; then P^T in st (once S^T is ready, dP^T may still run) and dS^T in dpt.
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void score_tiles(float (&st)[NT][4], float (&dpt)[NT][4], BwdSmem<Cfg> kv, int s, int key_base, int q0,
+                               int causal_offset) {
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(st, kmajor_a(kv.k(), k), kmajor_b_own(smem.q(s), k), k > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int k = 0; k < DK; ++k)
+            wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(dpt, kmajor_a(kv.v(), k), kmajor_b_own(smem.dout(s), k), k > 0);
+        wgmma_commit();
+
+        wgmma_wait<1>();  // S^T is ready; dP^T may still run
+        fence_registers(st);
+        probabilities<MASK, KEY_TAIL>(st, s, key_base, q0 + s_query0(), causal_offset);
+        wgmma_wait<0>();
+        fence_registers(dpt);
+        dscores(st, dpt, s);
     }
 
     // dP^T -> dS^T in place: P^T * (dP^T - dvec[q]).
@@ -404,6 +372,41 @@ struct BwdConsumer {
 #pragma unroll
         for (int k = 0; k < QK; ++k)
             stmatrix_x4(row ^ (u32)(((4 * wg + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
+    }
+
+    // This warpgroup's dQ of the block (rows dq_row0() + 16 warp + lane / 4, + 8; its DQ_N columns)
+    // on to dq_accum: staged for the writer warp (dq_frag, dq_tma), staged and bulk-reduced by one
+    // consumer warp (dq_bulk), or added with red.global.add.v2 (the atomic mode).
+    CF_DEVICE void hand_over_dq(const float (&dq)[DQ_N / 8][4], int head, int q0) const {
+        const int row = 16 * warp + (lane >> 2);
+        if constexpr (Cfg::DQ_FRAG) {
+            stage_dq_fragments(dq);
+        } else if constexpr (Cfg::DQ_TMA) {
+            stage_dq_panels(dq, row);
+        } else if constexpr (Cfg::DQ_BULK) {
+            // Stage this half of dQ (the previous block's reductions finished reading the
+            // rows before this iteration's dS^T barrier), then the issuing warp adds the
+            // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
+#pragma unroll
+            for (int j = 0; j < DQ_N / 8; ++j) {
+                const int col = dq_col0() + 8 * j + 2 * (lane & 3);
+                st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
+                st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
+            }
+            fence_proxy_async_shared();  // the bulk reductions read it through the async proxy
+            if (issues_dq()) {
+                named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+                float* dst = p.dq_accum +
+                             (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
+                bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
+                bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
+                bulk_commit_group();
+            } else {
+                named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
+            }
+        } else {
+            add_dq_atomic(dq, head, q0, row);
+        }
     }
 
     // dQ of this warpgroup (rows dq_row0() + row, + 8; its DQ_N columns) added to the fp32

@@ -130,12 +130,12 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield ("dq_bulk needs two consumer warpgroups, d_head 128 and B_r 64 (each adds half of dQ's columns)",
                not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128 and self.B_r == 64))
         yield ("dq_tma needs two consumer warpgroups (each stages its share of dQ: half of the rows with B_r 128, "
-               "else half of the columns at d_head 128, else all of dQ over its own keys)",
-               not self.dq_tma or self.B_c == 2 * WG_KEYS)
+               "else half of the columns at d_head 128 and 256, else all of dQ over its own keys)",
+               not self.dq_tma or self.consumer_warpgroups == 2)
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
-        yield ("d_head 256 splits dK/dV's columns over two warpgroups that share 64 keys: B_r 64, B_c 64, fp32 atomics "
-               "for dQ (two 128-column halves of dQ; K, V and two Q/dO stages leave no room to stage them)",
-               self.d_head != 256 or (self.B_r == 64 and self.B_c == WG_KEYS and not (self.dq_bulk or self.dq_tma)))
+        yield ("d_head 256 splits dK/dV's columns over two warpgroups that share 64 keys: B_r 64, B_c 64, dQ by fp32 "
+               "atomics or dq_tma (two 128-column halves), not dq_bulk or dq_mid",
+               self.d_head != 256 or (self.B_r == 64 and self.B_c == WG_KEYS and not (self.dq_bulk or self.dq_mid)))
         yield "dq_mid needs dq_tma (the order is measured and tested there)", not self.dq_mid or self.dq_tma
         yield ("pdl needs dq_tma (the consumers then touch no workspace the preprocess writes)",
                not self.pdl or self.dq_tma)

@@ -60,12 +60,14 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # causal call and rotate for long non-causal ones (LONG_CAUSAL_ROWS / LONG_NONCAUSAL_ROWS). H200
 # at the power cap, 3 rounds, 1k-16k: causal three stages +1-5% over two on all 10 rows; non-causal
 # rotate +1.5-4% at 8k-16k, level at 2k-4k; 1.5-1.9x backward_sm80's d96 default.
-# Since the thirty-third session (NOTES.md item 302) d_head 256 runs here too: two consumer
+# Since the thirty-third session (NOTES.md items 302-303) d_head 256 runs here too: two consumer
 # warpgroups share 64 keys and split dK/dV's columns (`kv_split`), P^T and dS^T meet in shared
-# memory, dQ by fp32 atomics (K, V and the Q/dO ring leave no room to stage it). H200 at the power
-# cap, bf16, 1k-16k, 2 rounds: 220-305 TFLOP/s, 1.17-1.30x SDPA flash and 1.24-1.28x
-# backward_sm80's pds pick; one stage level with two; `nomask` -1..-4% on the causal rows, so
-# d_head 256's causal calls go without it (NO_NOMASK_D_HEADS).
+# memory. With dQ by fp32 atomics (two stages) it ran 220-305 TFLOP/s on the H200 at the power cap
+# (bf16, 1k-16k), 1.24-1.28x backward_sm80's pds pick; one stage ran level with two, and one stage
+# leaves the 64 KiB that dq_tma stages dQ in: dq_tma+pdl+dq_frag 284-452, +35-50% over the atomics
+# and 1.14-1.25x cuDNN (persistent+dynamic level, persistent alone 0.66-0.8x causal). `nomask`
+# measured -1..-4% on the causal rows (atomic kernel), so d_head 256's causal calls go without it
+# (NO_NOMASK_D_HEADS).
 CAUSAL_KNOBS = {"nomask": True}
 NO_NOMASK_D_HEADS = (256,)
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
@@ -74,7 +76,7 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
                                "dynamic": True, "dq_frag": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
-             256: (64, 64, 2, {})}
+             256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
 # ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
@@ -124,8 +126,10 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
         except ValueError:
             continue
         out.append(cfg)
-        if cfg.kv_split:  # d_head 256 (fp32 atomics only): the causal walk's split
+        if cfg.kv_split:  # d_head 256: the causal walk's split; with dq_tma (one stage) the launch knobs
             out += _with(cfg, nomask=True)
+            if tma:
+                out += [c for knobs in KV_SPLIT_KNOB_SETS for c in _with(cfg, **knobs)]
         if tma:  # the schedule knobs, on the dq_tma tile only (the set stays small)
             out += _with(cfg, dq_mid=True) + _with(cfg, nomask=True)
             if st == 2:  # the launch knobs on the dq_tma+dq_mid tile
@@ -138,6 +142,7 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
                 out += [c for knobs in B_R128_KNOB_SETS for c in _with(cfg, dq_mid=True, **knobs)]
     # (dq_frag: in no other set; their swizzled-panel twins, most above, the causal ones' here)
     out += default_configs() + [c.replace(dq_frag=False) for c in default_configs()]
+    out += [c.replace(dq_frag=False) for c in out if c.kv_split and c.dq_frag]
     return sorted(set(out))
 
 
@@ -167,6 +172,13 @@ def default_launches() -> list[tuple[HopperBackwardKernelConfig, bool]]:
                    for causal in (False, True)
                    for rows in (0, LONG_CAUSAL_ROWS.get(d, 0), LONG_NONCAUSAL_ROWS.get(d, 0))})
 
+
+# d_head 256 with dq_tma (one stage: the staged dQ takes the second stage's 64 KiB): the launch knobs
+# and dq_frag, as the other head dims' defaults combine them.
+KV_SPLIT_KNOB_SETS = ({"pdl": True}, {"pdl": True, "dq_early": True}, {"pdl": True, "dq_frag": True},
+                      {"pdl": True, "dq_early": True, "dq_frag": True},
+                      {"pdl": True, "dq_early": True, "persistent": True, "dq_frag": True},
+                      {"pdl": True, "dq_early": True, "persistent": True, "dynamic": True, "dq_frag": True})
 
 # backward_varlen's exceptions to default_config (the varlen kernels read each tile's sequence
 # from cu_seqlens; their tiles cover the longest sequence for every sequence, so tiles differ in
@@ -219,10 +231,14 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
     (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic, + dq_frag,
     + nomask (the causal default); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ
-    split by rows), + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag, + nomask."""
+    split by rows), + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag, + nomask; at d_head
+    256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
+    if last.kv_split:  # d_head 256: the atomic kernel (two stages), + dq_tma (one stage), + pdl+dq_frag
+        return [last.replace(n_stages=2, dq_tma=False, pdl=False, dq_frag=False), last.replace(pdl=False, dq_frag=False),
+                last]
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
