@@ -62,7 +62,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int STAGE_BYTES = 2 * Q_BYTES;
     // One warpgroup's dS^T, [key][query]: a buffer holds BR / 64 query blocks of [B_c keys][128
     // bytes] (the warpgroups' keys contiguous in each, so one descriptor spans all B_c keys).
-    // KV_SPLIT: a buffer holds the shared dS^T tile (ds(buf, 0)) and P^T tile (ds(buf, 1)).
+    // KV_SPLIT: a buffer holds the shared dS^T tile and the P^T tile (BwdSmem::ds_shared, pt).
     static constexpr int DS_BYTES = WG_KEYS * BR * 2;
     static constexpr int DS_BUFFERS = 2;               // alternating per iteration (one barrier each)
     static constexpr int DQ_STRIDE = D + 8;            // floats per staged dQ row: rows 8 banks apart
@@ -144,6 +144,9 @@ struct BwdSmem {
     CF_DEVICE u32 ds(int buf, int wg) const {
         return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS * (Cfg::BR / 64) + wg) * (Cfg::WG_KEYS * Cfg::DS_ROW_BYTES);
     }
+    // KV_SPLIT: buffer buf's dS^T and P^T tiles, [64 keys][64 queries], both warpgroups' halves
+    CF_DEVICE u32 ds_shared(int buf) const { return ds(buf, 0); }
+    CF_DEVICE u32 pt(int buf) const { return ds(buf, 1); }
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
     // dq_tma: panel `panel` of consumer warpgroup `wg`.
     CF_DEVICE u32 dq_panel(int wg, int panel) const {

@@ -293,8 +293,8 @@ struct BwdConsumer {
         // This warpgroup's query halves of dS^T and P^T into buffer buf (last read by the GEMMs
         // of iteration it - 2, which both warpgroups completed before the barrier of it - 1).
         const int buf = (it_base + it) & 1;
-        store_query_half(dsa, kv.ds(buf, 0));
-        store_query_half(pa, kv.ds(buf, 1));
+        store_query_half(dsa, kv.ds_shared(buf));
+        store_query_half(pa, kv.pt(buf));
         fence_proxy_async_shared();
         named_barrier_sync(DS_BARRIER, DS_THREADS);  // both warpgroups' halves are written
 
@@ -302,10 +302,10 @@ struct BwdConsumer {
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < Cfg::BR / 16; ++k)
-            wgmma_ss<Cfg::dtype, DKV_N, 1>(dv, pds_a(kv.ds(buf, 1), k), mnmajor_b_half(smem.dout(s), k), 1);
+            wgmma_ss<Cfg::dtype, DKV_N, 1>(dv, pds_a(kv.pt(buf), k), mnmajor_b_half(smem.dout(s), k), 1);
 #pragma unroll
         for (int k = 0; k < Cfg::BR / 16; ++k)
-            wgmma_ss<Cfg::dtype, DKV_N, 1>(dk, pds_a(kv.ds(buf, 0), k), mnmajor_b_half(smem.q(s), k), 1);
+            wgmma_ss<Cfg::dtype, DKV_N, 1>(dk, pds_a(kv.ds_shared(buf), k), mnmajor_b_half(smem.q(s), k), 1);
         wgmma_commit();
         if constexpr (DETERMINISTIC) {
             wgmma_wait<0>();
@@ -316,7 +316,7 @@ struct BwdConsumer {
             float dq[DQ_N / 8][4];
 #pragma unroll
             for (int k = 0; k < DQ_STEPS; ++k)
-                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
+                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds_shared(buf), k), mnmajor_b_k(kv.k(), k), k > 0);
             wgmma_commit();
             wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
             fence_registers(dv);
