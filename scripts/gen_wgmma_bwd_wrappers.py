@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gen_wgmma_wrappers import DTYPES, _outputs, _regs, write_or_check  # noqa: E402
 
-N_VALUES = (64, 96, 128)  # head dimensions of the backward family
+N_VALUES = (32, 64, 96, 128)  # dQ columns of a warpgroup (d_head 96 with dq_colsplit: 64 and 32)
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "backward_sm90" / "wgmma_tt.cuh"
 
 PREAMBLE = """\

@@ -59,7 +59,7 @@ def test_default_config_text():
     d64 = config_sets.default_config(DType.FP16, 64, causal=False)
     assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"
     # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
-    assert (d64.dq_rows, d64.dq_columns, cfg.dq_rows, cfg.dq_columns) == (64, 64, 64, 64)
+    assert (d64.dq_rows, d64.dq_columns(0), cfg.dq_rows, cfg.dq_columns(1)) == (64, 64, 64, 64)
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
     assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
@@ -88,19 +88,22 @@ def test_default_config_text():
     d256 = config_sets.default_config(DType.BF16, 256, causal=True, seq_len_q=1 << 16)
     assert d256 == config_sets.default_config(DType.BF16, 256, causal=False)
     assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag" and d256.kv_split
-    assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns, d256.accumulator_registers()) == (2, 64, 128, 192)
+    assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns(1), d256.accumulator_registers()) == (2, 64, 128, 192)
     # K, V (32 KiB each) + one stage of Q, dO (64 KiB) + two buffers of P^T and dS^T (8 KiB each) +
     # both warpgroups' 64 x 128 fp32 dQ (64 KiB) + lse2, dvec (512 bytes) + barriers + 1 KiB: within the
     # 227 KiB; a second stage would not fit beside the staged dQ
     assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024 <= 227 * 1024
     with pytest.raises(ValueError, match="shared memory"):
         d256.replace(n_stages=2)
-    # d_head 96: d_head 128's tile and knobs, three stages for every causal call
-    assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, d_head=d, n_stages=3)
+    # d_head 96: d_head 128's tile and knobs with dQ's columns split 64 + 32 (item 308), three stages
+    # for every causal call
+    assert {c for c in defaults if c.n_stages == 3} == {causal.replace(dtype=dt, d_head=d, n_stages=3, dq_colsplit=d == 96)
                                                         for dt in DType for d in (96, 128)}
-    assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt, d_head=d) for dt in DType for d in (96, 128)}
-    assert config_sets.default_config(DType.BF16, 96, False) == cfg.replace(d_head=96)
-    assert config_sets.default_config(DType.BF16, 96, True) == causal.replace(d_head=96, n_stages=3)
+    assert all(c.dq_colsplit == (c.d_head == 96) for c in defaults)
+    assert {c for c in defaults if c.rotate} == {long_nc.replace(dtype=dt, d_head=d, dq_colsplit=d == 96)
+                                                 for dt in DType for d in (96, 128)}
+    assert config_sets.default_config(DType.BF16, 96, False) == cfg.replace(d_head=96, dq_colsplit=True)
+    assert config_sets.default_config(DType.BF16, 96, True) == causal.replace(d_head=96, n_stages=3, dq_colsplit=True)
     prog = config_sets.progression_configs()
     assert prog[-1] == causal and not prog[0].rotate and not prog[0].dq_tma
     prog64 = config_sets.progression_configs(DType.BF16, 64)
@@ -173,11 +176,11 @@ def test_dq_tma_short_form_and_smem():
     # at 2 and 3; the swizzled twins of the causal defaults, dq_mid+nomask: d_head 128 at 2 and 3
     # stages, d_head 96 at 3)
     for d, twins in ((64, 0), (96, 1), (128, 2)):
-        assert len([c for c in tma_cfgs if c.d_head == d and c.B_r == 64]) == 2 * (
+        assert len([c for c in tma_cfgs if c.d_head == d and c.B_r == 64 and not c.dq_colsplit]) == 2 * (
             3 * 3 + len(config_sets.LAUNCH_KNOB_SETS) + 2 + 2 * len(config_sets.ORDER_KNOB_SETS) + twins)
     # d_head 96: 64-byte swizzled tiles; each warpgroup stages all 96 dQ columns (three panels)
     d96 = cfg.replace(d_head=96)
-    assert (d96.dq_rows, d96.dq_columns) == (64, 96)
+    assert (d96.dq_rows, d96.dq_columns(0), d96.dq_columns(1)) == (64, 96, 96)
     assert d96.smem_bytes() - d96.replace(dq_tma=False).smem_bytes() == 2 * 64 * 96 * 4
     # 128-row blocks (d_head 64, two stages at most): plain, dq_mid, nomask at 1 and 2 stages, the
     # launch knob sets without dq_early (lpt, pdl) and B_R128_KNOB_SETS at 2, the causal default's twin
@@ -192,6 +195,26 @@ def test_dq_tma_short_form_and_smem():
             HopperBackwardKernelConfig.parse(f"backward_sm90(BF16, 128, 64, 128, 2): {bad}")
 
 
+def test_dq_colsplit_short_form_rules_columns_and_set():
+    """d_head 96's dQ split by columns, 64 + 32 (each warpgroup over all keys): only there, its
+    staged dQ half of the by-keys layout's, and a twin of every such config in `all`."""
+    cfg = config_sets.default_config(DType.BF16, 96, causal=False)
+    base = cfg.replace(dq_colsplit=False)
+    assert cfg.short_form().endswith("+dq_frag+dq_colsplit")
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    assert (base.dq_split, cfg.dq_split) == (False, True)
+    assert [cfg.dq_columns(w) for w in (0, 1)] == [64, 32] and [base.dq_columns(w) for w in (0, 1)] == [96, 96]
+    assert base.smem_bytes() - cfg.smem_bytes() == 64 * 96 * 4  # 64 x (96 + 96) fp32 staged against 64 x (64 + 32)
+    for bad in (dict(d_head=128), dict(d_head=64), dict(B_c=64, dq_tma=False, dq_mid=False, pdl=False, dq_early=False,
+                                                           persistent=False, dynamic=False, dq_frag=False)):
+        with pytest.raises(ValueError, match="dq_colsplit needs d_head 96, B_r 64 and two consumer warpgroups"):
+            cfg.replace(**bad)
+    everything = config_sets.get_kernel_configs("all")
+    d96 = [c for c in everything if c.d_head == 96 and c.consumer_warpgroups == 2 and not c.dq_colsplit]
+    assert d96 and all(c.replace(dq_colsplit=True) in everything for c in d96)
+    assert all(c.d_head == 96 for c in everything if c.dq_colsplit)
+
+
 def test_dq_frag_short_form_rules_and_set():
     cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
@@ -202,9 +225,11 @@ def test_dq_frag_short_form_rules_and_set():
     with pytest.raises(ValueError, match="dq_frag needs dq_tma and pdl"):
         HopperBackwardKernelConfig(DType.BF16, 128, 64, 128, 2, dq_frag=True)
     frag = [c for c in config_sets.get_kernel_configs("all") if c.dq_frag]
-    # every default and d_head 256's knob combinations, and their swizzled-panel twins
-    assert set(frag) == set(config_sets.default_configs()) | {c for c in config_sets.get_kernel_configs("all")
-                                                               if c.kv_split and c.dq_frag}
+    # every default and d_head 256's knob combinations, d_head 96's with and without dq_colsplit,
+    # and their swizzled-panel twins
+    defaults = set(config_sets.default_configs())
+    assert set(frag) == defaults | {c.replace(dq_colsplit=not c.dq_colsplit) for c in defaults if c.d_head == 96} | {
+        c for c in config_sets.get_kernel_configs("all") if c.kv_split and c.dq_frag}
     assert all(c.replace(dq_frag=False) in config_sets.get_kernel_configs("all") for c in frag)
 
 
@@ -222,6 +247,10 @@ def test_config_sets():
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid", "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic",
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag",
         "FP16, 64, 128, 128, 2): dq_tma+dq_mid+nomask+lpt+pdl+persistent+dynamic+dq_frag"]
+    prog96 = [c.short_form().partition(": ")[2] for c in config_sets.progression_configs(DType.BF16, 96)]
+    assert prog96[-3:] == ["dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag",
+                           "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag+dq_colsplit",
+                           "dq_tma+dq_mid+nomask+pdl+dq_early+persistent+dynamic+dq_frag+dq_colsplit"]
     with pytest.raises(ValueError, match="KERNELS"):
         config_sets.get_kernel_configs("nope")
     with pytest.raises(ValueError, match="^q: d_head 80"):
@@ -302,7 +331,7 @@ def test_name_expressions(causal, deterministic, varlen):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = "".join(f", {'true' if f else 'false'}" for f in (causal, deterministic, varlen)) + ">"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false}>"
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false}>"
                              + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:

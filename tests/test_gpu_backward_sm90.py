@@ -39,6 +39,10 @@ ALL = get_kernel_configs("all")
 DEFAULTS = get_kernel_configs("defaults")
 # d_head 256: two warpgroups share 64 keys, each with half of dK/dV's columns (no default yet)
 KV_SPLIT = [c for c in ALL if c.kv_split]
+# d_head 96 with dQ's columns split 64 + 32 (dq_colsplit): every d_head 96 default (both masks,
+# three stages for causal calls, rotate for long non-causal ones) and its twin with the other setting
+COLSPLIT = sorted({c.replace(dq_colsplit=not c.dq_colsplit) for c in DEFAULTS if c.d_head == 96}
+                  | {c for c in DEFAULTS if c.d_head == 96})
 FIGURES: list[dict] = []
 
 
@@ -82,7 +86,7 @@ def prewarmed_cache():
     dense = [v for v in BACKWARD_SM90.all_variants()  # dense calls (varlen: its own module)
              if v == BACKWARD_SM90.variant(causal=v[0], deterministic=v[1])]
     prewarm_groups((ALL, ["sm_90a"], dict(variants=[BACKWARD_SM90.variant()])),
-                   (DEFAULTS + bulk + launch + KV_SPLIT, ["sm_90a"], dict(variants=dense)),
+                   (sorted(set(DEFAULTS + bulk + launch + KV_SPLIT + COLSPLIT)), ["sm_90a"], dict(variants=dense)),
                    ([forward_default(dt, d) for dt in DType for d in D_HEADS + (256,)], [this_arch(cp)],
                     dict(causal=(False, True))))
     yield
@@ -194,6 +198,24 @@ def test_kv_split_shapes(cfg, case, rng):
     the matrix (tails, S_q != S_k, MQA/GQA, causal rows without keys), one and two stages."""
     batch, sq, sk, h, hk, causal = case
     run_case(cfg, batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))
+@pytest.mark.parametrize("cfg", [c for c in COLSPLIT if c.dq_colsplit], ids=str)
+def test_dq_colsplit_shapes(cfg, case, rng):
+    """d_head 96 with dQ by columns (64 + 32, each warpgroup over all 128 keys, uneven dQ GEMMs
+    and staged parts): every shape of the matrix on each such default twin."""
+    batch, sq, sk, h, hk, causal = case
+    run_case(cfg, batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("cfg", COLSPLIT, ids=str)
+def test_d96_defaults_walk_many_tiles(cfg, rng, monkeypatch):
+    """d_head 96's defaults and their dq_colsplit twins: three CTAs walk all tiles (every
+    barrier phase wraps), and repeated calls agree."""
+    walk_on_three_ctas(cfg, rng, monkeypatch)
+    repeats_agree(cfg, 2, 1100, 1100, 32, 16, True, rng)
+    repeats_agree(cfg, 2, 1100, 1100, 32, 16, False, rng)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -46,7 +46,8 @@ def prewarmed_cache():
         from cupyflash.families.backward_sm90 import BACKWARD_SM90
 
         hopper = sorted({family_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
-                         for d in (64, 128) for c in (False, True) for s in (1, 1500)}, key=str)
+                         for d in (64, 128) for c in (False, True) for s in (1, 1500)}
+                        | set(d96_configs()), key=str)
         groups.append((hopper, ["sm_90a"], dict(variants=BACKWARD_SM90.all_variants())))
     prewarm_groups(*groups)
 
@@ -293,6 +294,35 @@ def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, family, causal,
                                              deterministic=True, cfg=cfg)
     for name, a, b in zip(("dq", "dk", "dv"), dense, packed_grads):
         assert bool((a.reshape(b.shape).view(cp.uint16) == b.view(cp.uint16)).all()), name
+
+
+def d96_configs():
+    """backward_varlen's d_head 96 picks on Hopper (bf16, both masks, short and long calls) and
+    their twins with the other dq_colsplit setting (dQ's columns 64 + 32 over the warpgroups)."""
+    from cupyflash.families.backward_sm90.config_sets import varlen_default_config
+
+    picks = {varlen_default_config(DType.BF16, 96, c, s) for c in (False, True) for s in (1, 1500, 8192)}
+    return sorted(picks | {c.replace(dq_colsplit=not c.dq_colsplit) for c in picks}, key=str)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("colsplit", [False, True], ids=["by_keys", "dq_colsplit"])
+def test_hopper_d96_ragged_batches(rng, causal, colsplit):
+    """d_head 96 on the Hopper family, dQ by keys and by columns (dq_colsplit): the ragged
+    batches above and one with more tiles than SMs, GQA 4."""
+    from cupyflash.device import compute_capability
+    from cupyflash.families.backward_sm90.config_sets import varlen_default_config
+
+    if compute_capability(cp.cuda.runtime.getDevice()) != 90:
+        pytest.skip("backward_sm90 needs an sm_90 GPU")
+    for lens_q, lens_k in RAGGED + [([1, 700, 64, 1000, 0, 333, 129, 1500],) * 2]:
+        max_q, max_k = max(lens_q), max(lens_k)
+        cfg = varlen_default_config(DType.BF16, 96, causal, max_q).replace(dq_colsplit=colsplit)
+        q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens_q, lens_k, 16, 4, 96)
+        out, lse = forward(q, k, v, cu_q, cu_k, max_q, max_k, causal)
+        dout = random_inputs(cp, DType.BF16, q.shape, rng)
+        grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, cfg=cfg)
+        check_per_sequence(DType.BF16, q, k, v, dout, grads, hq, hk, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])

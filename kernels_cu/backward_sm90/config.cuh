@@ -69,22 +69,31 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // How dQ's GEMM (M = queries, one wgmma m64 tile per warpgroup) is shared by two warpgroups,
     // each reading every warpgroup's dS^T (so every dQ element is added once per CTA): by query
     // rows when the block has 128 (DQ_ROWS: warpgroup w takes rows 64 w ..), else by columns when
-    // each half is a whole 64-column swizzle block of K (DQ_SPLIT, d_head 128); otherwise by keys
-    // (each warpgroup its own dS^T, all columns: every dQ element is added twice per CTA).
+    // each part is made of whole swizzle blocks of K (DQ_SPLIT: halves at d_head 128 and 256, 64 +
+    // 32 at d_head 96 with dq_colsplit); otherwise by keys (each warpgroup its own dS^T, all
+    // columns: every dQ element is added twice per CTA).
     static constexpr bool DQ_ROWS = CONSUMERS == 2 && BR == 2 * WG_KEYS;
-    static constexpr bool DQ_SPLIT = CONSUMERS == 2 && D >= 128 && !DQ_ROWS;
+    static constexpr bool DQ_SPLIT = CONSUMERS == 2 && !DQ_ROWS && (D >= 128 || C.dq_colsplit);
     static constexpr bool DS_SHARED = DQ_ROWS || DQ_SPLIT;  // one dS^T barrier for both warpgroups
     static constexpr int DQ_M = DQ_ROWS ? BR / 2 : BR;      // dQ rows of one warpgroup
-    static constexpr int DQ_N = DQ_SPLIT ? D / 2 : D;       // dQ columns of one warpgroup
-    // dq_frag's parts of a 64-row dq_accum block, one warpgroup's DQ_M x DQ_N share each
-    // (dq_block_counter's comment has the layout)
-    static constexpr int DQ_PART_ROWS = 64, DQ_PART_COLS = DQ_N, DQ_PART_FLOATS = DQ_PART_ROWS * DQ_PART_COLS;
-    // dq_tma: per warpgroup, its DQ_M x DQ_N share of the block's dQ as panels of [DQ_M rows][32
+    // dQ columns of warpgroup 0 (the widest) and 1, of warpgroup w and its first (cupyflash's dq_columns)
+    static constexpr int DQ_N = !DQ_SPLIT ? D : D == 96 ? 64 : D / 2;
+    static constexpr int DQ_N1 = !DQ_SPLIT ? D : D == 96 ? 32 : D / 2;
+    static constexpr bool DQ_UNEVEN = DQ_N1 != DQ_N;  // (the consumers' dQ code compiled per warpgroup)
+    __host__ __device__ static constexpr int dq_cols(int w) { return w == 0 ? DQ_N : DQ_N1; }
+    __host__ __device__ static constexpr int dq_col0(int w) { return DQ_SPLIT ? w * DQ_N : 0; }
+    // dq_frag: a 64-row dq_accum block in fragment order (dq_block_counter's comment has the
+    // layout); warpgroup w's DQ_M x dq_cols(w) share is the n-tiles from dq_col0(w) / 8 on
+    static constexpr int DQ_PART_ROWS = 64;
+    // dq_tma: per warpgroup, its DQ_M x dq_cols(w) share of the block's dQ as panels of [DQ_M rows][32
     // fp32] (128 bytes a row, 128B-swizzled as the TMA map reads them, 1024-byte aligned).
     static constexpr int DQ_PANEL_COLS = 32;
     static constexpr int DQ_PANEL_BYTES = DQ_M * DQ_PANEL_COLS * 4;
-    static constexpr int DQ_PANELS = DQ_N / DQ_PANEL_COLS;  // of one warpgroup
-    static constexpr int DQ_BYTES = DQ_BULK ? BR * DQ_STRIDE * 4 : DQ_TMA ? CONSUMERS * DQ_PANELS * DQ_PANEL_BYTES : 0;
+    __host__ __device__ static constexpr int dq_panels(int w) { return dq_cols(w) / DQ_PANEL_COLS; }  // of warpgroup w
+    __host__ __device__ static constexpr int dq_panel0(int w) { return w * (DQ_N / DQ_PANEL_COLS); }  // its first (w 0, 1)
+    static constexpr int DQ_BYTES = DQ_BULK  ? BR * DQ_STRIDE * 4
+                                    : DQ_TMA ? (DQ_N + (CONSUMERS == 2 ? DQ_N1 : 0)) / DQ_PANEL_COLS * DQ_PANEL_BYTES
+                                             : 0;
     // Named barrier (0 is __syncthreads; the consumers' dS^T barriers are 1 and 2): the staged dQ
     // is complete (every consumer arrives, the issuing warp waits).
     static constexpr int DQ_FULL_BARRIER = 3;
@@ -113,8 +122,9 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
                   "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns (atomics or dq_tma)");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
-    static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0),
+    static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0 && DQ_N1 % DQ_PANEL_COLS == 0),
                   "dq_tma: two warpgroups, each staging whole 32-column panels (d_head 128: half of dQ's columns)");
+    static_assert(!C.dq_colsplit || (D == 96 && BR == 64 && CONSUMERS == 2), "dq_colsplit: d_head 96, 64 + 32 columns");
     static_assert(!(DQ_BULK && DQ_TMA), "one dQ mode");
     static_assert(!PDL || DQ_TMA, "pdl: the consumers touch no workspace the preprocess writes (dq_tma)");
     static_assert(!DQ_EARLY || (PDL && DQ_TMA), "dq_early: the writer warp counts finished blocks");
@@ -122,8 +132,8 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static_assert(!DYNAMIC || (PERSISTENT && PDL), "dynamic: the family's (pdl) preprocess resets the tile counter");
     static_assert(!DQ_EARLY || BR == ROW_KERNEL_ROWS, "dq_early: one counter per query block and per convert CTA");
     static_assert(!DQ_BULK || BR == 64, "dq_bulk: the staged rows are one 64-row block");
-    static_assert(!DQ_FRAG || (DQ_TMA && PDL && D % DQ_N == 0 && DQ_N % 32 == 0),
-                  "dq_frag: the family's convert kernel reads 64 x DQ_N fragment-order parts, 32 columns a pass");
+    static_assert(!DQ_FRAG || (DQ_TMA && PDL && D % 32 == 0),
+                  "dq_frag: the family's convert kernel reads the fragment order 32 columns a pass");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (swizzle atoms)");
     static_assert(KV_BYTES % 1024 == 0, "K/V tiles 1024-byte aligned (swizzle atoms)");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
@@ -150,7 +160,7 @@ struct BwdSmem {
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
     // dq_tma: panel `panel` of consumer warpgroup `wg`.
     CF_DEVICE u32 dq_panel(int wg, int panel) const {
-        return base + Cfg::DQ_OFFSET + (wg * Cfg::DQ_PANELS + panel) * Cfg::DQ_PANEL_BYTES;
+        return base + Cfg::DQ_OFFSET + (Cfg::dq_panel0(wg) + panel) * Cfg::DQ_PANEL_BYTES;
     }
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
@@ -356,13 +366,14 @@ CF_DEVICE unsigned* dq_block_counter(float* dq_accum, int batch_count, int n_hea
 }
 
 // dq_frag's dq_accum layout: every 64-row block of a (batch, head) starts where its rows start in
-// the row-major layout and holds D / DQ_N parts (DQ_N columns each, in column order: two of 64 at
-// d_head 128, one at 64 and 96). A part is one consumer warpgroup's m64nDQ_N fp32 dQ accumulator
-// in the order wgmma leaves it in registers:
+// the row-major layout and holds its D / 8 n-tiles in column order, each in the order a wgmma
+// m64 accumulator leaves it in registers:
 // float4 (j, t) at float (j * 128 + t) * 4, for n-tile j and warpgroup thread t, holds (r, c),
 // (r, c + 1), (r + 8, c), (r + 8, c + 1) with r = 16 (t / 32) + (t % 32) / 4, c = 8 j + 2 (t % 4).
-// The consumers stage it with one conflict-free 16-byte store per n-tile and the writer adds it
-// with one 1-D bulk reduction; the convert kernel undoes the order.
+// So a warpgroup's accumulator of columns c0 .. c0 + N - 1 (its part: all of them, or its half,
+// or 64 / 32 of d_head 96's) is one contiguous run from float 64 c0: the consumers stage it with
+// one conflict-free 16-byte store per n-tile and the writer adds it with one 1-D bulk reduction;
+// the convert kernel undoes the order.
 // dynamic: the tile counter, right behind dq_early's block counters, or without them right behind
 // the dq_accum elements (the family's preprocess zeroes it; the producers claim tiles from it).
 template <class Cfg>

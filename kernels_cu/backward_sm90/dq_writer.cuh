@@ -1,9 +1,10 @@
 // dq_tma's writer warp (warp 1 of the producer warpgroup): per query block, once a consumer
-// warpgroup has staged its share of dQ (DQ_N / 32 128B-swizzled fp32 panels of 64 rows x 32: at
-// d_head 128 half of the columns over all keys; at d_head 64 with B_r 128 half of the rows over all
-// keys, with B_r 64, and at d_head 96, every column over its own keys), one lane adds
-// each panel to the fp32 workspace with a TMA tensor reduction (8 KiB per instruction), or with
-// dq_frag the warpgroup's fragment-order part (config.cuh) with one 1-D bulk reduction (16 KiB, d_head 96 24 KiB),
+// warpgroup has staged its share of dQ (dq_cols(w) / 32 128B-swizzled fp32 panels of 64 rows x 32:
+// at d_head 128 and 256 half of the columns over all keys, at d_head 96 with dq_colsplit 64 or 32 of
+// them; at d_head 64 with B_r 128 half of the rows over all keys; with B_r 64 otherwise every
+// column over its own keys), one lane adds each panel to the fp32 workspace with a TMA tensor
+// reduction (8 KiB per instruction), or with dq_frag the warpgroup's fragment-order part
+// (config.cuh) with one 1-D bulk reduction (8-32 KiB),
 // and frees the panels when the reductions have read them. The consumers only store to shared memory; the
 // reductions to L2 run beside their next iteration.
 //
@@ -108,18 +109,17 @@ struct BwdDqWriter {
         for (int w = 0; w < Cfg::CONSUMERS; ++w) {
             named_barrier_sync(Cfg::DQ_TMA_FULL_BARRIER + w, Cfg::DQ_TMA_THREADS);
             if (Cfg::DQ_FRAG && lane == 0) {
-                // the warpgroup's 64 x DQ_N part (config.cuh): rows row0 + dq_row0, part dq_col0 / DQ_N
-                const int part_row0 = row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), part = Cfg::DQ_SPLIT ? w : 0;
+                // the warpgroup's 64 x dq_cols(w) part (config.cuh): rows row0 + dq_row0, n-tiles from dq_col0 / 8
+                const int part_row0 = row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0);
                 float* dst = p.dq_accum + (Seq::of(p, sched.batch).ws_row(p, head) + part_row0) * Cfg::D +
-                             part * Cfg::DQ_PART_FLOATS;
-                bulk_reduce_add_f32(dst, smem.dq_panel(w, 0), Cfg::DQ_PART_FLOATS * 4);
+                             Cfg::DQ_PART_ROWS * Cfg::dq_col0(w);
+                bulk_reduce_add_f32(dst, smem.dq_panel(w, 0), Cfg::DQ_PART_ROWS * Cfg::dq_cols(w) * 4);
                 bulk_commit_group();
             } else if (lane == 0) {
                 const Seq seq = Seq::of(p, sched.batch);
 #pragma unroll
-                for (int c = 0; c < Cfg::DQ_PANELS; ++c)
-                    tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c),
-                                      ((Cfg::DQ_SPLIT ? w * Cfg::DQ_PANELS : 0) + c) * Cfg::DQ_PANEL_COLS,
+                for (int c = 0; c < Cfg::dq_panels(w); ++c)
+                    tma_reduce_add_4d(&p.tma_dq, smem.dq_panel(w, c), Cfg::dq_col0(w) + c * Cfg::DQ_PANEL_COLS,
                                       seq.ws_row0 + row0 + (Cfg::DQ_ROWS ? w * Cfg::DQ_M : 0), head, seq.coord);
                 bulk_commit_group();
             }

@@ -12,8 +12,9 @@
 //                      alternating per iteration), wgmma ss with both operands MN-major, added to
 //                      the fp32 dq_accum with red.global.add.v2. With two warpgroups and 128
 //                      query rows each computes 64 of them over all B_c keys, with d_head 128
-//                      half of dQ's columns (every dQ element is reduced once per CTA);
-//                      otherwise each warpgroup computes all of dQ over its own 64 keys.
+//                      half of dQ's columns, with d_head 96 and dq_colsplit 64 or 32 of them
+//                      (every dQ element is reduced once per CTA); otherwise each warpgroup
+//                      computes all of dQ over its own 64 keys.
 // With dq_tma the dQ block is staged in shared memory and a writer warp adds it with TMA tensor
 // reductions (dq_writer.cuh) instead of the red.global.add.v2 above.
 // The deterministic variant skips dQ (backward_sm80's dQ kernel computes it in a separate pass).
@@ -243,34 +244,49 @@ struct BwdConsumer {
                 if (issues_dq()) bulk_wait_group_0<true>();
             }
             named_barrier_sync(Cfg::DS_SHARED ? DS_BARRIER : DS_BARRIER + wg, DS_THREADS);
-            // dQ is queued behind dV/dK (no wait in between: the tensor cores stay busy).
-            float dq[DQ_N / 8][4];
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < DQ_STEPS; ++k)
-                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
-            wgmma_commit();
-            if constexpr (DK_AFTER_DQ) {
-#pragma unroll
-                for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
-                wgmma_commit();
-                wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
-                fence_registers(dv);
-                fence_registers(dq);
+            if constexpr (Cfg::DQ_UNEVEN) {  // (warpgroup-uniform: each runs its own width's code)
+                if (warp_uniform(wg) == 0)
+                    dq_block<Cfg::DQ_N, DK_AFTER_DQ>(dsa, kv, s, buf, head, q0);
+                else
+                    dq_block<Cfg::DQ_N1, DK_AFTER_DQ>(dsa, kv, s, buf, head, q0);
             } else {
-                wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
-                fence_registers(dv);
-                fence_registers(dk);
-                release(s);
-                wgmma_wait<0>();
-                fence_registers(dq);
+                dq_block<DQ_N, DK_AFTER_DQ>(dsa, kv, s, buf, head, q0);
             }
-            hand_over_dq(dq, head, q0);
-            if constexpr (DK_AFTER_DQ) {
-                wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
-                fence_registers(dk);
-                release(s);
-            }
+        }
+    }
+
+    // dQ = dS K for this warpgroup's N columns (N = dq_cols(wg)), queued behind dV/dK (no wait in
+    // between: the tensor cores stay busy), with DK_AFTER_DQ then dK; dQ's hand-over and the
+    // stage's release once the GEMMs reading it have completed. IN_SEQUENCE: issued straight
+    // behind dV/dK's wgmmas, inside their fenced sequence (KV_SPLIT), so without a fence of its own.
+    template <int N, bool DK_AFTER_DQ, bool IN_SEQUENCE = false>
+    CF_DEVICE void dq_block(const u32 (&dsa)[QK][4], BwdSmem<Cfg> kv, int s, int buf, int head, int q0) {
+        float dq[N / 8][4];
+        if constexpr (!IN_SEQUENCE) wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < DQ_STEPS; ++k)
+            wgmma_ss_tt<Cfg::dtype, N>(dq, ds_a(kv.ds(buf, 0), k), mnmajor_b_k(kv.k(), k), k > 0);
+        wgmma_commit();
+        if constexpr (DK_AFTER_DQ) {
+#pragma unroll
+            for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, Cfg::D, 1>(dk, dsa[k], mnmajor_b_q(smem.q(s), k), 1);
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dQ done; dK (reading Q of this stage) still runs
+            fence_registers(dv);
+            fence_registers(dq);
+        } else {
+            wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
+            fence_registers(dv);
+            fence_registers(dk);
+            release(s);
+            wgmma_wait<0>();
+            fence_registers(dq);
+        }
+        hand_over_dq<N>(dq, head, q0);
+        if constexpr (DK_AFTER_DQ) {
+            wgmma_wait<0>();  // dK done: Q, dO, lse2, dvec of this stage are no longer read
+            fence_registers(dk);
+            release(s);
         }
     }
 
@@ -313,18 +329,7 @@ struct BwdConsumer {
             fence_registers(dk);
             release(s);
         } else {
-            float dq[DQ_N / 8][4];
-#pragma unroll
-            for (int k = 0; k < DQ_STEPS; ++k)
-                wgmma_ss_tt<Cfg::dtype, DQ_N>(dq, ds_a(kv.ds_shared(buf), k), mnmajor_b_k(kv.k(), k), k > 0);
-            wgmma_commit();
-            wgmma_wait<1>();  // dV/dK done: Q, dO, lse2, dvec of this stage are no longer read
-            fence_registers(dv);
-            fence_registers(dk);
-            release(s);
-            wgmma_wait<0>();
-            fence_registers(dq);
-            hand_over_dq(dq, head, q0);
+            dq_block<DQ_N, false, true>(dsa, kv, s, buf, head, q0);  // (ds(buf, 0) is the shared dS^T tile)
         }
     }
 
@@ -374,21 +379,22 @@ struct BwdConsumer {
             stmatrix_x4(row ^ (u32)(((4 * wg + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
     }
 
-    // This warpgroup's dQ of the block (rows dq_row0() + 16 warp + lane / 4, + 8; its DQ_N columns)
-    // on to dq_accum: staged for the writer warp (dq_frag, dq_tma), staged and bulk-reduced by one
-    // consumer warp (dq_bulk), or added with red.global.add.v2 (the atomic mode).
-    CF_DEVICE void hand_over_dq(const float (&dq)[DQ_N / 8][4], int head, int q0) const {
+    // This warpgroup's dQ of the block (rows dq_row0() + 16 warp + lane / 4, + 8; its N columns from
+    // dq_col0() on) on to dq_accum: staged for the writer warp (dq_frag, dq_tma), staged and
+    // bulk-reduced by one consumer warp (dq_bulk), or added with red.global.add.v2 (the atomic mode).
+    template <int N>
+    CF_DEVICE void hand_over_dq(const float (&dq)[N / 8][4], int head, int q0) const {
         const int row = 16 * warp + (lane >> 2);
         if constexpr (Cfg::DQ_FRAG) {
-            stage_dq_fragments(dq);
+            stage_dq_fragments<N>(dq);
         } else if constexpr (Cfg::DQ_TMA) {
-            stage_dq_panels(dq, row);
+            stage_dq_panels<N>(dq, row);
         } else if constexpr (Cfg::DQ_BULK) {
             // Stage this half of dQ (the previous block's reductions finished reading the
             // rows before this iteration's dS^T barrier), then the issuing warp adds the
             // block to dq_accum: one bulk reduction per row, lane l rows l and l + 32.
 #pragma unroll
-            for (int j = 0; j < DQ_N / 8; ++j) {
+            for (int j = 0; j < N / 8; ++j) {
                 const int col = dq_col0() + 8 * j + 2 * (lane & 3);
                 st_shared_f32x2(smem.dq(row) + 4 * col, dq[j][0], dq[j][1]);
                 st_shared_f32x2(smem.dq(row + 8) + 4 * col, dq[j][2], dq[j][3]);
@@ -405,16 +411,17 @@ struct BwdConsumer {
                 named_barrier_arrive(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
             }
         } else {
-            add_dq_atomic(dq, head, q0, row);
+            add_dq_atomic<N>(dq, head, q0, row);
         }
     }
 
-    // dQ of this warpgroup (rows dq_row0() + row, + 8; its DQ_N columns) added to the fp32
+    // dQ of this warpgroup (rows dq_row0() + row, + 8; its N columns) added to the fp32
     // dq_accum with red.global.add.v2 (the atomic dQ mode).
-    CF_DEVICE void add_dq_atomic(const float (&dq)[DQ_N / 8][4], int head, int q0, int row) const {
+    template <int N>
+    CF_DEVICE void add_dq_atomic(const float (&dq)[N / 8][4], int head, int q0, int row) const {
         float* acc = p.dq_accum + (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D + dq_col0();
 #pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j) {
+        for (int j = 0; j < N / 8; ++j) {
             const int col = 8 * j + 2 * (lane & 3);
             red_add_v2(acc + row * Cfg::D + col, dq[j][0], dq[j][1]);
             red_add_v2(acc + (row + 8) * Cfg::D + col, dq[j][2], dq[j][3]);
@@ -488,9 +495,10 @@ struct BwdConsumer {
         }
     }
 
-    // dq_tma: this warpgroup's dQ columns into its swizzled panels (DQ_N / 32) (once the writer warp's
+    // dq_tma: this warpgroup's N dQ columns into its swizzled panels (N / 32) (once the writer warp's
     // reductions have read the previous block's), then handed to the writer warp.
-    CF_DEVICE void stage_dq_panels(const float (&dq)[DQ_N / 8][4], int row) const {
+    template <int N>
+    CF_DEVICE void stage_dq_panels(const float (&dq)[N / 8][4], int row) const {
         named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
         // Element (r, 8 j' + 2 (lane & 3)) of a panel: 16-byte chunk 2 j' + h (h = bit 1 of the
         // lane), swizzled (2 j' + h) ^ (r & 7) = 2 j' ^ (h ^ (r & 7)): one base address per
@@ -498,7 +506,7 @@ struct BwdConsumer {
         // panel DQ_PANEL_BYTES.
         const u32 a0 = dq_panel_address(0, row, 2 * (lane & 3));
 #pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j) {
+        for (int j = 0; j < N / 8; ++j) {
             const u32 a = (a0 ^ (u32)((j % 4) << 5)) + (j / 4) * Cfg::DQ_PANEL_BYTES;
             st_shared_f32x2(a, dq[j][0], dq[j][1]);
             st_shared_f32x2(a + 8 * 128, dq[j][2], dq[j][3]);
@@ -506,16 +514,17 @@ struct BwdConsumer {
         fence_proxy_async_shared();  // the TMA reductions read the panels through the async proxy
         named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
     }
-    // dq_frag: this warpgroup's dQ (one 64 x DQ_N part, config.cuh) in fragment order: n-tile j's
+    // dq_frag: this warpgroup's dQ (one 64 x N part, config.cuh) in fragment order: n-tile j's
     // four values as one 16-byte store at (j * 128 + tid) * 16, a warp's 32 stores contiguous
     // (conflict-free, no swizzle arithmetic), then handed to the writer warp.
-    CF_DEVICE void stage_dq_fragments(const float (&dq)[DQ_N / 8][4]) const {
+    template <int N>
+    CF_DEVICE void stage_dq_fragments(const float (&dq)[N / 8][4]) const {
         named_barrier_sync(Cfg::DQ_TMA_EMPTY_BARRIER + wg, Cfg::DQ_TMA_THREADS);
         // (from warp and lane, not tid: tid kept live to here serialised the causal kernel's wgmma
         // chain, C7512)
         const u32 a0 = smem.dq_panel(wg, 0) + 512 * warp + 16 * lane;  // 16 tid
 #pragma unroll
-        for (int j = 0; j < DQ_N / 8; ++j) st_shared_f32x4(a0 + j * 128 * 16, dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
+        for (int j = 0; j < N / 8; ++j) st_shared_f32x4(a0 + j * 128 * 16, dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
         fence_proxy_async_shared();  // the bulk reduction reads the part through the async proxy
         named_barrier_arrive(Cfg::DQ_TMA_FULL_BARRIER + wg, Cfg::DQ_TMA_THREADS);
     }

@@ -52,14 +52,14 @@ __global__ void __launch_bounds__(Cfg::ROW_KERNEL_THREADS)
 
 // dq_frag: dq = dq_accum * softmax_scale read from the fragment order (config.cuh). Thread i takes
 // warpgroup thread t = i % 128 and the n-tile groups 4 g .. 4 g + 3 with g = i / 128, i / 128 + 2,
-// ... of every part (32 columns a group: two of a 64-column part, three of d_head 96's): four
-// coalesced 16-byte loads a group, then quad_transpose gives each lane 8 consecutive columns of
-// its rows r and r + 8, stored 16 bytes at a time.
+// ... of the block (32 columns a group): four coalesced 16-byte loads a group, then
+// quad_transpose gives each lane 8 consecutive columns of its rows r and r + 8, stored 16 bytes
+// at a time.
 template <class Cfg>
 CF_DEVICE void convert_fragments_block(const BackwardParams& p, int batch) {
     static_assert(Cfg::ROW_KERNEL_ROWS == Cfg::DQ_PART_ROWS && Cfg::ROW_KERNEL_THREADS == 256,
-                  "dq_frag: one 64-row block of parts per convert CTA, 128 threads per 4 n-tiles");
-    constexpr int GROUPS = Cfg::DQ_PART_COLS / 32;  // of 4 n-tiles per part
+                  "dq_frag: one 64-row block per convert CTA, 128 threads per 4 n-tiles");
+    constexpr int GROUPS = Cfg::D / 32;  // of 4 n-tiles
     const int head = blockIdx.y;
     const int row0 = blockIdx.x * Cfg::DQ_PART_ROWS;
     const float* src = p.dq_accum + (((long long)batch * p.n_heads + head) * p.seq_len_q_pad + row0) * Cfg::D;
@@ -70,19 +70,19 @@ CF_DEVICE void convert_fragments_block(const BackwardParams& p, int batch) {
     const bool ok0 = row0 + r < p.seq_len_q, ok1 = row0 + r + 8 < p.seq_len_q;  // (every lane shuffles)
     const float s = p.softmax_scale;
 #pragma unroll
-    for (int pg = 0; pg < Cfg::D / Cfg::DQ_PART_COLS * ((GROUPS + 1) / 2); ++pg) {
-        const int part = pg / ((GROUPS + 1) / 2), g = g0 + 2 * (pg % ((GROUPS + 1) / 2));
+    for (int pass = 0; pass < (GROUPS + 1) / 2; ++pass) {
+        const int g = g0 + 2 * pass;
         if (GROUPS % 2 != 0 && g >= GROUPS) continue;  // (uniform per warp: the shuffles below need every lane)
         u32 w0[4], w1[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            const float4 v = ld_global_cg_f32x4(src + part * Cfg::DQ_PART_FLOATS + ((4 * g + i) * 128 + t) * 4);
+            const float4 v = ld_global_cg_f32x4(src + ((4 * g + i) * 128 + t) * 4);
             w0[i] = pack_pair<Cfg::dtype>(v.x * s, v.y * s);
             w1[i] = pack_pair<Cfg::dtype>(v.z * s, v.w * s);
         }
         quad_transpose(w0, lane);
         quad_transpose(w1, lane);
-        const int col = part * Cfg::DQ_PART_COLS + 32 * g + 8 * (lane & 3);
+        const int col = 32 * g + 8 * (lane & 3);
         if (ok0) st_global_16(dst + (long long)r * p.dq_seq_stride + col, make_uint4(w0[0], w0[1], w0[2], w0[3]));
         if (ok1) st_global_16(dst + (long long)(r + 8) * p.dq_seq_stride + col, make_uint4(w1[0], w1[1], w1[2], w1[3]));
     }

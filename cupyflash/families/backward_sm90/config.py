@@ -17,9 +17,9 @@ at d_head 256 two warpgroups share 64 keys, see `kv_split`),
 B_r query rows per iteration (the N of S^T = K Q^T), n_stages Q/dO/lse2/dvec ring slots. dQ = dS K
 is one wgmma m64 tile (64 query rows) per consumer warpgroup: with two warpgroups and B_r 128
 (d_head 64 only: the accumulator budget) each takes 64 of the rows over all B_c keys; with B_r 64
-at d_head 128 each takes half of the columns over all keys; otherwise each computes all of dQ
-over its own 64 keys (each element added twice per CTA; d_head 96's halves would be no whole
-32-column panels). Q, K, V and dO tiles are 128-byte swizzled, at d_head 96 (no multiple of 64
+at d_head 128 each takes half of the columns over all keys, at d_head 96 with `dq_colsplit` 64 or 32
+of them (96 splits into no two whole 32-column halves); otherwise each computes all of dQ over its
+own 64 keys (each element added twice per CTA). Q, K, V and dO tiles are 128-byte swizzled, at d_head 96 (no multiple of 64
 columns) 64-byte swizzled in three 32-column blocks, as the forward family's. How dQ is accumulated is the variant,
 not the config: fp32 atomics (red.global.add.v2.f32) into a workspace, or with `deterministic`
 backward_sm80's separate dQ pass. `dq_bulk` (two consumer warpgroups at d_head 128 and B_r 64
@@ -66,6 +66,10 @@ shared store per n-tile (8, against the swizzled panels' 16 8-byte stores), the 
 it with one 1-D bulk reduction (16 KiB; 24 KiB) to a dq_accum that holds each 64-row block in that order
 (kernels_cu/backward_sm90/config.cuh), and the family's convert kernel undoes the order (no TMA
 map of the workspace).
+`dq_colsplit` (d_head 96, two consumer warpgroups, B_r 64) splits dQ's columns 64 + 32 over the two
+warpgroups, each over all B_c keys (both read every warpgroup's dS^T behind one barrier), as
+d_head 128 and 256 always do with halves: each dQ element is added once per CTA instead of twice
+(half the reduction traffic to L2), at the price of uneven dQ GEMMs (N = 64 and N = 32).
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
-         "dq_frag")  # the boolean fields after n_stages, short-form order
+         "dq_frag", "dq_colsplit")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 96, 128, 256)  # dK and dV stay in registers (d_head 256: half of the columns per warpgroup)
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -118,6 +122,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     persistent: bool = False
     dynamic: bool = False
     dq_frag: bool = False
+    dq_colsplit: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -147,6 +152,9 @@ class HopperBackwardKernelConfig(KernelConfig):
             not self.dynamic or (self.persistent and self.pdl)
         yield ("dq_frag needs dq_tma and pdl (the family's own convert kernel reads the fragment order)",
                not self.dq_frag or (self.dq_tma and self.pdl))
+        yield ("dq_colsplit needs d_head 96, B_r 64 and two consumer warpgroups (dQ's columns 64 + 32, each over "
+               "all keys)", not self.dq_colsplit or (self.d_head == 96 and self.B_r == 64
+                                                     and self.consumer_warpgroups == 2))
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
@@ -176,12 +184,21 @@ class HopperBackwardKernelConfig(KernelConfig):
         return self.B_r // 2 if self.consumer_warpgroups == 2 and self.B_r == 2 * WG_KEYS else self.B_r
 
     @property
-    def dq_columns(self) -> int:
-        """dQ columns of one consumer warpgroup: with two warpgroups at d_head 128 and B_r 64 half of
-        them each (whole 64-column swizzle blocks of K), else all of them (with B_r 64 over the
-        warpgroup's own keys)."""
-        split = self.consumer_warpgroups == 2 and self.d_head >= 128 and self.dq_rows == self.B_r
-        return self.d_head // 2 if split else self.d_head
+    def dq_split(self) -> bool:
+        """dQ's columns split over two warpgroups, each over all B_c keys: halves at d_head 128 and
+        256 with B_r 64 (whole 64-column swizzle blocks of K), 64 + 32 at d_head 96 with
+        `dq_colsplit` (whole 32-column blocks)."""
+        two = self.consumer_warpgroups == 2 and self.dq_rows == self.B_r
+        return two and (self.d_head >= 128 or self.dq_colsplit)
+
+    def dq_columns(self, warpgroup: int) -> int:
+        """dQ columns of consumer warpgroup `warpgroup` (config.cuh's dq_cols): its part of the
+        split, else all of them (with B_r 128 for its 64 rows, with B_r 64 over its own keys)."""
+        if not self.dq_split:
+            return self.d_head
+        if self.d_head == 96:
+            return 64 if warpgroup == 0 else 32
+        return self.d_head // 2
 
     def accumulator_registers(self) -> int:
         if self.kv_split:  # half of dK and dV, S^T and dP^T of half of the queries, half of dQ's columns
@@ -197,7 +214,7 @@ class HopperBackwardKernelConfig(KernelConfig):
         ds = 2 * self.consumer_warpgroups * WG_KEYS * self.B_r * 2
         dq = self.B_r * (self.d_head + DQ_ROW_PAD) * 4 if self.dq_bulk else 0  # fp32 dQ rows, padded
         if self.dq_tma:  # each warpgroup's share of the block's fp32 dQ, unpadded swizzled panels
-            dq = self.consumer_warpgroups * self.dq_rows * self.dq_columns * 4
+            dq = self.dq_rows * sum(self.dq_columns(w) for w in range(self.consumer_warpgroups)) * 4
         barriers = 8 * (2 + 2 * self.n_stages)  # kv_full, kv_empty, q_full and q_empty per stage
         if self.dynamic:
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index

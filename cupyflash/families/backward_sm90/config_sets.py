@@ -68,12 +68,16 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # and 1.14-1.25x cuDNN (persistent+dynamic level, persistent alone 0.66-0.8x causal). `nomask`
 # measured -1..-4% on the causal rows (atomic kernel), so d_head 256's causal calls go without it
 # (NO_NOMASK_D_HEADS).
+# Since the thirty-fourth session (NOTES.md item 308) d_head 96 splits dQ's columns 64 + 32 over
+# the two warpgroups (`dq_colsplit`: each over all 128 keys, every dQ element added once per CTA,
+# half the fp32 reduction bytes): H200 at the power cap, 3 interleaved rounds, bf16 and fp16, 1k-16k,
+# non-causal +20-26% (1.18-1.25x cuDNN, from 0.96-1.00x), causal +16-22% (1.22-1.28x cuDNN).
 CAUSAL_KNOBS = {"nomask": True}
 NO_NOMASK_D_HEADS = (256,)
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
              96: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
-                               "dynamic": True, "dq_frag": True}),
+                               "dynamic": True, "dq_frag": True, "dq_colsplit": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
              256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True})}
@@ -143,6 +147,9 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
     # (dq_frag: in no other set; their swizzled-panel twins, most above, the causal ones' here)
     out += default_configs() + [c.replace(dq_frag=False) for c in default_configs()]
     out += [c.replace(dq_frag=False) for c in out if c.kv_split and c.dq_frag]
+    # d_head 96: every two-warpgroup 64-row config with and without dQ's columns split 64 + 32
+    out += [c.replace(dq_colsplit=not c.dq_colsplit) for c in out
+            if c.d_head == 96 and c.B_r == 64 and c.consumer_warpgroups == 2]
     return sorted(set(out))
 
 
@@ -230,7 +237,7 @@ def tune_configs() -> list[HopperBackwardKernelConfig]:
 def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[HopperBackwardKernelConfig]:
     """The optimisation history at (dtype, d_head), oldest first: at d_head 128 the first kernel
     (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic, + dq_frag,
-    + nomask (the causal default); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ
+    + nomask (the causal default; at d_head 96 + dq_colsplit before it); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ
     split by rows), + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag, + nomask; at d_head
     256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag."""
     if d_head not in _DEFAULTS:
@@ -242,10 +249,10 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
-                         rotate=False, persistent=False, dynamic=False, dq_frag=False)
+                         rotate=False, persistent=False, dynamic=False, dq_frag=False, dq_colsplit=False)
     plain = last.replace(nomask=False)
-    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True), plain.replace(dq_frag=False),
-             plain, last]
+    steps = [first, first.replace(dq_tma=True), first.replace(dq_tma=True, dq_mid=True),
+             plain.replace(dq_frag=False, dq_colsplit=False), plain.replace(dq_colsplit=False), plain, last]
     if first.B_r != 64:
         steps.insert(0, first.replace(B_r=64))
     return list(dict.fromkeys(steps))
