@@ -135,7 +135,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield ("dq_bulk needs two consumer warpgroups, d_head 128 and B_r 64 (each adds half of dQ's columns)",
                not self.dq_bulk or (self.B_c == 2 * WG_KEYS and self.d_head == 128 and self.B_r == 64))
         yield ("dq_tma needs two consumer warpgroups (each stages its share of dQ: half of the rows with B_r 128, "
-               "else half of the columns at d_head 128 and 256, else all of dQ over its own keys)",
+               "else half of the columns at d_head 128 and 256 or 64 + 32 with dq_colsplit, else all of dQ over "
+               "its own keys)",
                not self.dq_tma or self.consumer_warpgroups == 2)
         yield "dq_bulk and dq_tma exclude each other", not (self.dq_bulk and self.dq_tma)
         yield ("d_head 256 splits dK/dV's columns over two warpgroups that share 64 keys: B_r 64, B_c 64, dQ by fp32 "
