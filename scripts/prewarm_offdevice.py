@@ -22,7 +22,9 @@ Hopper families, sm_90 for the others on cc 9.0), with every variant of each con
   `varlen_defaults` sets: backward_varlen's Hopper picks are not the dense ones);
 - with --sets FAMILY:SET[,SET...], those config sets too (e.g. forward_sm90:tune for an autotune
   call);
-- with --configs, the '|'-separated short forms given (e.g. the configs a probe script names).
+- with --configs, the '|'-separated short forms given (e.g. the configs a probe script names);
+- with --test-modules, what those GPU test modules' prewarm fixtures compile (their
+  `prewarm_plan`), so that their device run compiles nothing either.
 """
 from __future__ import annotations
 
@@ -71,6 +73,30 @@ def default_configs(cc: int) -> list:
     return out
 
 
+TEST_MODULES = ("test_gpu_forward", "test_gpu_backward", "test_gpu_backward_sm90", "test_gpu_backward_varlen")
+
+
+def fixture_groups(names: list[str], cc: int) -> list[tuple[str, list, list[str], dict]]:
+    """(module, configs, archs, prewarm options) of each group the named GPU test modules' prewarm
+    fixtures compile on a GPU of compute capability `cc` (their `prewarm_plan`; the modules import
+    without a GPU). test_gpu_backward_sm90 only runs on cc 9.0: elsewhere it has no groups."""
+    tests_dir = Path(__file__).resolve().parent.parent / "tests"
+    if str(tests_dir) not in sys.path:
+        sys.path.insert(0, str(tests_dir))
+    import importlib
+
+    arch = f"sm_{cc}"  # the non-Hopper families' target on that GPU (gpu_prewarm.this_arch)
+    out = []
+    for name in names:
+        if name not in TEST_MODULES:
+            raise ValueError(f"--test-modules: unknown module {name!r}; expected some of {TEST_MODULES}")
+        if name == "test_gpu_backward_sm90" and cc != 90:
+            continue
+        for configs, archs, options in importlib.import_module(name).prewarm_plan(arch, cc):
+            out.append((name, list(configs), list(archs), dict(options)))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cc", type=int, default=90, help="compute capability of the target GPU, e.g. 90 (default)")
@@ -82,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expect-nvrtc", default=None, metavar="MAJOR.MINOR",
                    help="refuse to run under another NVRTC version (e.g. 13.0 for the H100 device)")
     p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--test-modules", default="", metavar="NAME[,NAME]",
+                   help=f"also what these GPU test modules' prewarm fixtures compile ('all': {', '.join(TEST_MODULES)})")
     args = p.parse_args(argv)
 
     from cupyflash.compiler import nvrtc_version
@@ -116,6 +144,15 @@ def main(argv: list[str] | None = None) -> int:
                          variants=fam.all_variants())
         print(f"{name} {arch}: {len(cfgs)} configs x {len(fam.all_variants())} variants: {len(report.results)} "
               f"modules in {report.seconds:.0f} s, {len(report.failed)} failed", flush=True)
+        for r in report.failed:
+            print(f"  FAILED {r.label}: {r.error}", file=sys.stderr)
+        failed += len(report.failed)
+    names = list(TEST_MODULES) if args.test_modules.strip() == "all" else \
+        [n.strip() for n in args.test_modules.split(",") if n.strip()]
+    for module, cfgs, archs, options in fixture_groups(names, args.cc):
+        report = prewarm(cfgs, archs, cache_dir=args.cache_dir, jobs=args.jobs, progress=sys.stderr, **options)
+        print(f"{module} {'/'.join(archs)}: {len(cfgs)} configs: {len(report.results)} modules in "
+              f"{report.seconds:.0f} s, {len(report.failed)} failed", flush=True)
         for r in report.failed:
             print(f"  FAILED {r.label}: {r.error}", file=sys.stderr)
         failed += len(report.failed)

@@ -66,17 +66,23 @@ DBUF = [BackwardKernelConfig.parse(t) for t in (
 FIGURES: list[dict] = []
 
 
+def prewarm_plan(arch: str, cc: int) -> list[tuple]:
+    """What this module compiles, as gpu_prewarm.prewarm_groups groups, for a GPU of `arch` / `cc`
+    (no GPU needed: scripts/prewarm_offdevice.py --test-modules builds it off the device)."""
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80
+
+    return [(TUNE, [arch], dict(variants=[(False, False, False)])),
+            (DEFAULTS, [arch], dict(variants=BACKWARD_SM80.all_variants())),
+            (DBUF, [arch], dict(variants=[(False, False, False), (True, False, False), (True, True, False)])),
+            ([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], dict(causal=(False, True)))]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile every variant the tests use in parallel, then run them warm."""
-    from cupyflash.families.backward_sm80 import BACKWARD_SM80
     from gpu_prewarm import prewarm_groups, this_arch, write_figures
 
-    arch = [this_arch(cp)]
-    prewarm_groups((TUNE, arch, dict(variants=[(False, False, False)])),
-                   (DEFAULTS, arch, dict(variants=BACKWARD_SM80.all_variants())),
-                   (DBUF, arch, dict(variants=[(False, False, False), (True, False, False), (True, True, False)])),
-                   ([forward_default(dt, d) for dt in DType for d in D_HEADS], arch, dict(causal=(False, True))))
+    prewarm_groups(*prewarm_plan(this_arch(cp), 0))
     yield
     write_figures(FIGURES)
 

@@ -75,20 +75,25 @@ def launch_knobs(dtype, name):
     return cfg.replace(n_stages=stages)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prewarmed_cache():
-    """Compile every module the tests use in parallel, then run them warm."""
-    from gpu_prewarm import prewarm_groups, this_arch, write_figures
-
+def prewarm_plan(arch: str, cc: int) -> list[tuple]:
+    """What this module compiles, as gpu_prewarm.prewarm_groups groups, for a GPU of `arch` / `cc`
+    (no GPU needed: scripts/prewarm_offdevice.py --test-modules builds it off the device)."""
     bulk = [with_knobs(c, dq_bulk=bulk, dq_tma=not bulk) for c in DEFAULTS if c.d_head == 128 and c.n_stages == 2
             for bulk in (True, False)]
     launch = [launch_knobs(dt, k) for dt in DType for k in LAUNCH_KNOBS]
     dense = [v for v in BACKWARD_SM90.all_variants()  # dense calls (varlen: its own module)
              if v == BACKWARD_SM90.variant(causal=v[0], deterministic=v[1])]
-    prewarm_groups((ALL, ["sm_90a"], dict(variants=[BACKWARD_SM90.variant()])),
-                   (sorted(set(DEFAULTS + bulk + launch + KV_SPLIT + COLSPLIT)), ["sm_90a"], dict(variants=dense)),
-                   ([forward_default(dt, d) for dt in DType for d in D_HEADS + (256,)], [this_arch(cp)],
-                    dict(causal=(False, True))))
+    return [(ALL, ["sm_90a"], dict(variants=[BACKWARD_SM90.variant()])),
+            (sorted(set(DEFAULTS + bulk + launch + KV_SPLIT + COLSPLIT)), ["sm_90a"], dict(variants=dense)),
+            ([forward_default(dt, d) for dt in DType for d in D_HEADS + (256,)], [arch], dict(causal=(False, True)))]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prewarmed_cache():
+    """Compile every module the tests use in parallel, then run them warm."""
+    from gpu_prewarm import prewarm_groups, this_arch, write_figures
+
+    prewarm_groups(*prewarm_plan(this_arch(cp), 90))
     yield
     write_figures(FIGURES)
 

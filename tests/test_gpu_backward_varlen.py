@@ -30,26 +30,33 @@ D_HEADS = (64, 96, 128, 256)
 PIPELINED = "backward_sm80 (BF16, 128, 64, 128, 8): dsplit_1+swizzled+dbuf+pds+pipe"
 
 
+def prewarm_plan(arch: str, cc: int) -> list[tuple]:
+    """What this module compiles, as gpu_prewarm.prewarm_groups groups, for a GPU of `arch` / `cc`
+    (no GPU needed: scripts/prewarm_offdevice.py --test-modules builds it off the device): the
+    varlen variants, the dense ones the equality test uses, and on cc 9.0 the Hopper family's."""
+    from cupyflash.families.backward_sm80 import BACKWARD_SM80
+    from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
+
+    groups = [([default_config(dt, d) for dt in DType for d in D_HEADS] + [BACKWARD_SM80.parse(PIPELINED)], [arch],
+               dict(variants=BACKWARD_SM80.all_variants())),
+              ([forward_default(dt, d) for dt in DType for d in D_HEADS], [arch], dict(causal=(False, True)))]
+    if cc == 90:  # the Hopper family's configs, every variant
+        from cupyflash.families.backward_sm90 import BACKWARD_SM90
+
+        hopper = sorted({hopper_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
+                         for d in (64, 128) for c in (False, True) for s in (1, 1500)}
+                        | set(d96_configs()), key=str)
+        groups.append((hopper, ["sm_90a"], dict(variants=BACKWARD_SM90.all_variants())))
+    return groups
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile the varlen variants (and the dense ones the equality test uses) in parallel first."""
     from cupyflash.device import compute_capability
-    from cupyflash.families.backward_sm80 import BACKWARD_SM80
-    from cupyflash.families.forward_sm80.config_sets import default_config as forward_default
     from gpu_prewarm import prewarm_groups, this_arch
 
-    arch = [this_arch(cp)]
-    groups = [([default_config(dt, d) for dt in DType for d in D_HEADS] + [BACKWARD_SM80.parse(PIPELINED)], arch,
-               dict(variants=BACKWARD_SM80.all_variants())),
-              ([forward_default(dt, d) for dt in DType for d in D_HEADS], arch, dict(causal=(False, True)))]
-    if compute_capability(cp.cuda.runtime.getDevice()) == 90:  # the Hopper family's configs, every variant
-        from cupyflash.families.backward_sm90 import BACKWARD_SM90
-
-        hopper = sorted({family_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
-                         for d in (64, 128) for c in (False, True) for s in (1, 1500)}
-                        | set(d96_configs()), key=str)
-        groups.append((hopper, ["sm_90a"], dict(variants=BACKWARD_SM90.all_variants())))
-    prewarm_groups(*groups)
+    prewarm_groups(*prewarm_plan(this_arch(cp), compute_capability(cp.cuda.runtime.getDevice())))
 
 
 @pytest.fixture
@@ -103,10 +110,17 @@ def family_config(family: str, dtype: DType, d: int, causal: bool, max_q: int):
     if family == "sm80":
         return default_config(dtype, d)
     from cupyflash.device import compute_capability
-    from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
 
     if compute_capability(cp.cuda.runtime.getDevice()) != 90 or d not in (64, 128):
         pytest.skip("backward_sm90 needs an sm_90 GPU and d_head 64/128")
+    return hopper_config(family, dtype, d, causal, max_q)
+
+
+def hopper_config(family: str, dtype: DType, d: int, causal: bool, max_q: int):
+    """backward_sm90's default ("sm90"), or made non-persistent with the companion's row kernels
+    and TMA-reduced dQ ("sm90_plain")."""
+    from cupyflash.families.backward_sm90.config_sets import default_config as sm90_default
+
     cfg = sm90_default(dtype, d, causal, max_q)
     if family == "sm90_plain":  # one CTA per tile, the companion's row kernels, TMA-reduced dQ
         return cfg.replace(persistent=False, dynamic=False, pdl=False, dq_early=False, dq_frag=False, lpt=False,

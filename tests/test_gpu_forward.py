@@ -26,12 +26,18 @@ CONFIGS = sorted(set(get_kernel_configs("tune")) | set(get_kernel_configs("prog_
 FIGURES: list[dict] = []  # collected per test and written by the session fixture below
 
 
+def prewarm_plan(arch: str, cc: int) -> list[tuple]:
+    """What this module compiles, as gpu_prewarm.prewarm_groups groups, for a GPU of `arch` / `cc`
+    (no GPU needed: scripts/prewarm_offdevice.py --test-modules builds it off the device)."""
+    return [(CONFIGS, [arch], {})]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile every config once, in parallel, before the tests use them one at a time."""
     from gpu_prewarm import prewarm_groups, this_arch, write_figures
 
-    prewarm_groups((CONFIGS, [this_arch(cp)], {}))
+    prewarm_groups(*prewarm_plan(this_arch(cp), 0))
     yield
     write_figures(FIGURES)
 
