@@ -194,13 +194,21 @@ struct BwdConsumer {
             block<MASK, KEY_TAIL>(it, key_base, causal_offset);
     }
 
-    template <bool MASK, bool KEY_TAIL>
-    CF_DEVICE void block(int it, int key_base, int causal_offset) {
+    // Query block `it`'s ring stage, query head and first row, once its Q/dO stage has landed.
+    struct BlockStart {
+        int s, head, q0;
+    };
+    CF_DEVICE BlockStart start_block(int it) const {
         const int s = bwd_stage(it_base + it, Cfg::STAGES);
         const int head = sched.q_head(it);
         const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
+        return {s, head, q0};
+    }
 
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void block(int it, int key_base, int causal_offset) {
+        const auto [s, head, q0] = start_block(it);
         float st[NT][4], dpt[NT][4];
         // K and V descriptors derived here from an opaque copy of the shared base, not kept
         // across the loop (at the consumers' 232 registers ptxas spilled one of them)
@@ -293,11 +301,7 @@ struct BwdConsumer {
     // Query block `it` with KV_SPLIT (d_head 256, the header's last paragraph).
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void block_kv_split(int it, int key_base, int causal_offset) {
-        const int s = bwd_stage(it_base + it, Cfg::STAGES);
-        const int head = sched.q_head(it);
-        const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
-        mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
-
+        const auto [s, head, q0] = start_block(it);
         // P^T and dS^T: the 64 keys x this warpgroup's 32 queries
         float st[NT][4], dpt[NT][4];
         const BwdSmem<Cfg> kv{opaque(smem.base)};
