@@ -84,12 +84,13 @@ def test_default_config_text():
     defaults = config_sets.get_kernel_configs("defaults")
     assert len(defaults) == 20 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     # d_head 256: two warpgroups share 64 keys (kv_split), one stage, dQ staged in fragment order
-    # for the writer warp, no nomask (items 302-303)
+    # for the writer warp, no nomask (items 302-303), score tiles by role (item 315)
     d256 = config_sets.default_config(DType.BF16, 256, causal=True, seq_len_q=1 << 16)
     assert d256 == config_sets.default_config(DType.BF16, 256, causal=False)
-    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag" and d256.kv_split
+    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles" and d256.kv_split
     assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns(1), d256.accumulator_registers()) == (2, 64, 128, 192)
-    # K, V (32 KiB each) + one stage of Q, dO (64 KiB) + two buffers of P^T and dS^T (8 KiB each) +
+    # K, V (32 KiB each) + one stage of Q, dO (64 KiB) + two buffers of P^T (sdp_roles: P^T's fp32
+    # exchange) and dS^T (8 KiB each) +
     # both warpgroups' 64 x 128 fp32 dQ (64 KiB) + lse2, dvec (512 bytes) + barriers + 1 KiB: within the
     # 227 KiB; a second stage would not fit beside the staged dQ
     assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024 <= 227 * 1024
@@ -215,6 +216,25 @@ def test_dq_colsplit_short_form_rules_columns_and_set():
     assert all(c.d_head == 96 for c in everything if c.dq_colsplit)
 
 
+def test_sdp_roles_short_form_rules_registers_and_set():
+    """d_head 256's score tiles by role (warpgroup 0 S^T, warpgroup 1 dP^T, each over all 64
+    queries): only there, the same shared memory (P^T's fp32 exchange takes the two P^T tiles'
+    bytes), one score tile of 64 queries per thread, a twin of every d_head 256 config in `all`."""
+    base = HopperBackwardKernelConfig(DType.BF16, 256, 64, 64, 1, dq_tma=True, pdl=True, dq_frag=True)
+    cfg = base.replace(sdp_roles=True)
+    assert cfg.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles"
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    assert cfg.smem_bytes() == base.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024
+    assert (base.accumulator_registers(), cfg.accumulator_registers()) == (128 + 64, 128 + 64)
+    for d in (64, 96, 128):
+        with pytest.raises(ValueError, match="sdp_roles needs d_head 256"):
+            config_sets.default_config(DType.BF16, d).replace(sdp_roles=True)
+    everything = config_sets.get_kernel_configs("all")
+    d256 = [c for c in everything if c.kv_split and not c.sdp_roles]
+    assert d256 and all(c.replace(sdp_roles=True) in everything for c in d256)
+    assert all(c.d_head == 256 for c in everything if c.sdp_roles)
+
+
 def test_dq_frag_short_form_rules_and_set():
     cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
@@ -331,7 +351,7 @@ def test_name_expressions(causal, deterministic, varlen):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = "".join(f", {'true' if f else 'false'}" for f in (causal, deterministic, varlen)) + ">"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false}>"
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false, false}>"
                              + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:

@@ -37,7 +37,8 @@ if has_gpu():
 D_HEADS = (64, 96, 128)
 ALL = get_kernel_configs("all")
 DEFAULTS = get_kernel_configs("defaults")
-# d_head 256: two warpgroups share 64 keys, each with half of dK/dV's columns (no default yet)
+# d_head 256: two warpgroups share 64 keys, each with half of dK/dV's columns (with and without
+# the score tiles by role, sdp_roles)
 KV_SPLIT = [c for c in ALL if c.kv_split]
 # d_head 96 with dQ's columns split 64 + 32 (dq_colsplit): every d_head 96 default (both masks,
 # three stages for causal calls, rotate for long non-causal ones) and its twin with the other setting
@@ -203,6 +204,23 @@ def test_kv_split_shapes(cfg, case, rng):
     the matrix (tails, S_q != S_k, MQA/GQA, causal rows without keys), one and two stages."""
     batch, sq, sk, h, hk, causal = case
     run_case(cfg, batch, sq, sk, h, hk, causal, rng)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.name)
+def test_sdp_roles_gives_the_split_tiles_bits(dtype, causal, rng):
+    """d_head 256: the score tiles by role (S^T on warpgroup 0, dP^T on warpgroup 1, P^T handed over
+    in fp32) compute every element as the split tiles do: dK and dV bit-identical, and dQ too in
+    the deterministic mode (the other adds dQ blocks to L2 in any order)."""
+    split = default_config(dtype, 256, causal).replace(sdp_roles=False)
+    roles = split.replace(sdp_roles=True)
+    q, k, v, dout, out, lse = _inputs(dtype, 256, 2, 333, 270, 4, 2, causal, rng)
+    for det in (False, True):
+        a, b = (cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det, cfg=c) for c in (split, roles))
+        for name, x, y in zip(("dq", "dk", "dv"), a, b):
+            if name != "dq" or det:
+                assert bool((x.view(cp.uint16) == y.view(cp.uint16)).all()), f"{name} (deterministic={det})"
+        check_gradients(cp, dtype, q, k, v, dout, b, None, causal=causal, context=f"{roles} deterministic={det}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))

@@ -38,9 +38,13 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // columns; each computes S^T and dP^T for half of the query block, and the whole P^T and dS^T
     // tiles (the A operands of both warpgroups' dV, dK and dQ GEMMs) meet in shared memory.
     static constexpr bool KV_SPLIT = D == 256;
+    // KV_SPLIT with sdp_roles: warpgroup 0 computes S^T (and P^T), warpgroup 1 dP^T (and dS^T), each
+    // over all B_r queries (wgmma N = 64: a third less shared-memory reads than both computing both
+    // at N = 32, which read 192 bytes per tensor clock against the SM's 128).
+    static constexpr bool SDP_ROLES = C.sdp_roles;
     static constexpr int CONSUMERS = KV_SPLIT ? 2 : BC / WG_KEYS;
     static constexpr int DKV_N = KV_SPLIT ? D / 2 : D;       // dK/dV columns of one warpgroup
-    static constexpr int S_QUERIES = KV_SPLIT ? BR / 2 : BR;  // queries of one warpgroup's S^T, dP^T
+    static constexpr int S_QUERIES = KV_SPLIT && !SDP_ROLES ? BR / 2 : BR;  // queries of one warpgroup's S^T, dP^T
     static constexpr int N_THREADS = 128 * (CONSUMERS + 1);  // + the producer warpgroup
     // The CTA keeps the registers it was launched with (168 x 384 = 64512; setmaxnreg moves them
     // between warpgroups, an increase waits until they are free): 40 x 128 + 232 x 256 = 64512.
@@ -102,6 +106,8 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int DQ_TMA_FULL_BARRIER = 4;
     static constexpr int DQ_TMA_EMPTY_BARRIER = 6;
     static constexpr int DQ_TMA_THREADS = 128 + 32;
+    // sdp_roles: warpgroup 0 has handed over P^T (it arrives, warpgroup 1 waits).
+    static constexpr int PT_BARRIER = 8;
 
     // Byte offsets from the 1024-byte aligned base of dynamic shared memory.
     static constexpr int K_OFFSET = 0;
@@ -120,6 +126,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static_assert(BC % WG_KEYS == 0 && CONSUMERS >= 1 && CONSUMERS <= 2, "one or two consumer warpgroups");
     static_assert(!KV_SPLIT || (BC == WG_KEYS && BR == 64 && DQ_SPLIT && !DQ_BULK && !DQ_MID),
                   "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns (atomics or dq_tma)");
+    static_assert(!SDP_ROLES || KV_SPLIT, "sdp_roles: d_head 256's two warpgroups over the same 64 keys");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
     static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0 && DQ_N1 % DQ_PANEL_COLS == 0),
@@ -155,6 +162,7 @@ struct BwdSmem {
         return base + Cfg::DS_OFFSET + (buf * Cfg::CONSUMERS * (Cfg::BR / 64) + wg) * (Cfg::WG_KEYS * Cfg::DS_ROW_BYTES);
     }
     // KV_SPLIT: buffer buf's dS^T and P^T tiles, [64 keys][64 queries], both warpgroups' halves
+    // (sdp_roles: the two P^T tiles hold P^T's fp32 hand-over, n-tiles 0-3 and 4-7)
     CF_DEVICE u32 ds_shared(int buf) const { return ds(buf, 0); }
     CF_DEVICE u32 pt(int buf) const { return ds(buf, 1); }
     CF_DEVICE u32 dq(int row) const { return base + Cfg::DQ_OFFSET + row * Cfg::DQ_STRIDE * 4; }
@@ -420,6 +428,11 @@ CF_DEVICE void st_shared_f32x2(u32 dst, float a, float b) {
 }
 CF_DEVICE void st_shared_f32x4(u32 dst, float a, float b, float c, float d) {
     asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "f"(a), "f"(b), "f"(c), "f"(d));
+}
+CF_DEVICE float4 ld_shared_f32x4(u32 addr) {
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+    return v;
 }
 
 // dst[0..1] += (a, b) in one vector reduction (sm_90).

@@ -21,7 +21,10 @@
 // d_head 256 (Cfg::KV_SPLIT): both warpgroups hold the CTA's 64 keys; warpgroup w computes S^T and
 // dP^T for queries 32 w .. 32 w + 31 (N = 32), stores its halves of P^T and dS^T to shared
 // memory, and after a barrier of both runs dV += P^T dO, dK += dS^T Q for columns 128 w .. 128 w
-// + 127 (wgmma ss, A = P^T / dS^T from shared memory) and dQ for the same columns.
+// + 127 (wgmma ss, A = P^T / dS^T from shared memory) and dQ for the same columns. With sdp_roles
+// warpgroup 0 computes S^T and P^T, warpgroup 1 dP^T and dS^T, each for all 64 queries (N = 64:
+// the N = 32 tiles read K or V once per 32 queries, more than the SM's shared-memory bandwidth),
+// P^T reaching warpgroup 1 in fp32 through shared memory; dV takes P^T from registers.
 #pragma once
 
 template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
@@ -64,7 +67,7 @@ struct BwdConsumer {
         return (KV_SPLIT ? 0 : wg * Cfg::WG_KEYS) + 16 * warp + (lane >> 2) + 8 * (e >> 1);
     }
     // First query (inside the block) of this warpgroup's S^T and dP^T, and first dK/dV column.
-    CF_DEVICE int s_query0() const { return KV_SPLIT ? wg * Cfg::S_QUERIES : 0; }
+    CF_DEVICE int s_query0() const { return KV_SPLIT && !Cfg::SDP_ROLES ? wg * Cfg::S_QUERIES : 0; }
     CF_DEVICE int dkv_col0() const { return KV_SPLIT ? wg * DKV_N : 0; }
     CF_DEVICE static int query_col(int j, int e, int lane) { return 8 * j + 2 * (lane & 3) + (e & 1); }
 
@@ -85,7 +88,7 @@ struct BwdConsumer {
     // all B_r rows, or with KV_SPLIT 32 rows on inside every column block (the 1024-byte swizzle
     // phase is kept).
     CF_DEVICE u64 kmajor_b_own(u32 tile, int k) const {
-        if constexpr (KV_SPLIT) return kmajor_b(tile + warp_uniform(wg) * Cfg::S_QUERIES * Cfg::ROW_BYTES, k);
+        if constexpr (KV_SPLIT && !Cfg::SDP_ROLES) return kmajor_b(tile + warp_uniform(wg) * Cfg::S_QUERIES * Cfg::ROW_BYTES, k);
         else return kmajor_b(tile, k);
     }
     // KV_SPLIT: P^T or dS^T [key][query] (128-byte rows of the 64 queries) as the K-major A operand of
@@ -188,7 +191,9 @@ struct BwdConsumer {
     // Query block `it` of the walk (MASK: the causal diagonal's compares).
     template <bool MASK, bool KEY_TAIL>
     CF_DEVICE void step(int it, int key_base, int causal_offset) {
-        if constexpr (KV_SPLIT)
+        if constexpr (Cfg::SDP_ROLES)
+            block_sdp_roles<MASK, KEY_TAIL>(it, key_base, causal_offset);
+        else if constexpr (KV_SPLIT)
             block_kv_split<MASK, KEY_TAIL>(it, key_base, causal_offset);
         else
             block<MASK, KEY_TAIL>(it, key_base, causal_offset);
@@ -313,8 +318,8 @@ struct BwdConsumer {
         // This warpgroup's query halves of dS^T and P^T into buffer buf (last read by the GEMMs
         // of iteration it - 2, which both warpgroups completed before the barrier of it - 1).
         const int buf = (it_base + it) & 1;
-        store_query_half(dsa, kv.ds_shared(buf));
-        store_query_half(pa, kv.pt(buf));
+        store_query_chunks(dsa, kv.ds_shared(buf), 4 * wg);
+        store_query_chunks(pa, kv.pt(buf), 4 * wg);
         fence_proxy_async_shared();
         named_barrier_sync(DS_BARRIER, DS_THREADS);  // both warpgroups' halves are written
 
@@ -335,6 +340,102 @@ struct BwdConsumer {
         } else {
             dq_block<DQ_N, false, true>(dsa, kv, s, buf, head, q0);  // (ds(buf, 0) is the shared dS^T tile)
         }
+    }
+
+    // Query block `it` with sdp_roles (d_head 256): warpgroup 0 computes S^T = K Q^T and P^T and
+    // hands P^T (fp32) to warpgroup 1 through shared memory; warpgroup 1 computes dP^T = V dO^T and
+    // dS^T = P^T (dP^T - dvec) (as the other tiles: from the fp32 P^T) and stores dS^T. Both run
+    // dV += P^T dO with P^T's 16-bit A fragments from registers, then dK += dS^T Q and dQ with
+    // dS^T from shared memory.
+    template <bool MASK, bool KEY_TAIL>
+    CF_DEVICE void block_sdp_roles(int it, int key_base, int causal_offset) {
+        const auto [s, head, q0] = start_block(it);
+        const BwdSmem<Cfg> kv{opaque(smem.base)};
+        const int buf = (it_base + it) & 1;  // (its tiles last read by iteration it - 2's GEMMs: block_kv_split)
+        float x[NT][4];  // S^T then P^T (warpgroup 0), dP^T then dS^T (warpgroup 1)
+        u32 pa[QK][4];   // P^T as A fragments
+        if (warp_uniform(wg) == 0) {
+            score_tile(x, kv.k(), smem.q(s));
+            probabilities<MASK, KEY_TAIL>(x, s, key_base, q0, causal_offset);
+            // (the exchange is free: warpgroup 1 read the previous block's P^T before that block's
+            // dS^T barrier, which this warpgroup has passed)
+            exchange_p(kv, x);
+            named_barrier_arrive(Cfg::PT_BARRIER, 256);
+            to_fragments(x, pa);
+        } else {
+            score_tile(x, kv.v(), smem.dout(s));
+            named_barrier_sync(Cfg::PT_BARRIER, 256);  // warpgroup 0's P^T is in the exchange
+            dscores_from_exchange(kv, x, pa, s);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < QK; ++k) wgmma_rs<Cfg::dtype, DKV_N, 1>(dv, pa[k], mnmajor_b_half(smem.dout(s), k), 1);
+        wgmma_commit();
+        u32 dsa[QK][4];
+        if (warp_uniform(wg) == 1) {
+            to_fragments(x, dsa);
+            store_query_chunks(dsa, kv.ds_shared(buf), 0);
+            fence_proxy_async_shared();
+        }
+        named_barrier_sync(DS_BARRIER, DS_THREADS);  // warpgroup 1's dS^T is written
+        // (dV ran beside dS^T: P^T's registers are free before dQ's accumulator is live)
+        wgmma_wait<0>();
+        fence_registers(dv);
+        wgmma_fence();
+        dk_from_shared(kv, s, buf);
+        if constexpr (DETERMINISTIC) {
+            wgmma_wait<0>();
+            fence_registers(dk);
+            release(s);
+        } else {
+            dq_block<DQ_N, false>(dsa, kv, s, buf, head, q0);
+        }
+    }
+
+    // sdp_roles: P^T (fp32, this thread's accumulator elements) to the exchange in fragment order
+    // (n-tile j's four values as one 16-byte store at (j * 128 + tid) * 16: a warp's stores are
+    // contiguous), over the two buffers' P^T slots (n-tiles 0-3 and 4-7; 8 KiB each).
+    CF_DEVICE u32 exchange_address(BwdSmem<Cfg> kv, int j) const {
+        return kv.pt(j / 4) + ((j % 4) * 128 + tid) * 16;
+    }
+    CF_DEVICE void exchange_p(BwdSmem<Cfg> kv, const float (&pt)[NT][4]) const {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) st_shared_f32x4(exchange_address(kv, j), pt[j][0], pt[j][1], pt[j][2], pt[j][3]);
+    }
+    // sdp_roles, warpgroup 1: P^T from the exchange (thread t reads what thread t of warpgroup 0
+    // stored: the same (key, query) elements), its 16-bit A fragments into pa, and dP^T -> dS^T in
+    // place: P^T * (dP^T - dvec[q]).
+    CF_DEVICE void dscores_from_exchange(BwdSmem<Cfg> kv, float (&dpt)[NT][4], u32 (&pa)[QK][4], int s) const {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float4 p = ld_shared_f32x4(exchange_address(kv, j));
+            pa[j / 2][2 * (j % 2)] = pack_pair<Cfg::dtype>(p.x, p.y);
+            pa[j / 2][2 * (j % 2) + 1] = pack_pair<Cfg::dtype>(p.z, p.w);
+            const float2 dvec = ld_shared_f32x2(stats_lane(s) + Cfg::STAT_BYTES + 32 * j);
+            dpt[j][0] = p.x * (dpt[j][0] - dvec.x);
+            dpt[j][1] = p.y * (dpt[j][1] - dvec.y);
+            dpt[j][2] = p.z * (dpt[j][2] - dvec.x);
+            dpt[j][3] = p.w * (dpt[j][3] - dvec.y);
+        }
+    }
+
+    // KV_SPLIT: dK += dS^T Q for this warpgroup's columns, dS^T from buffer buf (committed).
+    CF_DEVICE void dk_from_shared(BwdSmem<Cfg> kv, int s, int buf) {
+#pragma unroll
+        for (int k = 0; k < Cfg::BR / 16; ++k)
+            wgmma_ss<Cfg::dtype, DKV_N, 1>(dk, pds_a(kv.ds_shared(buf), k), mnmajor_b_half(smem.q(s), k), 1);
+        wgmma_commit();
+    }
+
+    // sdp_roles: one score tile over all B_r queries (A = the K or V tile, B = the Q or dO tile of
+    // the stage), completed.
+    CF_DEVICE void score_tile(float (&x)[NT][4], u32 a_tile, u32 b_tile) const {
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < DK; ++k) wgmma_ss<Cfg::dtype, Cfg::S_QUERIES, 0>(x, kmajor_a(a_tile, k), kmajor_b(b_tile, k), k > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(x);
     }
 
     // S^T = K Q^T and dP^T = V dO^T for this warpgroup's keys and queries (s_query0() on), as two
@@ -370,17 +471,23 @@ struct BwdConsumer {
         }
     }
 
-    // KV_SPLIT: this warpgroup's 64 keys x 32 queries of P^T or dS^T (A fragments) into the
-    // [key][query] tile at `tile` (128-byte rows, 128B-swizzled), query chunks 4 wg .. 4 wg + 3:
-    // one stmatrix.x4 per k-step, as store_ds.
-    CF_DEVICE void store_query_half(const u32 (&a)[QK][4], u32 tile) const {
+    // KV_SPLIT: this warpgroup's 64 keys x S_QUERIES queries of P^T or dS^T (A fragments) into the
+    // [key][query] tile at `tile` (128-byte rows, 128B-swizzled), 16-byte query chunks from chunk0
+    // (4 wg: its half; sdp_roles: 0, all of them): one stmatrix.x4 per k-step, as store_ds.
+    CF_DEVICE void store_query_chunks(const u32 (&a)[QK][4], u32 tile, int chunk0) const {
+        const u32 row = query_chunk_row(tile);
+#pragma unroll
+        for (int k = 0; k < QK; ++k)
+            stmatrix_x4(row ^ (u32)(((chunk0 + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
+    }
+    // This lane's stmatrix row address at query chunk 0: lane 8 i + r addresses row r of
+    // matrix i (key 16 warp + 8 (i & 1) + r, chunk i >> 1), swizzled as chunk ^ (key & 7); a k-step's
+    // chunk c is the XOR of c << 4 (the tile is 1024-byte aligned).
+    CF_DEVICE u32 query_chunk_row(u32 tile) const {
         const u32 t = opaque(tid);
         const u32 r = t & 7, i = (t >> 3) & 3;
         const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;
-        const u32 row = tile + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
-#pragma unroll
-        for (int k = 0; k < QK; ++k)
-            stmatrix_x4(row ^ (u32)(((4 * wg + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
+        return tile + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
     }
 
     // This warpgroup's dQ of the block (rows dq_row0() + 16 warp + lane / 4, + 8; its N columns from

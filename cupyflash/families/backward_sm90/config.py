@@ -70,6 +70,12 @@ map of the workspace).
 warpgroups, each over all B_c keys (both read every warpgroup's dS^T behind one barrier), as
 d_head 128 and 256 always do with halves: each dQ element is added once per CTA instead of twice
 (half the reduction traffic to L2), at the price of uneven dQ GEMMs (N = 64 and N = 32).
+`sdp_roles` (d_head 256) gives the two warpgroups, which share the CTA's 64 keys, one score tile each
+over all 64 queries: warpgroup 0 computes S^T and P^T and hands P^T (fp32) to warpgroup 1 through
+shared memory, warpgroup 1 computes dP^T and dS^T = P^T (dP^T - dvec); both take dV's A operand
+(P^T) from registers. Without it each computes both tiles for half of the queries (wgmma N = 32),
+which reads the K and V tiles once per 32 queries: 192 bytes of shared memory per tensor clock
+against the SM's 128.
 """
 from __future__ import annotations
 
@@ -84,7 +90,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
-         "dq_frag", "dq_colsplit")  # the boolean fields after n_stages, short-form order
+         "dq_frag", "dq_colsplit", "sdp_roles")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 96, 128, 256)  # dK and dV stay in registers (d_head 256: half of the columns per warpgroup)
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -123,6 +129,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     dynamic: bool = False
     dq_frag: bool = False
     dq_colsplit: bool = False
+    sdp_roles: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -156,6 +163,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         yield ("dq_colsplit needs d_head 96, B_r 64 and two consumer warpgroups (dQ's columns 64 + 32, each over "
                "all keys)", not self.dq_colsplit or (self.d_head == 96 and self.B_r == 64
                                                      and self.consumer_warpgroups == 2))
+        yield ("sdp_roles needs d_head 256 (its two warpgroups share 64 keys; one computes S^T, the other dP^T)",
+               not self.sdp_roles or self.kv_split)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
@@ -202,8 +211,9 @@ class HopperBackwardKernelConfig(KernelConfig):
         return self.d_head // 2
 
     def accumulator_registers(self) -> int:
-        if self.kv_split:  # half of dK and dV, S^T and dP^T of half of the queries, half of dQ's columns
-            return self.d_head // 2 + max(self.B_r // 2, self.d_head // 4)
+        if self.kv_split:  # half of dK and dV, S^T and dP^T of half of the queries (sdp_roles: S^T or dP^T of
+            # all of them), half of dQ's columns
+            return self.d_head // 2 + max(self.B_r if self.sdp_roles else self.B_r // 2, self.d_head // 4)
         return self.d_head + max(self.B_r, self.d_head // 2)
 
     def smem_bytes(self) -> int:

@@ -72,6 +72,11 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # the two warpgroups (`dq_colsplit`: each over all 128 keys, every dQ element added once per CTA,
 # half the fp32 reduction bytes): H200 at the power cap, 3 interleaved rounds, bf16 and fp16, 1k-16k,
 # non-causal +20-26% (1.18-1.25x cuDNN, from 0.96-1.00x), causal +16-22% (1.22-1.28x cuDNN).
+# Since the thirty-fifth session (NOTES.md item 315) d_head 256 computes its score tiles by role
+# (`sdp_roles`: warpgroup 0 S^T over all 64 queries, warpgroup 1 dP^T, P^T handed over in fp32;
+# the same bits as the split tiles): H200 at the power cap, two same-process runs of 3 rounds, bf16
+# and fp16, 1k-16k: non-causal +2.7% / +3.2% on average (-1.4..+6.5% per row), causal +0.9% / +1.4%
+# (-1.5..+4.7%).
 CAUSAL_KNOBS = {"nomask": True}
 NO_NOMASK_D_HEADS = (256,)
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
@@ -80,7 +85,7 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
                                "dynamic": True, "dq_frag": True, "dq_colsplit": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
-             256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True})}
+             256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True, "sdp_roles": True})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
 # ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
@@ -150,6 +155,8 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
     # d_head 96: every two-warpgroup 64-row config with and without dQ's columns split 64 + 32
     out += [c.replace(dq_colsplit=not c.dq_colsplit) for c in out
             if c.d_head == 96 and c.B_r == 64 and c.consumer_warpgroups == 2]
+    # d_head 256: every config with and without the score tiles by role (sdp_roles)
+    out += [c.replace(sdp_roles=not c.sdp_roles) for c in out if c.kv_split]
     return sorted(set(out))
 
 
@@ -239,13 +246,14 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic, + dq_frag,
     + nomask (the causal default; at d_head 96 + dq_colsplit before it); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ
     split by rows), + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag, + nomask; at d_head
-    256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag."""
+    256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag, + sdp_roles."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
-    if last.kv_split:  # d_head 256: the atomic kernel (two stages), + dq_tma (one stage), + pdl+dq_frag
-        return [last.replace(n_stages=2, dq_tma=False, pdl=False, dq_frag=False), last.replace(pdl=False, dq_frag=False),
-                last]
+    if last.kv_split:  # d_head 256: the atomic kernel (two stages), + dq_tma (one stage), + pdl+dq_frag, + sdp_roles
+        split = last.replace(sdp_roles=False)
+        return [split.replace(n_stages=2, dq_tma=False, pdl=False, dq_frag=False),
+                split.replace(pdl=False, dq_frag=False), split, last]
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
