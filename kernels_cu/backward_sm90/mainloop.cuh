@@ -388,7 +388,7 @@ struct BwdConsumer {
             fence_registers(dk);
             release(s);
         } else {
-            dq_block<DQ_N, false>(dsa, kv, s, buf, head, q0);
+            dq_block<DQ_N, false>(dsa, kv, s, buf, head, q0);  // (dsa: read only with DK_AFTER_DQ)
         }
     }
 
@@ -475,19 +475,13 @@ struct BwdConsumer {
     // [key][query] tile at `tile` (128-byte rows, 128B-swizzled), 16-byte query chunks from chunk0
     // (4 wg: its half; sdp_roles: 0, all of them): one stmatrix.x4 per k-step, as store_ds.
     CF_DEVICE void store_query_chunks(const u32 (&a)[QK][4], u32 tile, int chunk0) const {
-        const u32 row = query_chunk_row(tile);
-#pragma unroll
-        for (int k = 0; k < QK; ++k)
-            stmatrix_x4(row ^ (u32)(((chunk0 + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
-    }
-    // This lane's stmatrix row address at query chunk 0: lane 8 i + r addresses row r of
-    // matrix i (key 16 warp + 8 (i & 1) + r, chunk i >> 1), swizzled as chunk ^ (key & 7); a k-step's
-    // chunk c is the XOR of c << 4 (the tile is 1024-byte aligned).
-    CF_DEVICE u32 query_chunk_row(u32 tile) const {
         const u32 t = opaque(tid);
         const u32 r = t & 7, i = (t >> 3) & 3;
         const u32 key = 16 * (t >> 5 & 3) + 8 * (i & 1) + r;
-        return tile + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
+        const u32 row = tile + key * Cfg::DS_ROW_BYTES + (((i >> 1) ^ r) << 4);
+#pragma unroll
+        for (int k = 0; k < QK; ++k)
+            stmatrix_x4(row ^ (u32)(((chunk0 + 2 * k) & 7) << 4), a[k][0], a[k][1], a[k][2], a[k][3]);
     }
 
     // This warpgroup's dQ of the block (rows dq_row0() + 16 warp + lane / 4, + 8; its N columns from
