@@ -31,8 +31,8 @@ from cupyflash.benchmarking import grid_shape, parse_ints  # noqa: E402
 from cupyflash.config import DType  # noqa: E402
 from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig as H  # noqa: E402
 
-ROWS = {"d64": (64, False), "d64c": (64, True), "d128": (128, False), "d128c": (128, True), "d256": (256, False),
-        "d256c": (256, True)}
+ROWS = {"d64": (64, False), "d64c": (64, True), "d96": (96, False), "d96c": (96, True), "d128": (128, False),
+        "d128c": (128, True), "d256": (256, False), "d256c": (256, True)}
 TABLE = Path(__file__).resolve().parent.parent / "cupyflash" / "tuning" / "default_h100.forward_sm90.json"
 
 

@@ -225,7 +225,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false}>, "
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false, 0}>, "
         "true, false>")
 
 
@@ -398,9 +398,10 @@ def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
     """autotune's knob twins of a winner (FORWARD_SM90.knob_twins): the winner with ring / oreg
-    and xtile or (causal only) wgblocks added, never both of those two, never the winner itself;
-    every twin is a valid config that keeps the winner's other fields; sorted."""
-    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks"}
+    and xtile or (causal only) wgblocks added, never both of those two, on causal rows of one CTA
+    per tile also lpt16 / lpt32, never the winner itself; every twin is a valid config that keeps
+    the winner's other fields; sorted."""
+    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib"}
     winners = [c for c in config_sets.autotune_configs() if c.dtype is DType.BF16]
     seen = set()
     for cfg in winners:
@@ -409,8 +410,10 @@ def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
         for t in twins:
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(t, f.name) != getattr(cfg, f.name)}
             assert changed and changed <= knobs and all(getattr(t, k) for k in changed)
-            assert not (t.cross_tile and t.wg_blocks)
+            assert not (t.cross_tile and t.wg_blocks) and t.lpt_mib in (0, 16, 32)
             seen |= changed
-    assert seen == (knobs if causal else knobs - {"wg_blocks"})
+    assert seen == (knobs if causal else knobs - {"wg_blocks", "lpt_mib"})
     x = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
     assert len(FORWARD_SM90.knob_twins(x, True)) == 9 and len(FORWARD_SM90.knob_twins(x, False)) == 5
+    plain = x.replace(persistent=False, double_q=False)  # one CTA per tile: oreg, wgblocks, lpt16/32
+    assert len(FORWARD_SM90.knob_twins(plain, True)) == 11 and len(FORWARD_SM90.knob_twins(plain, False)) == 1

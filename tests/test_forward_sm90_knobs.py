@@ -1,4 +1,4 @@
-"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile`, `wgblocks`, `psmem` and `cluster2` knobs and the 192-column key tile without a GPU: short forms
+"""forward_sm90's `oreg`, `lazy`, `ring`, `xtile`, `wgblocks`, `psmem`, `cluster2` and `lptN` knobs and the 192-column key tile without a GPU: short forms
 (the new flags after emuN, earlier forms unchanged), the rendered struct, and (compile) the
 configs the knobs' GPU tests run, built for sm_90a with zero ptxas warnings and no spills."""
 from __future__ import annotations
@@ -60,12 +60,14 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false, false, 0}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false, false}>, true, false>")
-    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false, false}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false, false, 0}>, true, false>")
+    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false, false, 0}>, true, false>")
     pair = cfg.replace(persistent=False, o_direct=False, cluster=True)
-    assert name_expression(pair, False).endswith("false, false, false, true}>, false, false>")
+    assert name_expression(pair, False).endswith("false, false, false, true, 0}>, false, false>")
+    assert name_expression(cfg.replace(persistent=False, o_direct=False, lpt_mib=16), True).endswith(
+        "false, false, false, false, 16}>, true, false>")
 
 
 def test_wg_blocks_needs_a_producer_and_no_cross_tile():
@@ -115,6 +117,22 @@ def test_cluster_grid_pads_the_query_blocks_to_pairs():
     base = SimpleNamespace(seq_len_q=3 * 128 - 17, n_heads=5, out_shape=(2,), causal=False)
     assert Sm90Plan(pair, base).grid == (4, 5, 2)
     assert Sm90Plan(pair.replace(cluster=False), base).grid == (3, 5, 2)
+
+
+def test_lpt_orders_single_tile_grids_only():
+    cfg = H.parse("forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+wgblocks+lpt16")
+    assert cfg.lpt_mib == 16 and cfg.short_form().endswith("+wgblocks+lpt16")
+    assert cfg.smem_bytes() == cfg.replace(lpt_mib=0).smem_bytes()  # the order of the grid only
+    assert H.parse(str(cfg.replace(lpt_mib=0))) == cfg.replace(lpt_mib=0)  # earlier forms read as before
+    for text, error in (("forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+lpt8",
+                         "lpt needs one CTA per tile"),
+                        ("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+cluster2+lpt8",
+                         "lpt needs one CTA per tile"),
+                        ("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+lpt12", "lpt_mib in"),
+                        ("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+lpt0", "lpt0"),
+                        ("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+lpt8+lpt16", "given twice")):
+        with pytest.raises(ValueError, match=error):
+            H.parse(text)
 
 
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)

@@ -2,7 +2,8 @@
 tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
 a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
 visible key block), `psmem` (P V reads P from shared memory), `cluster2` (K/V multicast to CTA
-pairs) and the 192-column key tile, against
+pairs), `lptN` (causal grids longest tiles first, in chunks of heads) and the 192-column key tile,
+against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
 several times. Skipped cleanly without a compute capability 9.0 GPU."""
@@ -75,7 +76,14 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 # with the ring and per-warpgroup blocks, and P through shared memory (persistent)
                 "forward_sm90(BF16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+ring+xtile",
                 "forward_sm90(FP16, 96, 192, 80, 3): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+wgblocks",
-                "forward_sm90(BF16, 96, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+psmem")
+                "forward_sm90(BF16, 96, 192, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+psmem",
+                # lpt: causal grids start the longest tiles of a chunk of heads first (three and
+                # two consumer warpgroups, every d_head's swizzle)
+                "forward_sm90(BF16, 64, 192, 128, 3): tma+ws+pingpong+overlap+wgblocks+lpt8",
+                "forward_sm90(FP16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+lpt32",
+                "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+lpt4",
+                "forward_sm90(FP16, 96, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+lpt16",
+                "forward_sm90(BF16, 256, 128, 64, 2): tma+ws+pingpong+overlap+lazy+lpt64")
 
 if _is_sm90():
     import cupy as cp
@@ -138,3 +146,23 @@ def test_lazy_rescale_with_growing_scores(cfg, causal, rng):
     lse = cp.full((2, 4, seq), np.nan, dtype=cp.float32)
     forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
     check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=str(cfg))
+
+
+LPT_CONFIGS = [c for c in CONFIGS if c.lpt_mib]
+
+
+@pytest.mark.parametrize("cfg", LPT_CONFIGS, ids=str)
+def test_lpt_chunks_of_heads(cfg, rng):
+    """Causal grids whose (head, batch) pairs' K and V exceed the config's lpt budget: several
+    chunks of heads, the last one smaller (12 pairs in chunks of 8), S_q != S_k, and GQA (a group's
+    heads share K/V, so a chunk holds more heads: 24 in chunks of 8 pairs of 2). Every tile is
+    computed once: poisoned outputs and the LSE catch a tile missed or written twice."""
+    seq_k = cfg.lpt_mib * 32768 // cfg.d_head  # K + V of a pair: 4 * seq_k * d_head bytes = lpt_mib / 8 MiB
+    assert seq_k <= 8192, "the float64 reference's (heads, seq_q, seq_k) scores must fit the GPU"
+    for batch, sq, sk, h, hkv in ((3, seq_k, seq_k, 4, 4), (2, seq_k // 2 + 77, seq_k, 6, 6),
+                                  (1, 1000, 2 * seq_k, 24, 12)):
+        q, k, v = _inputs(rng, cfg.dtype, batch, sq, sk, h, hkv, cfg.d_head)
+        out = poisoned(cp, cfg.dtype, q.shape)
+        lse = cp.full((batch, h, sq), np.nan, dtype=cp.float32)
+        forward_sm90(cfg, q, k, v, out=out, causal=True, return_lse=True, lse=lse)
+        check_attention(cp, cfg.dtype, q, k, v, out, causal=True, lse=lse, context=f"{cfg} {(batch, sq, sk, h, hkv)}")

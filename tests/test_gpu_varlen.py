@@ -32,7 +32,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
     """cfg for forward_varlen: None (the library's pick: forward_sm90 on Hopper), forward_sm80's
     default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles), or
     with the cross-tile overlap as well, or with each warpgroup stopping at its own last visible
-    key block (wg_blocks: per-sequence lengths decide it)."""
+    key block (wg_blocks: per-sequence lengths decide it), or the default with causal grids
+    started longest tiles first (lpt)."""
     if family == "auto":
         return None
     if family == "sm80":
@@ -52,6 +53,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
                                                             cross_tile=True)
         except ValueError:
             pytest.skip("no second Q tile fits at this d_head")
+    if family == "sm90_lpt":  # causal grids: longest tiles first across the sequences' heads
+        return dataclasses.replace(default_config(dtype, d, causal), lpt_mib=16)
     if family == "sm90_wgblocks":
         return dataclasses.replace(default_config(dtype, d, causal), persistent=True, wg_blocks=True)
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
@@ -84,7 +87,7 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks"])
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks", "sm90_lpt"])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -35,6 +35,10 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
     static constexpr bool P_SMEM = C.p_smem;  // P V reads P from a shared tile per consumer warpgroup
     // CTAs launched in clusters of two (query blocks 2i and 2i + 1 of one head); see kv_multicast.
     static constexpr bool CLUSTER = C.cluster;
+    // lpt: causal grids start the longest tiles of a chunk of heads first, a chunk the (head, batch)
+    // pairs whose K and V fit in LPT_L2_KIB (H100: 50 MB of L2)
+    static constexpr bool LPT = C.lpt_mib > 0;
+    static constexpr int LPT_L2_KIB = C.lpt_mib << 10;
     static constexpr int CLUSTER_SIZE = CLUSTER ? 2 : 1;
     static constexpr bool VARLEN = false;  // packed ragged batches: see WithVarlen
 

@@ -1,7 +1,8 @@
 // Which (query block, head, batch) tiles a CTA computes, and how many key blocks each visits.
 //
 // Non-persistent: one CTA per tile, grid (ceil(seq_len_q / B_r), heads, batch); under causal
-// masking each head's query blocks go last to first (longest first). Persistent, no masking: a
+// masking each head's query blocks go last to first (longest first), and with `lpt` the longest
+// tiles of a chunk of heads first (longest_first). Persistent, no masking: a
 // grid of G (about one CTA per SM) takes the tile list in rounds of G tiles, CTA c taking tile
 // c of even rounds and G-1-c of odd ones; consecutive tiles are the query blocks of one (head,
 // batch), so CTAs running at the same time share its K/V in L2.
@@ -87,6 +88,7 @@ struct TileScheduler {
         t.q_block = CAUSAL ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
         t.head = blockIdx.y;
         t.batch = blockIdx.z;
+        if constexpr (CAUSAL && Cfg::LPT) t.longest_first(p);
         if constexpr (Cfg::VARLEN) {
             t.read_sequence(p);
             t.valid = t.first_row() < t.len_q;
@@ -94,6 +96,27 @@ struct TileScheduler {
             t.valid = t.first_row() < p.seq_len_q;  // the grid's pad to whole clusters
         }
         return t;
+    }
+
+    // lpt: the hardware starts CTAs in linear block order, so the first ones get the longest
+    // tiles. The linear index (x fastest, then head, batch) is re-cut into chunks of `per` (head,
+    // batch) pairs whose K and V fit in LPT_L2_KIB; inside a chunk query block nqb - 1 of every
+    // pair comes first, then nqb - 2, ... With each head's tiles in turn, the last heads' long
+    // tiles start late and run alone at the end. Heads of one GQA group are neighbours (head
+    // fastest) and share their K/V. (VARLEN: nqb is the longest sequence's; tiles past their
+    // sequence's end still exit at once.)
+    CF_DEVICE void longest_first(const HopperForwardParams& p) {
+        const int nqb = gridDim.x, pairs = gridDim.y * gridDim.z;
+        // KiB of K + V (16-bit) per (head, batch) pair: 4 * seq_len_k * D bytes over the group
+        const long long pair_kib = max(1LL, (long long)p.seq_len_k * Cfg::D / (256LL * p.kv_group_size));
+        const int per = (int)max(1LL, min((long long)pairs, Cfg::LPT_L2_KIB / pair_kib));
+        const int linear = blockIdx.x + nqb * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int chunk = linear / (per * nqb), r = linear % (per * nqb);
+        const int in_chunk = min(per, pairs - chunk * per);  // the last chunk may be smaller
+        const int pair = chunk * per + r % in_chunk;
+        q_block = nqb - 1 - r / in_chunk;
+        head = pair % gridDim.y;
+        batch = pair / gridDim.y;
     }
 
     CF_DEVICE TileScheduler next(const HopperForwardParams& p) const {

@@ -168,22 +168,26 @@ def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForward
 _TWIN_KNOBS = ("turn_ring", "o_direct")
 _XTILE = {"turn_ring": True, "cross_tile": True}
 _WG_BLOCKS = {"wg_blocks": True}
+# lptN on causal rows of one CTA per tile: on an H200 (2026-11-29, NOTES.md item 321) 16 and 32 MiB
+# chunks gained 0.5-2% at 8k-16k and lost up to 7% at 2k, so autotune tries them row by row.
+_LPT = ({}, {"lpt_mib": 16}, {"lpt_mib": 32})
 
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
     """`cfg` with every combination of `ring` and `oreg` added, each also with `xtile` or (causal
-    rows only) `wgblocks`; those the family's rules refuse for this config are left out, as is
-    `cfg` itself. Sorted, so the order never depends on the caller. Unmasked, `wgblocks` only
-    idles the warpgroups of a last tile that lie past the sequence's end; on the H100 that was
-    level with the d_head 64 picks (192-row tiles, S 512-16k: -3.8% to +1.0%, NOTES.md item 190),
-    so non-causal rows do not spend autotune time on it."""
+    rows only) `wgblocks`, and on causal rows each of those with `lpt16` or `lpt32`; those the
+    family's rules refuse for this config are left out, as is `cfg` itself. Sorted, so the order
+    never depends on the caller. Unmasked, `wgblocks` only idles the warpgroups of a last tile
+    that lie past the sequence's end; on the H100 that was level with the d_head 64 picks
+    (192-row tiles, S 512-16k: -3.8% to +1.0%, NOTES.md item 190), and non-causal grids have no
+    long and short tiles for `lpt` to order, so non-causal rows do not spend autotune time on them."""
     out = set()
     exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal else [])
     for n in range(len(_TWIN_KNOBS) + 1):
         for knobs in itertools.combinations(_TWIN_KNOBS, n):
-            for extra in exclusive:
+            for extra, order in itertools.product(exclusive, _LPT if causal else ({},)):
                 try:
-                    twin = dataclasses.replace(cfg, **{**{k: True for k in knobs}, **extra})
+                    twin = dataclasses.replace(cfg, **{**{k: True for k in knobs}, **extra, **order})
                 except ValueError:
                     continue  # a rule refuses the combination for this config
                 if twin != cfg:
