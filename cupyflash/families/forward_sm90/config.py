@@ -210,8 +210,8 @@ class HopperForwardKernelConfig(KernelConfig):
                                         "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
                                         "psmem": "p_smem", "cluster2": "cluster"}
     _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2")  # after emuN
-    _EMU_RE: ClassVar[re.Pattern] = re.compile(r"^emu(?P<q>\d)$")
-    _LPT_RE: ClassVar[re.Pattern] = re.compile(r"^lpt(?P<mib>\d+)$")
+    _NUMBERED: ClassVar[dict[str, re.Pattern]] = {"emu": re.compile(r"^emu(?P<n>\d)$"),  # exp_emulation
+                                                  "lpt": re.compile(r"^lpt(?P<n>\d+)$")}  # lpt_mib
 
     def short_form(self) -> str:
         on = [name for name, attr in self._FLAGS.items() if getattr(self, attr)]
@@ -244,23 +244,16 @@ class HopperForwardKernelConfig(KernelConfig):
         if feats[0] not in _LOADS:
             raise ValueError(f"cannot parse kernel config {text!r}: features start with 'tma' or 'cpasync'")
         flags = dict.fromkeys(cls._FLAGS.values(), False)
-        emulation = lpt = None
+        numbers: dict[str, int] = {}  # numbered features: emuN, lptN
         for feat in feats[1:]:
-            chunk = cls._LPT_RE.match(feat)
-            if chunk:
-                if lpt is not None:
-                    raise ValueError(f"cannot parse kernel config {text!r}: feature 'lptN' given twice")
-                lpt = int(chunk.group("mib"))
-                if lpt == 0:
-                    raise ValueError(f"cannot parse kernel config {text!r}: 'lpt0' is written as no feature")
-                continue
-            emu = cls._EMU_RE.match(feat)
-            if emu:
-                if emulation is not None:
-                    raise ValueError(f"cannot parse kernel config {text!r}: feature 'emuN' given twice")
-                emulation = int(emu.group("q"))
-                if emulation == 0:
-                    raise ValueError(f"cannot parse kernel config {text!r}: 'emu0' is written as no feature")
+            matches = {name: pattern.match(feat) for name, pattern in cls._NUMBERED.items()}
+            name, match = next(((n, m) for n, m in matches.items() if m), (None, None))
+            if match:
+                if name in numbers:
+                    raise ValueError(f"cannot parse kernel config {text!r}: feature '{name}N' given twice")
+                numbers[name] = int(match.group("n"))
+                if numbers[name] == 0:
+                    raise ValueError(f"cannot parse kernel config {text!r}: '{name}0' is written as no feature")
                 continue
             if feat not in cls._FLAGS:
                 raise ValueError(f"cannot parse kernel config {text!r}: unknown feature {feat!r}")
@@ -269,7 +262,7 @@ class HopperForwardKernelConfig(KernelConfig):
             flags[cls._FLAGS[feat]] = True
         return cls(DType.parse(m.group("dtype")), int(m.group("d")), int(m.group("br")), int(m.group("bc")),
                    int(m.group("st")), flags["warp_specialized"], flags["pingpong"], flags["intra_wg_overlap"],
-                   flags["persistent"], flags["double_q"], emulation or 0, _LOADS[feats[0]],
+                   flags["persistent"], flags["double_q"], numbers.get("emu", 0), _LOADS[feats[0]],
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
                    cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"],
-                   p_smem=flags["p_smem"], cluster=flags["cluster"], lpt_mib=lpt or 0)
+                   p_smem=flags["p_smem"], cluster=flags["cluster"], lpt_mib=numbers.get("lpt", 0))
