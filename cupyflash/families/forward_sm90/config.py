@@ -129,10 +129,12 @@ class HopperForwardKernelConfig(KernelConfig):
     # of a chunk (query block nqb-1 of each, then nqb-2, ...) instead of each head's tiles in turn,
     # so the last CTAs to start are the short ones. The hardware starts CTAs in linear block order;
     # with each head's tiles in turn the last head's long tiles start late and run alone (a list-
-    # scheduling model puts that at 6-10% of the makespan at 2k-16k, 132 SMs). A chunk holds the
-    # heads whose K and V fit in `lpt_mib` MiB: the tiles of a head no longer run together (each
-    # K/V block is read again a tile's time later), so the chunk bounds what L2 must hold.
-    # Persistent CTAs balance by pairs of tiles already; non-causal tiles are equal. 0: off.
+    # scheduling model puts that at 6-10% of the makespan at 2k-16k, 132 SMs; on an H200 at its
+    # power cap, where a tail's idle SMs let the busy ones clock higher, it measured +0.4-2% at
+    # 8k-16k and up to -7% at 2k: NOTES.md item 321). A chunk holds the heads whose K and V fit in
+    # `lpt_mib` MiB: the tiles of a head no longer run together (each K/V block is read again a
+    # tile's time later), so the chunk bounds what L2 must hold. Persistent CTAs balance by pairs
+    # of tiles already; non-causal tiles are equal. 0: off.
     lpt_mib: int = 0
 
     # ------------------------------------------------------------------ rules
