@@ -269,24 +269,19 @@ struct BwdSchedule {
         if constexpr (Cfg::ROTATE && !CAUSAL) s.rot = (int)((long long)s.n_block * s.m_blocks / t.nx);
         return s;
     }
-    // lpt: CTAs are started in linear block order, so give the first ones the most query blocks.
-    // Linear index L over (n fastest, kv head, batch) is re-cut into chunks of `per` (kv head,
-    // batch) pairs whose Q and dO fit in LPT_L2_KIB; inside a chunk key block 0 of every pair
-    // comes first, then key block 1, ... (a causal key block has fewer query blocks the later it
-    // is). The chunk keeps the concurrent CTAs' Q/dO reads inside L2.
+    // lpt: the CTAs started first get the most query blocks (launch_order.cuh): key block 0 of
+    // every (kv head, batch) pair of a chunk, then key block 1, ... (a causal key block has fewer
+    // query blocks the later it is); a chunk holds the pairs whose Q and dO fit in LPT_L2_KIB.
     template <class Cfg>
     CF_DEVICE void longest_first(const HopperBackwardParams& p, const BwdTile& t) {
-        const int nb = t.nx, pairs = t.ny * t.nz;
+        const int pairs = t.ny * t.nz;
         // KiB of Q + dO (16-bit) per (kv head, batch): 32-bit up to seq_len_q * group < 2^31 / (D / 256)
         const int pair_kib = max(1, p.kv_group_size * p.seq_len_q / (1024 / (Cfg::D * 4)));
         const int per = max(1, min(pairs, Cfg::LPT_L2_KIB / pair_kib));
-        const int linear = t.x + nb * (t.y + t.ny * t.z);
-        const int chunk = linear / (per * nb), r = linear % (per * nb);
-        const int in_chunk = min(per, pairs - chunk * per);  // the last chunk may be smaller
-        const int pair = chunk * per + r % in_chunk;
-        n_block = r / in_chunk;
-        kv_head = pair % t.ny;
-        batch = pair / t.ny;
+        const LaunchSlot slot = longest_first_slot(t.x + t.nx * (t.y + t.ny * t.z), t.nx, pairs, per);
+        n_block = slot.rank;
+        kv_head = slot.pair % t.ny;
+        batch = slot.pair / t.ny;
     }
     CF_DEVICE int iterations() const { return group * m_blocks; }
     // Without GQA (group 1, the common case) iteration it is query block it of the CTA's own head:

@@ -98,25 +98,22 @@ struct TileScheduler {
         return t;
     }
 
-    // lpt: the hardware starts CTAs in linear block order, so the first ones get the longest
-    // tiles. The linear index (x fastest, then head, batch) is re-cut into chunks of `per` (head,
-    // batch) pairs whose K and V fit in LPT_L2_KIB; inside a chunk query block nqb - 1 of every
-    // pair comes first, then nqb - 2, ... With each head's tiles in turn, the last heads' long
-    // tiles start late and run alone at the end. Heads of one GQA group are neighbours (head
-    // fastest) and share their K/V. (VARLEN: nqb is the longest sequence's; tiles past their
-    // sequence's end still exit at once.)
+    // lpt: the CTAs started first get the longest tiles (launch_order.cuh): query block nqb - 1
+    // of every (head, batch) pair of a chunk, then nqb - 2, ...; a chunk holds the pairs whose K
+    // and V fit in LPT_L2_KIB. With each head's tiles in turn, the last heads' long tiles start
+    // late and run alone at the end. Heads of one GQA group are neighbours (head fastest) and
+    // share their K/V. (VARLEN: nqb is the longest sequence's; tiles past their sequence's end
+    // still exit at once.)
     CF_DEVICE void longest_first(const HopperForwardParams& p) {
         const int nqb = gridDim.x, pairs = gridDim.y * gridDim.z;
         // KiB of K + V (16-bit) per (head, batch) pair: 4 * seq_len_k * D bytes over the group
         const long long pair_kib = max(1LL, (long long)p.seq_len_k * Cfg::D / (256LL * p.kv_group_size));
         const int per = (int)max(1LL, min((long long)pairs, Cfg::LPT_L2_KIB / pair_kib));
         const int linear = blockIdx.x + nqb * (blockIdx.y + gridDim.y * blockIdx.z);
-        const int chunk = linear / (per * nqb), r = linear % (per * nqb);
-        const int in_chunk = min(per, pairs - chunk * per);  // the last chunk may be smaller
-        const int pair = chunk * per + r % in_chunk;
-        q_block = nqb - 1 - r / in_chunk;
-        head = pair % gridDim.y;
-        batch = pair / gridDim.y;
+        const LaunchSlot slot = longest_first_slot(linear, nqb, pairs, per);
+        q_block = nqb - 1 - slot.rank;
+        head = slot.pair % gridDim.y;
+        batch = slot.pair / gridDim.y;
     }
 
     CF_DEVICE TileScheduler next(const HopperForwardParams& p) const {

@@ -39,7 +39,8 @@ class BackwardSm90Family(KernelFamily):
     template = "backward_sm90.cu.j2"
     # backward_sm80's headers first (its row and dQ kernels are reused), then the Hopper ones.
     headers = BACKWARD_SM80.headers + (
-        "common/ptx_sm90.cuh", "common/wgmma_sm90.cuh", "backward_sm90/wgmma_tt.cuh", "backward_sm90/config.cuh",
+        "common/ptx_sm90.cuh", "common/launch_order.cuh", "common/wgmma_sm90.cuh", "backward_sm90/wgmma_tt.cuh",
+        "backward_sm90/config.cuh",
         "backward_sm90/producer.cuh", "backward_sm90/dq_writer.cuh", "backward_sm90/mainloop.cuh", "backward_sm90/epilogue.cuh",
         "backward_sm90/kernel.cuh", "backward_sm90/rows.cuh")
     static_wrapper = "StaticHopperBackwardConfig"

@@ -24,8 +24,8 @@ class ForwardSm90Family(KernelFamily):
                    "specialisation (sm_90a)")
     config_type = HopperForwardKernelConfig
     template = "forward_sm90.cu.j2"
-    headers = ("common/ptx.cuh", "common/varlen_tail.cuh", "common/score_mask.cuh", "common/online_softmax.cuh", "common/ptx_sm90.cuh",
-               "common/wgmma_sm90.cuh",
+    headers = ("common/ptx.cuh", "common/varlen_tail.cuh", "common/score_mask.cuh", "common/online_softmax.cuh",
+               "common/ptx_sm90.cuh", "common/launch_order.cuh", "common/wgmma_sm90.cuh",
                "forward_sm90/config.cuh", "forward_sm90/tile_scheduler.cuh", "forward_sm90/producer.cuh",
                "forward_sm90/softmax.cuh", "forward_sm90/mainloop.cuh", "forward_sm90/cp_async_loads.cuh",
                "forward_sm90/epilogue.cuh",
