@@ -84,16 +84,18 @@ def test_default_config_text():
     defaults = config_sets.get_kernel_configs("defaults")
     assert len(defaults) == 20 and set(defaults) <= set(config_sets.get_kernel_configs("all"))
     # d_head 256: two warpgroups share 64 keys (kv_split), one stage, dQ staged in fragment order
-    # for the writer warp, no nomask (items 302-303), score tiles by role (item 315)
+    # for the writer warp, no nomask (items 302-303), score tiles by role (item 315), Q and dO on
+    # barriers of their own (item 330)
     d256 = config_sets.default_config(DType.BF16, 256, causal=True, seq_len_q=1 << 16)
     assert d256 == config_sets.default_config(DType.BF16, 256, causal=False)
-    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles" and d256.kv_split
+    assert d256.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles+qdo_split"
+    assert d256.kv_split
     assert (d256.consumer_warpgroups, d256.dq_rows, d256.dq_columns(1), d256.accumulator_registers()) == (2, 64, 128, 192)
     # K, V (32 KiB each) + one stage of Q, dO (64 KiB) + two buffers of P^T (sdp_roles: P^T's fp32
     # exchange) and dS^T (8 KiB each) +
     # both warpgroups' 64 x 128 fp32 dQ (64 KiB) + lse2, dvec (512 bytes) + barriers + 1 KiB: within the
     # 227 KiB; a second stage would not fit beside the staged dQ
-    assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024 <= 227 * 1024
+    assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 16 + 1024 <= 227 * 1024
     with pytest.raises(ValueError, match="shared memory"):
         d256.replace(n_stages=2)
     # d_head 96: d_head 128's tile and knobs with dQ's columns split 64 + 32 (item 308), three stages
@@ -235,6 +237,23 @@ def test_sdp_roles_short_form_rules_registers_and_set():
     assert all(c.d_head == 256 for c in everything if c.sdp_roles)
 
 
+def test_qdo_split_short_form_rules_barriers_and_set():
+    """Q and dO of a stage on barriers of their own (d_head 256's score tiles by role): the short
+    form's last knob, only with sdp_roles, two more barriers per stage, a twin of every sdp_roles
+    config in `all`."""
+    cfg = config_sets.default_config(DType.FP16, 256)
+    roles = cfg.replace(qdo_split=False)
+    assert cfg.short_form() == "backward_sm90(FP16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles+qdo_split"
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    assert cfg.smem_bytes() == roles.smem_bytes() + 16 * roles.n_stages
+    with pytest.raises(ValueError, match="qdo_split needs sdp_roles"):
+        roles.replace(sdp_roles=False, qdo_split=True)
+    everything = config_sets.get_kernel_configs("all")
+    by_role = [c for c in everything if c.sdp_roles and not c.qdo_split]
+    assert by_role and all(c.replace(qdo_split=True) in everything for c in by_role)
+    assert all(c.sdp_roles for c in everything if c.qdo_split)
+
+
 def test_dq_frag_short_form_rules_and_set():
     cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
@@ -351,7 +370,7 @@ def test_name_expressions(causal, deterministic, varlen):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = "".join(f", {'true' if f else 'false'}" for f in (causal, deterministic, varlen)) + ">"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false, false}>"
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false, false, false}>"
                              + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:

@@ -212,7 +212,7 @@ def test_sdp_roles_gives_the_split_tiles_bits(dtype, causal, rng):
     """d_head 256: the score tiles by role (S^T on warpgroup 0, dP^T on warpgroup 1, P^T handed over
     in fp32) compute every element as the split tiles do: dK and dV bit-identical, and dQ too in
     the deterministic mode (the other adds dQ blocks to L2 in any order)."""
-    split = default_config(dtype, 256, causal).replace(sdp_roles=False)
+    split = default_config(dtype, 256, causal).replace(sdp_roles=False, qdo_split=False)
     roles = split.replace(sdp_roles=True)
     q, k, v, dout, out, lse = _inputs(dtype, 256, 2, 333, 270, 4, 2, causal, rng)
     for det in (False, True):
@@ -221,6 +221,32 @@ def test_sdp_roles_gives_the_split_tiles_bits(dtype, causal, rng):
             if name != "dq" or det:
                 assert bool((x.view(cp.uint16) == y.view(cp.uint16)).all()), f"{name} (deterministic={det})"
         check_gradients(cp, dtype, q, k, v, dout, b, None, causal=causal, context=f"{roles} deterministic={det}")
+
+
+# qdo_split on d_head 256's default (one CTA per tile) and on its persistent twin (tiles walked
+# with the Q/dO ring and both barrier pairs' phases running on across them)
+QDO_SPLIT = [default_config(dt, 256).replace(qdo_split=True, **knobs) for dt in DType
+             for knobs in ({}, {"dq_early": True, "persistent": True, "dynamic": True})]
+
+
+@pytest.mark.parametrize("cfg", QDO_SPLIT, ids=str)
+def test_qdo_split_gives_the_same_bits(cfg, rng, monkeypatch):
+    """Q and dO on barriers of their own change when the loads are issued, not what is computed:
+    dK and dV bit-identical to the config without it, dQ too in the deterministic mode; then
+    three CTAs walk every tile (each barrier's phases wrap many times) and repeats agree."""
+    base = cfg.replace(qdo_split=False)
+    for causal in (False, True):
+        q, k, v, dout, out, lse = _inputs(cfg.dtype, 256, 2, 333, 270, 4, 2, causal, rng)
+        for det in (False, True):
+            a, b = (cupyflash.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det, cfg=c)
+                    for c in (base, cfg))
+            for name, x, y in zip(("dq", "dk", "dv"), a, b):
+                if name != "dq" or det:
+                    assert bool((x.view(cp.uint16) == y.view(cp.uint16)).all()), f"{name} causal={causal} det={det}"
+            check_gradients(cp, cfg.dtype, q, k, v, dout, b, None, causal=causal, context=f"{cfg} det={det}")
+    if cfg.persistent:
+        walk_on_three_ctas(cfg, rng, monkeypatch)
+    repeats_agree(cfg, 2, 1100, 1100, 8, 4, True, rng)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_q{}_k{}_h{}-{}_{}".format(*c[:5], "causal" if c[5] else "full"))

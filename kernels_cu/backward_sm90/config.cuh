@@ -42,6 +42,10 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // over all B_r queries (wgmma N = 64: a third less shared-memory reads than both computing both
     // at N = 32, which read 192 bytes per tensor clock against the SM's 128).
     static constexpr bool SDP_ROLES = C.sdp_roles;
+    // qdo_split: a stage's Q (+ lse2) and dO (+ dvec) complete and are released on barriers of
+    // their own, dO's once dV (its last reader) is done, so the next block's dO loads while dK and
+    // dQ run (d_head 256's one stage).
+    static constexpr bool QDO_SPLIT = C.qdo_split;
     static constexpr int CONSUMERS = KV_SPLIT ? 2 : BC / WG_KEYS;
     static constexpr int DKV_N = KV_SPLIT ? D / 2 : D;       // dK/dV columns of one warpgroup
     static constexpr int S_QUERIES = KV_SPLIT && !SDP_ROLES ? BR / 2 : BR;  // queries of one warpgroup's S^T, dP^T
@@ -61,6 +65,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int KV_BYTES = BC * D * 2;
     static constexpr int STAT_BYTES = BR * 4;          // lse2 or dvec of one query block
     static constexpr int STAGE_LOAD_BYTES = 2 * Q_BYTES + 2 * STAT_BYTES;  // one stage's q_full transaction
+    static constexpr int HALF_LOAD_BYTES = Q_BYTES + STAT_BYTES;  // qdo_split: Q + lse2, or dO + dvec
     // Q and dO tiles of a stage (a multiple of 1024: tiles stay 1024-aligned); its lse2 and dvec
     // rows live in a separate small ring (STATS_OFFSET), so 3 stages fit beside dq_tma's panels.
     static constexpr int STAGE_BYTES = 2 * Q_BYTES;
@@ -117,8 +122,10 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int DQ_OFFSET = DS_OFFSET + DS_BUFFERS * CONSUMERS * DS_BYTES;
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
-    // kv_full, q_full[s], q_empty[s], kv_empty; dynamic: tile_full[2], tile_empty[2], two tile slots
-    static constexpr int BAR_BYTES = 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
+    // kv_full, q_full[s], q_empty[s], kv_empty; dynamic: tile_full[2], tile_empty[2], two tile
+    // slots; qdo_split: do_full[s], do_empty[s]
+    static constexpr int DO_BAR_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
+    static constexpr int BAR_BYTES = DO_BAR_OFFSET - BAR_OFFSET + (QDO_SPLIT ? 8 * 2 * STAGES : 0);
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
 
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
@@ -127,6 +134,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static_assert(!KV_SPLIT || (BC == WG_KEYS && BR == 64 && DQ_SPLIT && !DQ_BULK && !DQ_MID),
                   "d_head 256: two warpgroups over 64 keys, 64-query blocks, dQ split by columns (atomics or dq_tma)");
     static_assert(!SDP_ROLES || KV_SPLIT, "sdp_roles: d_head 256's two warpgroups over the same 64 keys");
+    static_assert(!QDO_SPLIT || SDP_ROLES, "qdo_split: S^T (Q) and dP^T (dO) on different warpgroups");
     static_assert(STAGES >= 1, "at least one Q/dO stage");
     static_assert(!DQ_BULK || (CONSUMERS == 2 && D == 128), "dq_bulk: each warpgroup stages half of dQ's columns");
     static_assert(!DQ_TMA || (CONSUMERS == 2 && DQ_N % DQ_PANEL_COLS == 0 && DQ_N1 % DQ_PANEL_COLS == 0),
@@ -173,6 +181,11 @@ struct BwdSmem {
     CF_DEVICE u32 kv_full() const { return base + Cfg::BAR_OFFSET; }
     CF_DEVICE u32 q_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + s); }
     CF_DEVICE u32 q_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (1 + Cfg::STAGES + s); }
+    // qdo_split: stage s's dO and dvec have landed / are no longer read (else q_full, q_empty)
+    CF_DEVICE u32 do_full(int s) const { return Cfg::QDO_SPLIT ? base + Cfg::DO_BAR_OFFSET + 8 * s : q_full(s); }
+    CF_DEVICE u32 do_empty(int s) const {
+        return Cfg::QDO_SPLIT ? base + Cfg::DO_BAR_OFFSET + 8 * (Cfg::STAGES + s) : q_empty(s);
+    }
     // persistent: every consumer thread's GEMMs of a tile (the last ones read K and V) are done
     CF_DEVICE u32 kv_empty() const { return base + Cfg::BAR_OFFSET + 8 * (1 + 2 * Cfg::STAGES); }
     // dynamic: tile index hand-over j (the CTA's (j + 1)-th claimed tile) in slot j & 1

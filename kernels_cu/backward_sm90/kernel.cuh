@@ -47,6 +47,10 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         for (int s = 0; s < Cfg::STAGES; ++s) {
             mbarrier_init(smem.q_full(s), 1);
             mbarrier_init(smem.q_empty(s), 128 * Cfg::CONSUMERS);  // one arrival per consumer thread
+            if constexpr (Cfg::QDO_SPLIT) {
+                mbarrier_init(smem.do_full(s), 1);
+                mbarrier_init(smem.do_empty(s), 128 * Cfg::CONSUMERS);
+            }
         }
         fence_barrier_init();
     }

@@ -203,12 +203,19 @@ struct BwdConsumer {
     struct BlockStart {
         int s, head, q0;
     };
+    // (qdo_split: no wait; each role waits for the tile it reads first, wait_q / wait_dout)
     CF_DEVICE BlockStart start_block(int it) const {
         const int s = bwd_stage(it_base + it, Cfg::STAGES);
         const int head = sched.q_head(it);
         const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
-        mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
+        if constexpr (!Cfg::QDO_SPLIT) mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
         return {s, head, q0};
+    }
+    // qdo_split: block it's Q and lse2 / dO and dvec have landed (a completed phase: no wait on a
+    // second call for the same block)
+    CF_DEVICE void wait_q(int it, int s) const { mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES)); }
+    CF_DEVICE void wait_dout(int it, int s) const {
+        mbarrier_wait(smem.do_full(s), bwd_phase(it_base + it, Cfg::STAGES));
     }
 
     template <bool MASK, bool KEY_TAIL>
@@ -355,6 +362,7 @@ struct BwdConsumer {
         float x[NT][4];  // S^T then P^T (warpgroup 0), dP^T then dS^T (warpgroup 1)
         u32 pa[QK][4];   // P^T as A fragments
         if (warp_uniform(wg) == 0) {
+            if constexpr (Cfg::QDO_SPLIT) wait_q(it, s);
             score_tile(x, kv.k(), smem.q(s));
             probabilities<MASK, KEY_TAIL>(x, s, key_base, q0, causal_offset);
             // (the exchange is free: warpgroup 1 read the previous block's P^T before that block's
@@ -362,10 +370,15 @@ struct BwdConsumer {
             exchange_p(kv, x);
             named_barrier_arrive(Cfg::PT_BARRIER, 256);
             to_fragments(x, pa);
+            if constexpr (Cfg::QDO_SPLIT) wait_dout(it, s);  // dV's B operand
         } else {
+            if constexpr (Cfg::QDO_SPLIT) wait_dout(it, s);
             score_tile(x, kv.v(), smem.dout(s));
             named_barrier_sync(Cfg::PT_BARRIER, 256);  // warpgroup 0's P^T is in the exchange
             dscores_from_exchange(kv, x, pa, s);
+            if constexpr (Cfg::QDO_SPLIT) wait_q(it, s);  // dK's B operand (its own wait: the TMA
+                                                          // writes are visible to the threads that
+                                                          // observe the barrier's phase)
         }
         wgmma_fence();
 #pragma unroll
@@ -381,6 +394,7 @@ struct BwdConsumer {
         // (dV ran beside dS^T: P^T's registers are free before dQ's accumulator is live)
         wgmma_wait<0>();
         fence_registers(dv);
+        if constexpr (Cfg::QDO_SPLIT) release_dout(s);  // dV was the last GEMM reading dO (and dvec read)
         wgmma_fence();
         dk_from_shared(kv, s, buf);
         if constexpr (DETERMINISTIC) {
@@ -660,4 +674,6 @@ struct BwdConsumer {
     // that chain and reported the producer's next bulk copies into the stage as racing with
     // lanes 1..31's reads; per-thread arrivals make the ordering visible to it.
     CF_DEVICE void release(int s) const { mbarrier_arrive(smem.q_empty(s)); }
+    // qdo_split: dO and dvec of stage s are no longer read by this thread (release: Q and lse2)
+    CF_DEVICE void release_dout(int s) const { mbarrier_arrive(smem.do_empty(s)); }
 };

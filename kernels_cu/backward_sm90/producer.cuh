@@ -1,7 +1,9 @@
 // TMA producer of the backward dK/dV kernel (one thread): K and V of the CTA's key block once,
 // then per query block Q, dO (4-D tensor copies) and its lse2/dvec rows (1-D bulk copies) into a
 // ring stage, all four completing the stage's q_full barrier. A stage is refilled once every
-// consumer thread has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed).
+// consumer thread has arrived on its q_empty (its S^T/dP^T/dK/dV/dQ GEMMs have completed). With
+// qdo_split dO and dvec complete do_full and are refilled after do_empty (dV done), Q and lse2
+// q_full / q_empty.
 // With pdl the K/V loads are issued before waiting for the preprocess kernel. Persistent CTAs
 // run it once per tile, the Q/dO ring continuing across tiles.
 #pragma once
@@ -67,6 +69,10 @@ struct BwdProducer {
 
     // Query block `it` of the tile into ring position it_base + it, once its stage is free.
     CF_DEVICE void load_stage(int it, int it_base) const {
+        if constexpr (Cfg::QDO_SPLIT) {
+            load_stage_split(it, it_base);
+            return;
+        }
         const int g = it_base + it;
         const int s = bwd_stage(g, Cfg::STAGES);
         mbarrier_wait(smem.q_empty(s), bwd_phase(g, Cfg::STAGES) ^ 1u);
@@ -86,5 +92,33 @@ struct BwdProducer {
         const long long stat = seq.ws_row(p, head) + row0;
         bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
         bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.q_full(s));
+    }
+
+    // qdo_split: dO and dvec once dO's slot of the stage is free (dV done), then Q and lse2 once
+    // Q's is (dK done), each pair completing its own barrier.
+    CF_DEVICE void load_stage_split(int it, int it_base) const {
+        const int g = it_base + it;
+        const int s = bwd_stage(g, Cfg::STAGES);
+        const u32 free_phase = bwd_phase(g, Cfg::STAGES) ^ 1u;
+        const int head = sched.q_head(it);
+        const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        const Seq seq = Seq::of(p, sched.batch);
+        const long long stat = seq.ws_row(p, head) + row0;
+        mbarrier_wait(smem.do_empty(s), free_phase);
+        mbarrier_arrive_expect_tx(smem.do_full(s), Cfg::HALF_LOAD_BYTES);
+        load_rows(smem.dout(s), &p.tma_do, smem.do_full(s), seq, row0, head);
+        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.do_full(s));
+        mbarrier_wait(smem.q_empty(s), free_phase);
+        mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::HALF_LOAD_BYTES);
+        load_rows(smem.q(s), &p.tma_q, smem.q_full(s), seq, row0, head);
+        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
+    }
+
+    // B_r rows of Q or dO (from query row0 of `head`) into the tile at `dst`, completing on `bar`.
+    CF_DEVICE static void load_rows(u32 dst, const void* map, u32 bar, const Seq& seq, int row0, int head) {
+#pragma unroll
+        for (int c = 0; c < Cfg::D_BLOCKS; ++c)
+            tma_load_4d(dst + c * Cfg::BR * Cfg::ROW_BYTES, map, bar, c * Cfg::COL_BLOCK, seq.tok_q + row0, head,
+                        seq.coord);
     }
 };

@@ -76,6 +76,12 @@ shared memory, warpgroup 1 computes dP^T and dS^T = P^T (dP^T - dvec); both take
 (P^T) from registers. Without it each computes both tiles for half of the queries (wgmma N = 32),
 which reads the K and V tiles once per 32 queries: 192 bytes of shared memory per tensor clock
 against the SM's 128.
+`qdo_split` (needs sdp_roles) gives each stage's dO (with dvec) a full and an empty barrier of its
+own beside Q's (with lse2): warpgroup 0 starts S^T once Q has landed, warpgroup 1 dP^T once dO
+has, and dO's slot is released as soon as dV (its last reader) completes, before dK and dQ, so
+the producer loads the next block's dO while they run and only Q's bytes land after dK's
+release. It is meant for d_head 256's one stage (the staged dQ takes the second's shared memory),
+where the whole stage otherwise landed after the block's last Q/dO read.
 """
 from __future__ import annotations
 
@@ -90,7 +96,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
-         "dq_frag", "dq_colsplit", "sdp_roles")  # the boolean fields after n_stages, short-form order
+         "dq_frag", "dq_colsplit", "sdp_roles", "qdo_split")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 96, 128, 256)  # dK and dV stay in registers (d_head 256: half of the columns per warpgroup)
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -130,6 +136,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     dq_frag: bool = False
     dq_colsplit: bool = False
     sdp_roles: bool = False
+    qdo_split: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -165,6 +172,8 @@ class HopperBackwardKernelConfig(KernelConfig):
                                                      and self.consumer_warpgroups == 2))
         yield ("sdp_roles needs d_head 256 (its two warpgroups share 64 keys; one computes S^T, the other dP^T)",
                not self.sdp_roles or self.kv_split)
+        yield ("qdo_split needs sdp_roles (S^T reads only Q, dP^T only dO, on different warpgroups; dV, the last "
+               "GEMM reading dO, completes before dK)", not self.qdo_split or self.sdp_roles)
         yield (f"accumulator registers d_head + max(B_r, d_head / 2) <= {ACCUMULATOR_BUDGET} per consumer thread",
                self.accumulator_registers() <= ACCUMULATOR_BUDGET)
         yield (f"shared memory (K, V, n_stages Q/dO/lse2/dvec stages, two dS^T per warpgroup, dQ staging, 1 KiB) <= "
@@ -229,6 +238,8 @@ class HopperBackwardKernelConfig(KernelConfig):
         barriers = 8 * (2 + 2 * self.n_stages)  # kv_full, kv_empty, q_full and q_empty per stage
         if self.dynamic:
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
+        if self.qdo_split:
+            barriers += 8 * 2 * self.n_stages  # do_full and do_empty per stage
         return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
 
     @property

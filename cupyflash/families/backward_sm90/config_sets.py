@@ -77,6 +77,11 @@ KERNEL_SET_KEYS = ("all", "defaults", "varlen_defaults", "tune", "prog")
 # the same bits as the split tiles): H200 at the power cap, two same-process runs of 3 rounds, bf16
 # and fp16, 1k-16k: non-causal +2.7% / +3.2% on average (-1.4..+6.5% per row), causal +0.9% / +1.4%
 # (-1.5..+4.7%).
+# Since the thirty-seventh session (NOTES.md item 330) d_head 256's one stage loads dO (with dvec)
+# and Q (with lse2) on barriers of their own (`qdo_split`): dO's slot is refilled once dV is done,
+# while dK and dQ still run, and only Q's bytes land after dK's release. H200 at the power cap, one
+# same-process run of 3 rounds, bf16 and fp16, 1k-16k: non-causal +3.0% on average (+1.4..+5.0%
+# per row), causal +1.6% (-1.3..+4.2%); the same bits.
 CAUSAL_KNOBS = {"nomask": True}
 NO_NOMASK_D_HEADS = (256,)
 _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pdl": True, "persistent": True,
@@ -85,7 +90,7 @@ _DEFAULTS = {64: (128, 128, 2, {"dq_tma": True, "dq_mid": True, "lpt": True, "pd
                                "dynamic": True, "dq_frag": True, "dq_colsplit": True}),
              128: (64, 128, 2, {"dq_tma": True, "dq_mid": True, "pdl": True, "dq_early": True, "persistent": True,
                                 "dynamic": True, "dq_frag": True}),
-             256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True, "sdp_roles": True})}
+             256: (64, 64, 1, {"dq_tma": True, "pdl": True, "dq_frag": True, "sdp_roles": True, "qdo_split": True})}
 
 # Causal calls at d_head 128 with at least this many query rows take a three-stage Q/dO ring (the
 # ninth session, NOTES.md item 121): with persistent CTAs claiming causal tiles from a counter, the
@@ -156,7 +161,9 @@ def all_configs() -> list[HopperBackwardKernelConfig]:
     out += [c.replace(dq_colsplit=not c.dq_colsplit) for c in out
             if c.d_head == 96 and c.B_r == 64 and c.consumer_warpgroups == 2]
     # d_head 256: every config with and without the score tiles by role (sdp_roles)
-    out += [c.replace(sdp_roles=not c.sdp_roles) for c in out if c.kv_split]
+    out += [c.replace(sdp_roles=not c.sdp_roles, qdo_split=False) for c in out if c.kv_split]
+    # ... and those by role with Q and dO on barriers of their own (qdo_split)
+    out += [c.replace(qdo_split=True) for c in out if c.sdp_roles]
     return sorted(set(out))
 
 
@@ -246,14 +253,16 @@ def progression_configs(dtype: DType = DType.BF16, d_head: int = 128) -> list[Ho
     (dQ by red.global.add.v2), + dq_tma, + dq_mid, + pdl+dq_early+persistent+dynamic, + dq_frag,
     + nomask (the causal default; at d_head 96 + dq_colsplit before it); at d_head 64 the first kernel's 64-row tile, then 128 rows (dQ
     split by rows), + dq_tma, + dq_mid, + lpt+pdl+persistent+dynamic, + dq_frag, + nomask; at d_head
-    256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag, + sdp_roles."""
+    256 (kv_split) the atomic two-stage kernel, + dq_tma at one stage, + pdl+dq_frag, + sdp_roles,
+    + qdo_split."""
     if d_head not in _DEFAULTS:
         return []
     last = default_config(dtype, d_head)
-    if last.kv_split:  # d_head 256: the atomic kernel (two stages), + dq_tma (one stage), + pdl+dq_frag, + sdp_roles
-        split = last.replace(sdp_roles=False)
+    if last.kv_split:  # d_head 256: the atomic kernel (two stages), + dq_tma (one stage), + pdl+dq_frag, + sdp_roles,
+        # + qdo_split
+        split = last.replace(sdp_roles=False, qdo_split=False)
         return [split.replace(n_stages=2, dq_tma=False, pdl=False, dq_frag=False),
-                split.replace(pdl=False, dq_frag=False), split, last]
+                split.replace(pdl=False, dq_frag=False), split, split.replace(sdp_roles=True), last]
     if not last.dq_tma:
         return [last]
     first = last.replace(dq_tma=False, dq_mid=False, nomask=False, pdl=False, dq_early=False, lpt=False,
