@@ -254,6 +254,24 @@ def test_qdo_split_short_form_rules_barriers_and_set():
     assert all(c.sdp_roles for c in everything if c.qdo_split)
 
 
+def test_park_short_form_smem_and_varlen_default():
+    """park (the varlen consumers' tile values in a shared-memory slot per warp): the short form's
+    last knob, 40 bytes per consumer warp, backward_varlen's d_head 128 causal default (with
+    dq_frag, as the dense default), not the dense defaults."""
+    dense = config_sets.default_config(DType.BF16, 128, causal=True)
+    cfg = config_sets.varlen_default_config(DType.BF16, 128, causal=True)
+    assert cfg == dense.replace(park=True) and cfg.dq_frag and not dense.park
+    assert cfg.short_form() == ("backward_sm90(BF16, 128, 64, 128, 2): "
+                                "dq_tma+dq_mid+nomask+pdl+dq_early+persistent+dynamic+dq_frag+park")
+    assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
+    assert cfg.smem_bytes() == dense.smem_bytes() + 4 * 2 * 40
+    long_causal = config_sets.varlen_default_config(DType.FP16, 128, causal=True, seq_len_q=1 << 16)
+    assert long_causal.park and long_causal.n_stages == 3 and long_causal.smem_bytes() <= 227 * 1024
+    assert not config_sets.varlen_default_config(DType.BF16, 128, causal=False).park
+    assert not any(c.park for c in config_sets.default_configs())
+    assert cfg in config_sets.get_kernel_configs("varlen_defaults")
+
+
 def test_dq_frag_short_form_rules_and_set():
     cfg = config_sets.default_config(DType.BF16, 128, causal=False)
     assert cfg.dq_frag and cfg.short_form() == "backward_sm90(BF16, 128, 64, 128, 2): dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag"
@@ -370,7 +388,7 @@ def test_name_expressions(causal, deterministic, varlen):
     assert list(exprs) == ["dkdv", "preprocess", "dq" if deterministic else "convert"]
     flags = "".join(f", {'true' if f else 'false'}" for f in (causal, deterministic, varlen)) + ">"
     assert exprs["dkdv"] == ("backward_sm90_dkdv_kernel<StaticHopperBackwardConfig<HopperBackwardKernelConfig"
-                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false, false, false}>"
+                             "{DType::FP16, 64, 128, 128, 2, false, true, true, false, false, false, false, false, false, false, false, false, false, false, false}>"
                              + flags)
     comp = BACKWARD_SM80.config_literal(config_sets.companion_config(cfg))
     for role in list(exprs)[1:]:

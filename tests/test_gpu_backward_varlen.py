@@ -45,7 +45,7 @@ def prewarm_plan(arch: str, cc: int) -> list[tuple]:
 
         hopper = sorted({hopper_config(f, dt, d, c, s) for f in ("sm90", "sm90_plain") for dt in DType
                          for d in D_HEADS for c in (False, True) for s in (1, 1500)}
-                        | set(d96_configs()), key=str)
+                        | set(d96_configs()) | set(park_configs()), key=str)
         groups.append((hopper, ["sm_90a"], dict(variants=BACKWARD_SM90.all_variants())))
     return groups
 
@@ -310,6 +310,14 @@ def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, family, causal,
         assert bool((a.reshape(b.shape).view(cp.uint16) == b.view(cp.uint16)).all()), name
 
 
+def park_configs():
+    """backward_varlen's d_head 128 causal picks (park, dq_frag) and their twins without both."""
+    from cupyflash.families.backward_sm90.config_sets import varlen_default_config
+
+    picks = {varlen_default_config(DType.BF16, 128, True, s) for s in (1, 1500, 8192)}
+    return sorted(picks | {c.replace(park=False, dq_frag=False) for c in picks}, key=str)
+
+
 def d96_configs():
     """backward_varlen's d_head 96 picks on Hopper (bf16, both masks, short and long calls) and
     their twins with the other dq_colsplit setting (dQ's columns 64 + 32 over the warpgroups)."""
@@ -350,6 +358,33 @@ def test_hopper_walks_many_tiles_and_sequences(rng, causal):
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     grads = cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=causal)
     check_per_sequence(DType.BF16, q, k, v, dout, grads, hq, hk, causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_park_matches_the_unparked_kernel(rng, deterministic):
+    """backward_varlen's d_head 128 causal default parks each tile's sequence values in shared
+    memory (`park`, with dq_frag): on a ragged batch with more tiles than SMs (persistent CTAs
+    walking many tiles of different sequences), GQA 4, dK and dV agree bit for bit with the
+    config without both knobs (the same GEMMs in the same order), dQ too when deterministic
+    (its own pass) and within rounding of the atomic order otherwise."""
+    from cupyflash.families.backward_sm90.config_sets import varlen_default_config
+
+    family_config("sm90", DType.BF16, 128, True, 1)  # skips off Hopper
+    lens = [1, 700, 64, 1000, 0, 333, 129, 1500, 257, 1024]
+    parked = varlen_default_config(DType.BF16, 128, True, 1500)
+    assert parked.park and parked.dq_frag
+    q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens, lens, 16, 4, 128)
+    out, lse = forward(q, k, v, cu_q, cu_k, 1500, 1500, True)
+    dout = random_inputs(cp, DType.BF16, q.shape, rng)
+    grads = [cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=True,
+                                       deterministic=deterministic, cfg=cfg)
+             for cfg in (parked, parked.replace(park=False, dq_frag=False))]
+    check_per_sequence(DType.BF16, q, k, v, dout, grads[0], hq, hk, True)
+    for name, a, b in zip(("dq", "dk", "dv"), *grads):
+        if name == "dq" and not deterministic:
+            assert float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max()) <= 2e-2 * float(cp.abs(b).max())
+        else:
+            assert bool((a.view(cp.uint16) == b.view(cp.uint16)).all()), name
 
 
 def test_deterministic_is_bit_identical_run_to_run(rng):

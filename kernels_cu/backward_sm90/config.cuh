@@ -46,6 +46,9 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // their own, dO's once dV (its last reader) is done, so the next block's dO loads while dK and
     // dQ run (d_head 256's one stage).
     static constexpr bool QDO_SPLIT = C.qdo_split;
+    // park: the varlen consumers keep a tile's sequence values in a shared-memory slot per warp
+    // (mainloop.cuh, BwdConsumer::park_tile), not in registers across the loop.
+    static constexpr bool PARK = C.park;
     static constexpr int CONSUMERS = KV_SPLIT ? 2 : BC / WG_KEYS;
     static constexpr int DKV_N = KV_SPLIT ? D / 2 : D;       // dK/dV columns of one warpgroup
     static constexpr int S_QUERIES = KV_SPLIT && !SDP_ROLES ? BR / 2 : BR;  // queries of one warpgroup's S^T, dP^T
@@ -126,7 +129,10 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // slots; qdo_split: do_full[s], do_empty[s]
     static constexpr int DO_BAR_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
     static constexpr int BAR_BYTES = DO_BAR_OFFSET - BAR_OFFSET + (QDO_SPLIT ? 8 * 2 * STAGES : 0);
-    static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;  // + alignment slack
+    // park: a slot per consumer warp (cupyflash/families/backward_sm90/config.py PARK_SLOT_BYTES)
+    static constexpr int PARK_SLOT_BYTES = 40;
+    static constexpr int PARK_OFFSET = BAR_OFFSET + BAR_BYTES;
+    static constexpr int SMEM_BYTES = PARK_OFFSET + (PARK ? 4 * CONSUMERS * PARK_SLOT_BYTES : 0) + 1024;  // + alignment slack
 
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
@@ -192,6 +198,7 @@ struct BwdSmem {
     CF_DEVICE u32 tile_full(int s) const { return base + Cfg::BAR_OFFSET + 8 * (2 + 2 * Cfg::STAGES + s); }
     CF_DEVICE u32 tile_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (4 + 2 * Cfg::STAGES + s); }
     CF_DEVICE u32 tile_slot(int s) const { return base + Cfg::BAR_OFFSET + 8 * (6 + 2 * Cfg::STAGES) + 4 * s; }
+    CF_DEVICE u32 park_slot(int consumer_warp) const { return base + Cfg::PARK_OFFSET + consumer_warp * Cfg::PARK_SLOT_BYTES; }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at

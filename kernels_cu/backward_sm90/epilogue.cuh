@@ -11,7 +11,7 @@ template <class Cfg, bool CAUSAL, bool DETERMINISTIC, bool VARLEN = false>
 struct BwdEpilogue {
     CF_DEVICE static void store(const BwdConsumer<Cfg, CAUSAL, DETERMINISTIC, VARLEN>& c) {
         const HopperBackwardParams& p = c.p;
-        const BwdSeq<Cfg::BR, VARLEN> seq = BwdSeq<Cfg::BR, VARLEN>::of(p, c.sched.batch);
+        const BwdSeq<Cfg::BR, VARLEN> seq = c.seq();
         const int key0 = c.sched.n_block * Cfg::BC;
         u16* dk = static_cast<u16*>(p.dk) + seq.coord * p.dk_batch_stride + c.sched.kv_head * p.dk_head_stride +
                   (long long)seq.tok_k * p.dk_seq_stride;

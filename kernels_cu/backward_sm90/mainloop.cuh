@@ -147,24 +147,96 @@ struct BwdConsumer {
     // the others (all but the last key block of each head) run the loop without the clamp.
     // (VARLEN: the sequence's last key block masks the keys past its end instead.)
     CF_DEVICE void run() {
+        park_tile();
         if constexpr (CAUSAL) {
             walk<false>();
         } else {
-            if ((sched.n_block + 1) * Cfg::BC > Seq::of(p, sched.batch).len_k)
+            if ((sched.n_block + 1) * Cfg::BC > seq().len_k)
                 walk<true>();
             else
                 walk<false>();
         }
     }
 
+    // park (VARLEN): the tile's sequence, walk (m_begin, m_blocks, rot) and mask offset come from
+    // cu_seqlens (global loads), which ptxas cannot recompute inside the loop as it does the dense
+    // kernels' (kernel parameters). Held in registers across the loop, they made ptxas serialise
+    // the d_head 128 causal consumers' wgmma with dq_frag (C7512), so backward_varlen ran without
+    // it, 3-9% under the dense kernel on the same batch (NOTES.md items 336-340). Each consumer warp
+    // parks them in its shared-memory slot at the tile's start and loads them where they are used
+    // (volatile asm: never hoisted into a register across the loop).
+    static constexpr bool PARKED = VARLEN && Cfg::PARK;
+    enum Parked { LEN_Q, LEN_K, TOK_Q, TOK_K, WS_ROW0, M_BEGIN, M_BLOCKS, ROT, MASK_OFFSET, PARKED_VALUES };
+    static_assert(PARKED_VALUES * 4 <= Cfg::PARK_SLOT_BYTES, "a consumer warp's parked values fit its slot");
+    CF_DEVICE u32 parked_address(Parked i) const {
+        return opaque(smem.base) + (smem.park_slot(4 * wg + warp) - smem.base) + 4 * i;
+    }
+    // (No "memory" clobber: a load may move among the loop's other shared-memory accesses; the
+    // writes it must follow are ordered by park_tile's __syncwarp. Broadcast from lane 0: a loop
+    // bound or branch built from a per-thread load is one ptxas cannot prove warp-uniform, and it
+    // then gave every warp-collective instruction after it a WARPSYNC.COLLECTIVE fallback, 68 more
+    // in the causal kernel, which ran 9% slower; NOTES.md item 340.)
+    CF_DEVICE int parked(Parked i) const {
+        int x;
+        asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(x) : "r"(parked_address(i)));
+        return warp_uniform(x);
+    }
+    CF_DEVICE void park(Parked i, int x) const {
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(parked_address(i)), "r"(x) : "memory");
+    }
+    // (every lane of the warp writes the same values; __syncwarp orders the lanes' last reads of
+    // the previous tile's before the writes, and the writes before this tile's reads)
+    CF_DEVICE void park_tile() {
+        if constexpr (PARKED) {
+            const Seq s = Seq::of(p, sched.batch);
+            __syncwarp();
+            park(LEN_Q, s.len_q);
+            park(LEN_K, s.len_k);
+            park(TOK_Q, s.tok_q);
+            park(TOK_K, s.tok_k);
+            park(WS_ROW0, s.ws_row0);
+            park(M_BEGIN, sched.m_begin);
+            park(M_BLOCKS, sched.m_blocks);
+            park(ROT, sched.rot);
+            park(MASK_OFFSET, CAUSAL ? s.len_k - s.len_q : s.len_k - sched.n_block * Cfg::BC);
+            __syncwarp();
+        }
+    }
+    // The tile's sequence and walk: dense, from the kernel parameters; VARLEN, from cu_seqlens or
+    // (park) the parked copy.
+    CF_DEVICE Seq seq() const {
+        if constexpr (PARKED) return {parked(LEN_Q), parked(LEN_K), parked(TOK_Q), parked(TOK_K), parked(WS_ROW0), 0};
+        else return Seq::of(p, sched.batch);
+    }
+    CF_DEVICE BwdSchedule schedule() const {
+        if constexpr (PARKED) {
+            BwdSchedule w = sched;
+            w.m_begin = parked(M_BEGIN);
+            w.m_blocks = parked(M_BLOCKS);
+            w.rot = parked(ROT);
+            return w;
+        } else {
+            return sched;
+        }
+    }
+    // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
+    // (park: the parked one; else `offset`, which walk derived).
+    CF_DEVICE int mask_offset(int offset) const {
+        if constexpr (PARKED) return parked(MASK_OFFSET);
+        else return offset;
+    }
+
     template <bool KEY_TAIL>
     CF_DEVICE void walk() {
         mbarrier_wait(smem.kv_full(), kv_phase);
         const int n = sched.iterations();
+        // the walk's length (park: loaded at each test, not held)
+        auto iterations = [&] { return PARKED ? schedule().iterations() : n; };
         const int key_base = sched.n_block * Cfg::BC;
         const Seq seq = Seq::of(p, sched.batch);
         // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
-        const int causal_offset = (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
+        // (park: mask_offset reads the parked one where it is used)
+        const int causal_offset = PARKED ? 0 : (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
         if constexpr (CAUSAL && Cfg::NOMASK) {
             // Each query head's walk (causal: no rotate) starts at the diagonal: its first
             // `masked` blocks cut the CTA's keys, the rest see all of them. Two loops, each with
@@ -176,15 +248,16 @@ struct BwdConsumer {
             // which synccheck reports, item 251). (warp_uniform: loop bounds ptxas cannot prove
             // uniform took the loop's descriptors off the uniform datapath, 88 R2UR per block)
             const int last_key = key_base + Cfg::BC - 1;
-            const int masked = warp_uniform(
-                min(sched.m_blocks, max(0, (last_key - causal_offset + Cfg::BR - 1) / Cfg::BR - sched.m_begin)));
-            for (int head_start = 0; head_start < n; head_start += sched.m_blocks) {
+            const int masked = warp_uniform(min(schedule().m_blocks,
+                                                max(0, (last_key - mask_offset(causal_offset) + Cfg::BR - 1) / Cfg::BR -
+                                                           schedule().m_begin)));
+            for (int head_start = 0; head_start < iterations(); head_start += schedule().m_blocks) {
                 int it = head_start;
                 for (; it < head_start + masked; ++it) step<true, KEY_TAIL>(it, key_base, causal_offset);
-                for (; it < head_start + sched.m_blocks; ++it) step<false, KEY_TAIL>(it, key_base, causal_offset);
+                for (; it < head_start + schedule().m_blocks; ++it) step<false, KEY_TAIL>(it, key_base, causal_offset);
             }
         } else {
-            for (int it = 0; it < n; ++it) step<CAUSAL, KEY_TAIL>(it, key_base, causal_offset);
+            for (int it = 0; it < iterations(); ++it) step<CAUSAL, KEY_TAIL>(it, key_base, causal_offset);
         }
     }
 
@@ -206,8 +279,20 @@ struct BwdConsumer {
     // (qdo_split: no wait; each role waits for the tile it reads first, wait_q / wait_dout)
     CF_DEVICE BlockStart start_block(int it) const {
         const int s = bwd_stage(it_base + it, Cfg::STAGES);
-        const int head = sched.q_head(it);
-        const int q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        int head, q0;
+        if constexpr (PARKED && !Cfg::ROTATE) {  // (only the parked values this block reads)
+            const bool gqa = sched.group != 1;
+            const int m_blocks = gqa ? parked(M_BLOCKS) : 1;
+            head = gqa ? sched.kv_head * sched.group + it / m_blocks : sched.kv_head;
+            q0 = (parked(M_BEGIN) + (gqa ? it % m_blocks : it)) * Cfg::BR;
+        } else if constexpr (PARKED) {
+            const BwdSchedule w = schedule();
+            head = w.q_head(it);
+            q0 = w.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        } else {
+            head = sched.q_head(it);
+            q0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
+        }
         if constexpr (!Cfg::QDO_SPLIT) mbarrier_wait(smem.q_full(s), bwd_phase(it_base + it, Cfg::STAGES));
         return {s, head, q0};
     }
@@ -522,7 +607,7 @@ struct BwdConsumer {
             if (issues_dq()) {
                 named_barrier_sync(Cfg::DQ_FULL_BARRIER, 128 * Cfg::CONSUMERS);
                 float* dst = p.dq_accum +
-                             (Seq::of(p, sched.batch).ws_row(p, head) + q0 + lane) * Cfg::D;
+                             (seq().ws_row(p, head) + q0 + lane) * Cfg::D;
                 bulk_reduce_add_f32(dst, smem.dq(lane), Cfg::D * 4);
                 bulk_reduce_add_f32(dst + 32 * Cfg::D, smem.dq(lane + 32), Cfg::D * 4);
                 bulk_commit_group();
@@ -538,7 +623,7 @@ struct BwdConsumer {
     // dq_accum with red.global.add.v2 (the atomic dQ mode).
     template <int N>
     CF_DEVICE void add_dq_atomic(const float (&dq)[N / 8][4], int head, int q0, int row) const {
-        float* acc = p.dq_accum + (Seq::of(p, sched.batch).ws_row(p, head) + q0 + dq_row0()) * Cfg::D + dq_col0();
+        float* acc = p.dq_accum + (seq().ws_row(p, head) + q0 + dq_row0()) * Cfg::D + dq_col0();
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) {
             const int col = 8 * j + 2 * (lane & 3);
@@ -594,6 +679,7 @@ struct BwdConsumer {
         // one compare with an immediate per element; a hidden score's exponent becomes -inf
         // (ex2.approx gives +0), so every element runs the same FFMA (scale read from the
         // parameter bank) and MUFU, with one select between them.
+        causal_offset = mask_offset(causal_offset);
         const int g = key_base + key_row(0) - q0 - causal_offset - 2 * (lane & 3);
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll

@@ -82,6 +82,13 @@ has, and dO's slot is released as soon as dV (its last reader) completes, before
 the producer loads the next block's dO while they run and only Q's bytes land after dK's
 release. It is meant for d_head 256's one stage (the staged dQ takes the second's shared memory),
 where the whole stage otherwise landed after the block's last Q/dO read.
+`park` (the varlen instances only; the dense ones are unchanged): each consumer warp keeps the
+tile's sequence values (lengths, token offsets, its walk and mask offset, all read from
+cu_seqlens) in a 40-byte shared-memory slot and loads them where they are used (broadcast from
+lane 0, so loop bounds stay provably warp-uniform), instead of holding them in registers across
+the loop. Those registers tipped the d_head 128 causal consumers with dq_frag into serialised
+wgmma (ptxas C7512); parked, they compile without it, and backward_varlen's d_head 128 causal
+default takes dq_frag again (+4-7% on the H200, NOTES.md item 340).
 """
 from __future__ import annotations
 
@@ -96,7 +103,7 @@ __all__ = ["HopperBackwardKernelConfig", "FAMILY", "KNOBS", "D_HEADS", "B_R_VALU
 
 FAMILY = "backward_sm90"
 KNOBS = ("dq_bulk", "dq_tma", "dq_mid", "nomask", "lpt", "pdl", "dq_early", "rotate", "persistent", "dynamic",
-         "dq_frag", "dq_colsplit", "sdp_roles", "qdo_split")  # the boolean fields after n_stages, short-form order
+         "dq_frag", "dq_colsplit", "sdp_roles", "qdo_split", "park")  # the boolean fields after n_stages, short-form order
 D_HEADS = (64, 96, 128, 256)  # dK and dV stay in registers (d_head 256: half of the columns per warpgroup)
 B_R_VALUES = (64, 128)       # query rows per iteration: dQ is one wgmma m64 tile per warpgroup (128: two, rows split)
 B_C_VALUES = (64, 128)       # one or two consumer warpgroups of 64 keys
@@ -109,6 +116,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024
 ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
 DQ_TMA_COLS = 32  # fp32 columns of one dq_tma panel: 128 bytes, the 128B swizzle span
+PARK_SLOT_BYTES = 40  # park: a consumer warp's varlen tile values (ten 32-bit words; config.cuh)
 DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
@@ -137,6 +145,7 @@ class HopperBackwardKernelConfig(KernelConfig):
     dq_colsplit: bool = False
     sdp_roles: bool = False
     qdo_split: bool = False
+    park: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -240,7 +249,8 @@ class HopperBackwardKernelConfig(KernelConfig):
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
         if self.qdo_split:
             barriers += 8 * 2 * self.n_stages  # do_full and do_empty per stage
-        return kv + self.n_stages * stage + ds + dq + stats + barriers + 1024
+        parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES if self.park else 0  # a slot per consumer warp
+        return kv + self.n_stages * stage + ds + dq + stats + barriers + parked + 1024
 
     @property
     def pad_rows(self) -> int:

@@ -217,13 +217,19 @@ KV_SPLIT_KNOB_SETS = ({"pdl": True}, {"pdl": True, "dq_early": True}, {"pdl": Tr
 #   the default and its twin without nomask in one process, two passes, 0.3 s sustain): d128 bf16
 #   493.0 / 493.8 against 457.3 / 470.3 (+5-8%), fp16 475.1 / 486.3 against 449.8 / 453.8 (+6-7%);
 #   d64 level (bf16 433.5 / 420.2 against 428.7 / 432.8, fp16 415.4 / 411.2 against 418.8 / 408.6).
+# H200, 2026-11-29 (NOTES.md items 336-340): on equal lengths the dense call given these picks ran
+# as the varlen call did, 3-9% under the dense picks: the knobs dropped here were the whole gap.
+# - d128 causal since then: the dense default plus `park` (the varlen values in shared memory, no
+#   C7512 with dq_frag): +4.0..+7.1% over the default without dq_frag, 0.97-1.00x FA3's varlen
+#   backward (bench's ragged batch and equal lengths, both dtypes).
+# - d128 non-causal: dq_mid still serialises with park; the exception above stays.
 def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     """The config backward_varlen's cfg=None runs (seq_len_q: max_seqlen_q): default_config with
     the varlen exceptions above."""
     cfg = default_config(dtype, d_head, causal, seq_len_q)
     if d_head == 128:
         if causal:
-            cfg = cfg.replace(dq_frag=False)
+            cfg = cfg.replace(park=True)
         else:
             cfg = cfg.replace(dq_mid=False, rotate=False, dynamic=True)
     elif d_head == 96 and not causal:  # varlen tiles differ in work: claimed (d96 keeps dq_mid, no C7512)
