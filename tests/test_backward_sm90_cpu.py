@@ -254,22 +254,24 @@ def test_qdo_split_short_form_rules_barriers_and_set():
     assert all(c.sdp_roles for c in everything if c.qdo_split)
 
 
-def test_park_short_form_smem_and_varlen_default():
-    """park (the varlen consumers' tile values in a shared-memory slot per warp): the short form's
-    last knob, 40 bytes per consumer warp, backward_varlen's d_head 128 causal default (with
-    dq_frag, as the dense default), not the dense defaults."""
+def test_park_short_form_smem_and_varlen_defaults():
+    """park (the varlen consumers' tile values in a shared-memory slot per warp, and the tail
+    zeroer's barrier): the short form's last knob, 40 bytes per consumer warp and 8, backward_varlen's
+    d_head 128 defaults (with dq_frag and dq_mid, as the dense defaults), not the dense defaults."""
     dense = config_sets.default_config(DType.BF16, 128, causal=True)
     cfg = config_sets.varlen_default_config(DType.BF16, 128, causal=True)
     assert cfg == dense.replace(park=True) and cfg.dq_frag and not dense.park
     assert cfg.short_form() == ("backward_sm90(BF16, 128, 64, 128, 2): "
                                 "dq_tma+dq_mid+nomask+pdl+dq_early+persistent+dynamic+dq_frag+park")
     assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
-    assert cfg.smem_bytes() == dense.smem_bytes() + 4 * 2 * 40
+    assert cfg.smem_bytes() == dense.smem_bytes() + 4 * 2 * 40 + 8
     long_causal = config_sets.varlen_default_config(DType.FP16, 128, causal=True, seq_len_q=1 << 16)
     assert long_causal.park and long_causal.n_stages == 3 and long_causal.smem_bytes() <= 227 * 1024
-    assert not config_sets.varlen_default_config(DType.BF16, 128, causal=False).park
+    non_causal = config_sets.varlen_default_config(DType.BF16, 128, causal=False, seq_len_q=1 << 16)
+    assert non_causal == config_sets.default_config(DType.BF16, 128, causal=False).replace(park=True)
+    assert non_causal.dq_mid and non_causal.dq_frag and non_causal.dynamic and not non_causal.rotate
     assert not any(c.park for c in config_sets.default_configs())
-    assert cfg in config_sets.get_kernel_configs("varlen_defaults")
+    assert {cfg, non_causal} <= set(config_sets.get_kernel_configs("varlen_defaults"))
 
 
 def test_dq_frag_short_form_rules_and_set():

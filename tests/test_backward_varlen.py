@@ -151,10 +151,10 @@ def test_varlen_is_a_template_flag_of_every_role():
 
 
 def test_varlen_defaults_of_the_hopper_family():
-    """backward_varlen's cfg=None on Hopper: default_config but, at d_head 128, causal with `park`
-    (the varlen values in shared memory, so dq_frag's build is not serialised, C7512) and
-    non-causal with dynamic claims and without dq_mid (the build ptxas would serialise); every one
-    persistent with dynamic claims, causal ones with nomask as the dense defaults."""
+    """backward_varlen's cfg=None on Hopper: default_config but, at d_head 128, with `park` (the
+    varlen values in shared memory and, non-causal, the tail zeroer, so neither dq_frag's nor
+    dq_mid's build is serialised, C7512), non-causal with dynamic claims instead of rotate; every
+    one persistent with dynamic claims, causal ones with nomask as the dense defaults."""
     from cupyflash.families.backward_sm90.config_sets import (default_config as dense, varlen_default_config,
                                                               varlen_default_launches)
 
@@ -166,9 +166,9 @@ def test_varlen_defaults_of_the_hopper_family():
                     want = dense(dtype, d, causal, rows)
                     if d == 128:
                         want = (want.replace(park=True) if causal else
-                                want.replace(dq_mid=False, rotate=False, dynamic=True))
+                                want.replace(rotate=False, dynamic=True, park=True))
                     assert got == want and got.persistent and got.dynamic and got.nomask == causal
-    assert all(cfg.dq_frag and cfg.park for cfg, causal in varlen_default_launches() if causal and cfg.d_head == 128)
+    assert all(cfg.dq_frag and cfg.dq_mid and cfg.park for cfg, _ in varlen_default_launches() if cfg.d_head == 128)
 
 
 def test_varlen_replay_signature():

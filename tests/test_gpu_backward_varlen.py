@@ -310,12 +310,19 @@ def test_equal_lengths_match_the_dense_backward_bit_for_bit(rng, family, causal,
         assert bool((a.reshape(b.shape).view(cp.uint16) == b.view(cp.uint16)).all()), name
 
 
-def park_configs():
-    """backward_varlen's d_head 128 causal picks (park, dq_frag) and their twins without both."""
+def park_pair(causal: bool, max_q: int):
+    """backward_varlen's d_head 128 pick (park) and the previous default: without park and the
+    knob whose varlen build ptxas serialised without it (dq_frag causal, dq_mid non-causal)."""
     from cupyflash.families.backward_sm90.config_sets import varlen_default_config
 
-    picks = {varlen_default_config(DType.BF16, 128, True, s) for s in (1, 1500, 8192)}
-    return sorted(picks | {c.replace(park=False, dq_frag=False) for c in picks}, key=str)
+    parked = varlen_default_config(DType.BF16, 128, causal, max_q)
+    assert parked.park and parked.dq_frag and parked.dq_mid
+    return parked, parked.replace(park=False, **({"dq_frag": False} if causal else {"dq_mid": False}))
+
+
+def park_configs():
+    """The park pairs of both masks, short and long calls."""
+    return sorted({c for causal in (False, True) for s in (1, 1500, 8192) for c in park_pair(causal, s)}, key=str)
 
 
 def d96_configs():
@@ -361,25 +368,25 @@ def test_hopper_walks_many_tiles_and_sequences(rng, causal):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_hopper_park_matches_the_unparked_kernel(rng, deterministic):
-    """backward_varlen's d_head 128 causal default parks each tile's sequence values in shared
-    memory (`park`, with dq_frag): on a ragged batch with more tiles than SMs (persistent CTAs
-    walking many tiles of different sequences), GQA 4, dK and dV agree bit for bit with the
-    config without both knobs (the same GEMMs in the same order), dQ too when deterministic
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_park_matches_the_unparked_kernel(rng, causal, deterministic):
+    """backward_varlen's d_head 128 defaults park each tile's sequence values in shared memory
+    (`park`; non-causal, the tail zeroer zeroes a sequence's K/V rows past its end and every
+    block clamps the exponent): on a ragged batch with more tiles than SMs (persistent CTAs
+    walking many tiles of different sequences, lengths off the 128-key blocks), GQA 4, dK and dV
+    agree bit for bit with the previous default, without park and the knob it allows (dq_frag
+    causal, dq_mid non-causal: the same products in the same order), dQ too when deterministic
     (its own pass) and within rounding of the atomic order otherwise."""
-    from cupyflash.families.backward_sm90.config_sets import varlen_default_config
-
-    family_config("sm90", DType.BF16, 128, True, 1)  # skips off Hopper
+    family_config("sm90", DType.BF16, 128, causal, 1)  # skips off Hopper
     lens = [1, 700, 64, 1000, 0, 333, 129, 1500, 257, 1024]
-    parked = varlen_default_config(DType.BF16, 128, True, 1500)
-    assert parked.park and parked.dq_frag
+    parked, unparked = park_pair(causal, 1500)
     q, k, v, cu_q, cu_k, hq, hk = packed_batch(cp, rng, DType.BF16, lens, lens, 16, 4, 128)
-    out, lse = forward(q, k, v, cu_q, cu_k, 1500, 1500, True)
+    out, lse = forward(q, k, v, cu_q, cu_k, 1500, 1500, causal)
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
-    grads = [cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=True,
+    grads = [cupyflash.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, 1500, 1500, causal=causal,
                                        deterministic=deterministic, cfg=cfg)
-             for cfg in (parked, parked.replace(park=False, dq_frag=False))]
-    check_per_sequence(DType.BF16, q, k, v, dout, grads[0], hq, hk, True)
+             for cfg in (parked, unparked)]
+    check_per_sequence(DType.BF16, q, k, v, dout, grads[0], hq, hk, causal)
     for name, a, b in zip(("dq", "dk", "dv"), *grads):
         if name == "dq" and not deterministic:
             assert float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max()) <= 2e-2 * float(cp.abs(b).max())

@@ -32,7 +32,7 @@ def test_refuses_another_nvrtc(capsys):
 
 def test_defaults_hold_backward_varlens_picks():
     """backward_varlen's Hopper picks (the varlen_defaults set) differ from the dense defaults (at
-    d_head 128 causal without dq_frag, non-causal without dq_mid): prewarmed too, so a warm
+    d_head 128 with park, non-causal with claims instead of rotate): prewarmed too, so a warm
     backward_varlen compiles nothing."""
     from cupyflash.families.backward_sm90 import config_sets
 

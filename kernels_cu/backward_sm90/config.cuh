@@ -47,7 +47,8 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // dQ run (d_head 256's one stage).
     static constexpr bool QDO_SPLIT = C.qdo_split;
     // park: the varlen consumers keep a tile's sequence values in a shared-memory slot per warp
-    // (mainloop.cuh, BwdConsumer::park_tile), not in registers across the loop.
+    // (mainloop.cuh, BwdConsumer::park_tile), not in registers across the loop; non-causal, two
+    // idle producer warps zero a sequence's K/V rows past its end (tail_zeroer.cuh).
     static constexpr bool PARK = C.park;
     static constexpr int CONSUMERS = KV_SPLIT ? 2 : BC / WG_KEYS;
     static constexpr int DKV_N = KV_SPLIT ? D / 2 : D;       // dK/dV columns of one warpgroup
@@ -132,7 +133,11 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     // park: a slot per consumer warp (cupyflash/families/backward_sm90/config.py PARK_SLOT_BYTES)
     static constexpr int PARK_SLOT_BYTES = 40;
     static constexpr int PARK_OFFSET = BAR_OFFSET + BAR_BYTES;
-    static constexpr int SMEM_BYTES = PARK_OFFSET + (PARK ? 4 * CONSUMERS * PARK_SLOT_BYTES : 0) + 1024;  // + alignment slack
+    // park: kv_ready, behind the slots (the tail zeroer's barrier; config.py PARK_BARRIER_BYTES)
+    static constexpr int PARK_BARRIER_BYTES = 8;
+    static constexpr int KV_READY_OFFSET = PARK_OFFSET + 4 * CONSUMERS * PARK_SLOT_BYTES;
+    static constexpr int SMEM_BYTES =
+        PARK_OFFSET + (PARK ? 4 * CONSUMERS * PARK_SLOT_BYTES + PARK_BARRIER_BYTES : 0) + 1024;  // + alignment slack
 
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
@@ -157,6 +162,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
                   "dq_frag: the family's convert kernel reads the fragment order 32 columns a pass");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (swizzle atoms)");
     static_assert(KV_BYTES % 1024 == 0, "K/V tiles 1024-byte aligned (swizzle atoms)");
+    static_assert(KV_READY_OFFSET % 8 == 0, "mbarriers are 8-byte aligned");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
@@ -199,6 +205,9 @@ struct BwdSmem {
     CF_DEVICE u32 tile_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (4 + 2 * Cfg::STAGES + s); }
     CF_DEVICE u32 tile_slot(int s) const { return base + Cfg::BAR_OFFSET + 8 * (6 + 2 * Cfg::STAGES) + 4 * s; }
     CF_DEVICE u32 park_slot(int consumer_warp) const { return base + Cfg::PARK_OFFSET + consumer_warp * Cfg::PARK_SLOT_BYTES; }
+    // park, non-causal varlen: the tile's K and V have landed and their rows past the sequence's
+    // end are zeroed (tail_zeroer.cuh); the consumers wait for it after kv_full
+    CF_DEVICE u32 kv_ready() const { return base + Cfg::KV_READY_OFFSET; }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at

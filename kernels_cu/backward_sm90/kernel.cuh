@@ -1,7 +1,8 @@
 // Hopper (sm_90a) FlashAttention backward, dK/dV kernel: one CTA per (key block, kv head,
 // batch); warpgroup 0 is the TMA producer (one thread, registers given away with setmaxnreg),
 // warpgroups 1.. are consumers of 64 keys each (mainloop.cuh); with dq_tma, warp 1 of the
-// producer warpgroup adds dQ to the workspace (dq_writer.cuh). The preprocess (dvec, lse2,
+// producer warpgroup adds dQ to the workspace (dq_writer.cuh); with park, non-causal varlen, warps
+// 2-3 zero K/V rows past a sequence's end (tail_zeroer.cuh). The preprocess (dvec, lse2,
 // dq_accum zeroed), the dQ conversion and the deterministic dQ pass are backward_sm80's kernels,
 // instantiated in the same module. With persistent, one CTA per SM walks tiles (kernel below).
 #pragma once
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     const BwdSmem<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
     const int warpgroup = threadIdx.x / 128;
     constexpr bool WRITER = Cfg::DQ_TMA && !DETERMINISTIC;
+    constexpr bool ZEROER = zeroes_tail_keys<Cfg, CAUSAL, VARLEN>;  // warps 2-3 (tail_zeroer.cuh)
 
     if (threadIdx.x == 0) {
         tma_prefetch_descriptor(&params.tma_q);
@@ -38,10 +40,12 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         if constexpr (WRITER) tma_prefetch_descriptor(&params.tma_dq);
         mbarrier_init(smem.kv_full(), 1);
         if constexpr (Cfg::PERSISTENT) mbarrier_init(smem.kv_empty(), 128 * Cfg::CONSUMERS);
+        if constexpr (ZEROER) mbarrier_init(smem.kv_ready(), BwdTailZeroer<Cfg>::THREADS);
         if constexpr (Cfg::DYNAMIC) {
             for (int s = 0; s < 2; ++s) {
                 mbarrier_init(smem.tile_full(s), 1);
-                mbarrier_init(smem.tile_empty(s), 128 * Cfg::CONSUMERS + (WRITER ? 1 : 0));
+                mbarrier_init(smem.tile_empty(s),
+                              128 * Cfg::CONSUMERS + (WRITER ? 1 : 0) + (ZEROER ? BwdTailZeroer<Cfg>::THREADS : 0));
             }
         }
         for (int s = 0; s < Cfg::STAGES; ++s) {
@@ -79,6 +83,13 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
                     tile_publish(smem, index, t);
                 }
             }
+            if constexpr (ZEROER) {
+                if (threadIdx.x >= 64) {
+                    for (int t = blockIdx.x, index = 0; t >= 0; t = tile_take(smem, index, true), ++index)
+                        BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.linear_tile(t, index);
+                    return;
+                }
+            }
             if constexpr (WRITER) {
                 if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
             }
@@ -108,6 +119,13 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
                     ring += sched.iterations();
                 }
             }
+            if constexpr (ZEROER) {
+                if (threadIdx.x >= 64) {
+                    for (int t = blockIdx.x, index = 0; t < BwdTile::count_of<Cfg::BC>(params); t += grid_ctas(), ++index)
+                        BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.linear_tile(t, index);
+                    return;
+                }
+            }
             if constexpr (WRITER) {
                 if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, {}, (int)(threadIdx.x % 32)}.template run_tiles<CAUSAL>();
             }
@@ -126,6 +144,12 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     if (warpgroup == 0) {
         setmaxnreg_dec<Cfg::PRODUCER_REGS>();
         if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL, VARLEN>{params, smem, sched}.run();
+        if constexpr (ZEROER) {
+            if (threadIdx.x >= 64) {
+                BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.tile(sched, 0);
+                return;
+            }
+        }
         if constexpr (WRITER) {
             if (threadIdx.x / 32 == 1) BwdDqWriter<Cfg, VARLEN>{params, smem, sched, (int)(threadIdx.x % 32)}.run();
         }

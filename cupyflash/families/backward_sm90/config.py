@@ -88,7 +88,12 @@ cu_seqlens) in a 40-byte shared-memory slot and loads them where they are used (
 lane 0, so loop bounds stay provably warp-uniform), instead of holding them in registers across
 the loop. Those registers tipped the d_head 128 causal consumers with dq_frag into serialised
 wgmma (ptxas C7512); parked, they compile without it, and backward_varlen's d_head 128 causal
-default takes dq_frag again (+4-7% on the H200, NOTES.md item 340).
+default takes dq_frag again (+4-7% on the H200, NOTES.md item 340). Non-causal, warps 2-3 of the
+producer warpgroup (idle otherwise) zero the K/V rows of a sequence's last key block past its end
+(the next sequence's keys in the packed tensors) once they land, and every block clamps the
+exponent as the dense kernel's last key block does: one instance of the loop, not a second one
+comparing each key with the end, which had tipped the consumers with dq_mid into C7512; so the
+d_head 128 non-causal default takes dq_mid back (NOTES.md item 347).
 """
 from __future__ import annotations
 
@@ -117,6 +122,7 @@ ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
 DQ_TMA_COLS = 32  # fp32 columns of one dq_tma panel: 128 bytes, the 128B swizzle span
 PARK_SLOT_BYTES = 40  # park: a consumer warp's varlen tile values (ten 32-bit words; config.cuh)
+PARK_BARRIER_BYTES = 8  # park: the tail zeroer's kv_ready mbarrier, behind the slots (config.cuh)
 DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
@@ -249,7 +255,8 @@ class HopperBackwardKernelConfig(KernelConfig):
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
         if self.qdo_split:
             barriers += 8 * 2 * self.n_stages  # do_full and do_empty per stage
-        parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES if self.park else 0  # a slot per consumer warp
+        # a slot per consumer warp and kv_ready
+        parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES + PARK_BARRIER_BYTES if self.park else 0
         return kv + self.n_stages * stage + ds + dq + stats + barriers + parked + 1024
 
     @property

@@ -222,16 +222,16 @@ KV_SPLIT_KNOB_SETS = ({"pdl": True}, {"pdl": True, "dq_early": True}, {"pdl": Tr
 # - d128 causal since then: the dense default plus `park` (the varlen values in shared memory, no
 #   C7512 with dq_frag): +4.0..+7.1% over the default without dq_frag, 0.97-1.00x FA3's varlen
 #   backward (bench's ragged batch and equal lengths, both dtypes).
-# - d128 non-causal: dq_mid still serialises with park; the exception above stays.
+# - d128 non-causal since the tail zeroer (NOTES.md item 347): the dense default (dq_mid back)
+#   with claims instead of `rotate`, and `park`, whose non-causal builds zero a sequence's K/V
+#   rows past its end in two idle producer warps and clamp every block's exponent (one loop
+#   instance: no C7512 with dq_mid).
 def varlen_default_config(dtype: DType, d_head: int, causal: bool = True, seq_len_q: int = 0) -> HopperBackwardKernelConfig:
     """The config backward_varlen's cfg=None runs (seq_len_q: max_seqlen_q): default_config with
     the varlen exceptions above."""
     cfg = default_config(dtype, d_head, causal, seq_len_q)
     if d_head == 128:
-        if causal:
-            cfg = cfg.replace(park=True)
-        else:
-            cfg = cfg.replace(dq_mid=False, rotate=False, dynamic=True)
+        cfg = cfg.replace(park=True) if causal else cfg.replace(rotate=False, dynamic=True, park=True)
     elif d_head == 96 and not causal:  # varlen tiles differ in work: claimed (d96 keeps dq_mid, no C7512)
         cfg = cfg.replace(rotate=False, dynamic=True)
     return cfg
