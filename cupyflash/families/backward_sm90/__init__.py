@@ -41,7 +41,8 @@ class BackwardSm90Family(KernelFamily):
     headers = BACKWARD_SM80.headers + (
         "common/ptx_sm90.cuh", "common/launch_order.cuh", "common/wgmma_sm90.cuh", "backward_sm90/wgmma_tt.cuh",
         "backward_sm90/config.cuh",
-        "backward_sm90/producer.cuh", "backward_sm90/dq_writer.cuh", "backward_sm90/tail_zeroer.cuh", "backward_sm90/mainloop.cuh", "backward_sm90/epilogue.cuh",
+        "backward_sm90/producer.cuh", "backward_sm90/dq_writer.cuh", "backward_sm90/tail_zeroer.cuh",
+        "backward_sm90/mainloop.cuh", "backward_sm90/epilogue.cuh",
         "backward_sm90/kernel.cuh", "backward_sm90/rows.cuh")
     static_wrapper = "StaticHopperBackwardConfig"
     roles = (
