@@ -85,8 +85,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
             }
             if constexpr (ZEROER) {
                 if (threadIdx.x >= 64) {
-                    for (int t = blockIdx.x, index = 0; t >= 0; t = tile_take(smem, index, true), ++index)
-                        BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.linear_tile(t, index);
+                    BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.template run_tiles<true>();
                     return;
                 }
             }
@@ -121,8 +120,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
             }
             if constexpr (ZEROER) {
                 if (threadIdx.x >= 64) {
-                    for (int t = blockIdx.x, index = 0; t < BwdTile::count_of<Cfg::BC>(params); t += grid_ctas(), ++index)
-                        BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.linear_tile(t, index);
+                    BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.template run_tiles<false>();
                     return;
                 }
             }

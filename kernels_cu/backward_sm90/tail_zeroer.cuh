@@ -36,9 +36,13 @@ struct BwdTailZeroer {
         mbarrier_arrive(smem.kv_ready());
     }
 
-    // persistent: tile t of the launch order (non-causal varlen), the CTA's index-th
-    CF_DEVICE void linear_tile(int t, int index) const {
-        tile(BwdSchedule::make<Cfg, false, true>(p, BwdTile::of_linear<Cfg::BC>(p, t)), index);
+    // persistent: the tiles the consumers walk, t = blockIdx.x, + grid, ... of the launch order,
+    // or (DYNAMIC) the producer's hand-overs, which the zeroer takes too (as the writer warp does)
+    template <bool DYNAMIC>
+    CF_DEVICE void run_tiles() const {
+        for (int t = blockIdx.x, index = 0; DYNAMIC ? t >= 0 : t < BwdTile::count_of<Cfg::BC>(p);
+             t = DYNAMIC ? tile_take(smem, index, true) : t + grid_ctas(), ++index)
+            tile(BwdSchedule::make<Cfg, false, true>(p, BwdTile::of_linear<Cfg::BC>(p, t)), index);
     }
 
     // Rows first .. B_c - 1 of K and V: each row is whole 16-byte chunks of every column block, and
