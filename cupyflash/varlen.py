@@ -302,7 +302,7 @@ def pack_varlen_sm90(cfg: HopperForwardKernelConfig, problem: VarlenProblem, q, 
     return pack_sm90_params(*descriptors, o, lse, cu_q, cu_k, 0, problem.o_strides[0], problem.o_strides[1],
                             problem.max_seqlen_q, problem.max_seqlen_k, problem.n_heads, problem.n_kv_heads,
                             problem.softmax_scale, problem.softmax_scale_log2, problem.kv_group_size, problem.batch,
-                            problem.total_q, problem.total_q if zero_tail else 0)
+                            problem.total_q, problem.total_q if zero_tail else 0, problem.total_k)
 
 
 def _prepare_sm90(problem: VarlenProblem, cfg: HopperForwardKernelConfig, q, k, v,

@@ -73,7 +73,8 @@ def default_configs(cc: int) -> list:
     return out
 
 
-TEST_MODULES = ("test_gpu_forward", "test_gpu_backward", "test_gpu_backward_sm90", "test_gpu_backward_varlen")
+TEST_MODULES = ("test_gpu_forward", "test_gpu_backward", "test_gpu_backward_sm90", "test_gpu_backward_varlen",
+                "test_gpu_pad_rows")
 
 
 def fixture_groups(names: list[str], cc: int) -> list[tuple[str, list, list[str], dict]]:

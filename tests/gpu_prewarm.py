@@ -26,6 +26,13 @@ def prewarm_groups(*groups: tuple[list, list[str], dict[str, Any]]) -> None:
     assert not failed, "\n".join(failed[:3])
 
 
+def prewarm_this_gpu(cp: Any, prewarm_plan) -> None:
+    """Build a module's `prewarm_plan(arch, compute capability)` groups for the current GPU."""
+    from cupyflash.device import compute_capability
+
+    prewarm_groups(*prewarm_plan(this_arch(cp), compute_capability(cp.cuda.runtime.getDevice())))
+
+
 def write_figures(figures: dict) -> None:
     """The module's measured figures as JSON at $CUPYFLASH_TEST_FIGURES, when it is set."""
     path = os.environ.get("CUPYFLASH_TEST_FIGURES")

@@ -52,17 +52,18 @@ def test_default_config_text():
                                 "dq_tma+dq_mid+pdl+dq_early+persistent+dynamic+dq_frag")
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
-    # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
-    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 1024
+    # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers (varlen's tail zeroer's
+    # kv_ready, zero_done and q_pad per stage among them) + 1 KiB
+    assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 32 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
-    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 1024
+    assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 40 + 1024
     d64 = config_sets.default_config(DType.FP16, 64, causal=False)
     assert d64.short_form() == "backward_sm90(FP16, 64, 128, 128, 2): dq_tma+dq_mid+lpt+pdl+persistent+dynamic+dq_frag"
     # 128 query rows: each consumer warpgroup computes dQ for 64 of them (one m64 tile, two panels)
     assert (d64.dq_rows, d64.dq_columns(0), cfg.dq_rows, cfg.dq_columns(1)) == (64, 64, 64, 64)
     # K, V (32 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (32 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers + 1 KiB
-    assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 1024
+    assert d64.smem_bytes() == 32768 + 2 * 32768 + 2 * 32768 + 32768 + 2 * 1024 + 48 + 40 + 32 + 1024
     # one default per (dtype, d_head) for both masks (dynamic and lpt order only causal tiles), causal
     # calls with nomask (each head's walk in a masked and an unmasked loop), and for causal calls of
     # at least LONG_CAUSAL_ROWS query rows at d_head 128 three stages, for non-causal ones of at
@@ -95,7 +96,7 @@ def test_default_config_text():
     # exchange) and dS^T (8 KiB each) +
     # both warpgroups' 64 x 128 fp32 dQ (64 KiB) + lse2, dvec (512 bytes) + barriers + 1 KiB: within the
     # 227 KiB; a second stage would not fit beside the staged dQ
-    assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 16 + 1024 <= 227 * 1024
+    assert d256.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 16 + 24 + 1024 <= 227 * 1024
     with pytest.raises(ValueError, match="shared memory"):
         d256.replace(n_stages=2)
     # d_head 96: d_head 128's tile and knobs with dQ's columns split 64 + 32 (item 308), three stages
@@ -226,7 +227,7 @@ def test_sdp_roles_short_form_rules_registers_and_set():
     cfg = base.replace(sdp_roles=True)
     assert cfg.short_form() == "backward_sm90(BF16, 256, 64, 64, 1): dq_tma+pdl+dq_frag+sdp_roles"
     assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
-    assert cfg.smem_bytes() == base.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 1024
+    assert cfg.smem_bytes() == base.smem_bytes() == 2 * 32768 + 65536 + 2 * 2 * 8192 + 65536 + 512 + 32 + 24 + 1024
     assert (base.accumulator_registers(), cfg.accumulator_registers()) == (128 + 64, 128 + 64)
     for d in (64, 96, 128):
         with pytest.raises(ValueError, match="sdp_roles needs d_head 256"):
@@ -264,7 +265,7 @@ def test_park_short_form_smem_and_varlen_defaults():
     assert cfg.short_form() == ("backward_sm90(BF16, 128, 64, 128, 2): "
                                 "dq_tma+dq_mid+nomask+pdl+dq_early+persistent+dynamic+dq_frag+park")
     assert HopperBackwardKernelConfig.parse(cfg.short_form()) == cfg
-    assert cfg.smem_bytes() == dense.smem_bytes() + 4 * 2 * 40 + 8
+    assert cfg.smem_bytes() == dense.smem_bytes() + 4 * 2 * 40  # a slot per consumer warp
     long_causal = config_sets.varlen_default_config(DType.FP16, 128, causal=True, seq_len_q=1 << 16)
     assert long_causal.park and long_causal.n_stages == 3 and long_causal.smem_bytes() <= 227 * 1024
     non_causal = config_sets.varlen_default_config(DType.BF16, 128, causal=False, seq_len_q=1 << 16)
@@ -341,12 +342,13 @@ def test_params_pack_round_trip():
     descs = [bytes([i]) * 128 for i in range(1, 6)]
     # pointers: dk, dv, dq_accum, lse2, dvec, cu_seqlens_q, cu_seqlens_k
     values = (*descs, 0x1000, 0x2000, 0x3000, 0x4000, 0x5000, 0x6000, 0x7000, 1, 2, 3, 4, 5, 6, 77, 130, 128, 8, 2,
-              4, 3, 0.125, 0.18)
+              4, 3, 0.125, 0.18, 300, 400)
     raw = pack_params(*values)
     assert len(raw) == PARAMS_SIZE
     back = HOPPER_BACKWARD_PARAMS.layout.unpack(raw)
     assert back[:5] == tuple(descs) and back[5:25] == values[5:25]
     assert back[25] == pytest.approx(0.125) and back[26] == pytest.approx(0.18, rel=1e-6)
+    assert back[27:29] == (300, 400)  # varlen: the packed arrays' token counts
 
 
 def test_rendered_source_has_both_param_structs_and_configs():

@@ -129,7 +129,7 @@ def test_configs_are_ordered_hashable_keys():
 def test_smem_and_threads():
     cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True, False)
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 10 + 1024
+    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 11 + 1024  # 11 mbarriers (pad_ready)
     assert H(DType.FP16, 128, 128, 128, 2, False, False, False, False).n_threads == 256
     assert H(DType.FP16, 128, 64, 128, 2, True, False, True, False).n_threads == 256
 
@@ -200,7 +200,7 @@ def test_exp2_emulation_constants_meet_the_stated_error():
 def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert params.PARAMS_SIZE % 64 == 0 and params.HOPPER_FORWARD_PARAMS.size == params.PARAMS_SIZE
     descs = [bytes([i]) * 128 for i in (1, 2, 3)]
-    packed = params.pack_params(*descs, 0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3, 5, 6)
+    packed = params.pack_params(*descs, 0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30, 7, 9, 4, 2, 0.5, 0.72, 2, 3, 5, 6, 8)
     assert len(packed) == params.PARAMS_SIZE
     for (name, offset), desc in zip(sorted(params.DESCRIPTOR_OFFSETS.items(), key=lambda kv: kv[1]), descs):
         assert offset % 64 == 0 and packed[offset:offset + 128] == desc, name
@@ -208,7 +208,7 @@ def test_param_struct_places_descriptors_at_64_byte_offsets():
     assert (o, lse, cu_q, cu_k, sb, ss, sh) == (0x1111, 0x2222, 0x3333, 0x4444, 10, 20, 30)
     seq_q, seq_k, heads, kv_heads = struct.unpack_from("<iiii", packed, 384 + 56)
     assert (seq_q, seq_k, heads, kv_heads) == (7, 9, 4, 2)
-    assert struct.unpack_from("<ffiii", packed, 384 + 72) == (0.5, pytest.approx(0.72), 2, 3, 5)
+    assert struct.unpack_from("<ffiiiii", packed, 384 + 72) == (0.5, pytest.approx(0.72), 2, 3, 5, 6, 8)
     assert packed[params.PARAMS_SIZE - 8:] == b"\0" * 8  # tail padding to sizeof
 
 

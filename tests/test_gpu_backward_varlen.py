@@ -53,10 +53,9 @@ def prewarm_plan(arch: str, cc: int) -> list[tuple]:
 @pytest.fixture(scope="module", autouse=True)
 def prewarmed_cache():
     """Compile the varlen variants (and the dense ones the equality test uses) in parallel first."""
-    from cupyflash.device import compute_capability
-    from gpu_prewarm import prewarm_groups, this_arch
+    from gpu_prewarm import prewarm_this_gpu
 
-    prewarm_groups(*prewarm_plan(this_arch(cp), compute_capability(cp.cuda.runtime.getDevice())))
+    prewarm_this_gpu(cp, prewarm_plan)
 
 
 @pytest.fixture

@@ -56,8 +56,8 @@ def test_defaults_hold_forward_varlens_picks():
 
 def test_fixture_groups_follow_the_modules_prewarm_plans():
     """--test-modules builds what the GPU test modules' prewarm fixtures compile (their
-    prewarm_plan, importable without a GPU): on cc 9.0 the Hopper backward module's sm_90a groups
-    (d_head 96 with and without dq_colsplit among them), elsewhere none of them."""
+    prewarm_plan, importable without a GPU): on cc 9.0 the Hopper families' sm_90a groups (the
+    backward's d_head 96 with and without dq_colsplit among them), elsewhere none of them."""
     import pytest
 
     hopper = prewarm_offdevice.fixture_groups(list(prewarm_offdevice.TEST_MODULES), 90)
@@ -67,7 +67,7 @@ def test_fixture_groups_follow_the_modules_prewarm_plans():
     assert all(archs in (["sm_90"], ["sm_90a"]) for _, _, archs, _ in hopper)
     assert all(archs == ["sm_80"] for _, _, archs, _ in ampere)
     sm90 = {c for m, cfgs, archs, _ in hopper if archs == ["sm_90a"] for c in cfgs}
-    d96 = {c.dq_colsplit for c in sm90 if c.d_head == 96}
-    assert d96 == {False, True} and all(family_of(c).name == "backward_sm90" for c in sm90)
+    d96 = {c.dq_colsplit for c in sm90 if c.d_head == 96 and family_of(c).name == "backward_sm90"}
+    assert d96 == {False, True} and {family_of(c).name for c in sm90} == {"backward_sm90", "forward_sm90"}
     with pytest.raises(ValueError, match="--test-modules: unknown module"):
         prewarm_offdevice.fixture_groups(["test_nope"], 90)

@@ -127,17 +127,15 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int STATS_OFFSET = DQ_OFFSET + DQ_BYTES;  // per stage: lse2 then dvec, STAT_BYTES each
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
     // kv_full, q_full[s], q_empty[s], kv_empty; dynamic: tile_full[2], tile_empty[2], two tile
-    // slots; qdo_split: do_full[s], do_empty[s]
+    // slots; qdo_split: do_full[s], do_empty[s]; varlen (the tail zeroer's, tail_zeroer.cuh):
+    // kv_ready, zero_done, q_pad[s]
     static constexpr int DO_BAR_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
-    static constexpr int BAR_BYTES = DO_BAR_OFFSET - BAR_OFFSET + (QDO_SPLIT ? 8 * 2 * STAGES : 0);
+    static constexpr int KV_READY_OFFSET = DO_BAR_OFFSET + (QDO_SPLIT ? 8 * 2 * STAGES : 0);
+    static constexpr int BAR_BYTES = KV_READY_OFFSET + 8 * (2 + STAGES) - BAR_OFFSET;
     // park: a slot per consumer warp (cupyflash/families/backward_sm90/config.py PARK_SLOT_BYTES)
     static constexpr int PARK_SLOT_BYTES = 40;
     static constexpr int PARK_OFFSET = BAR_OFFSET + BAR_BYTES;
-    // park: kv_ready, behind the slots (the tail zeroer's barrier; config.py PARK_BARRIER_BYTES)
-    static constexpr int PARK_BARRIER_BYTES = 8;
-    static constexpr int KV_READY_OFFSET = PARK_OFFSET + 4 * CONSUMERS * PARK_SLOT_BYTES;
-    static constexpr int SMEM_BYTES =
-        PARK_OFFSET + (PARK ? 4 * CONSUMERS * PARK_SLOT_BYTES + PARK_BARRIER_BYTES : 0) + 1024;  // + alignment slack
+    static constexpr int SMEM_BYTES = PARK_OFFSET + (PARK ? 4 * CONSUMERS * PARK_SLOT_BYTES : 0) + 1024;  // + alignment slack
 
     static_assert(BR == 64 || (BR == 128 && CONSUMERS == 2), "one wgmma m64 dQ tile per warpgroup (B_r 128: rows split)");
     static_assert(DQ_M == 64, "dQ is one wgmma m64 tile per warpgroup");
@@ -162,7 +160,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
                   "dq_frag: the family's convert kernel reads the fragment order 32 columns a pass");
     static_assert(STAGE_BYTES % 1024 == 0, "Q/dO tiles of every stage 1024-byte aligned (swizzle atoms)");
     static_assert(KV_BYTES % 1024 == 0, "K/V tiles 1024-byte aligned (swizzle atoms)");
-    static_assert(KV_READY_OFFSET % 8 == 0, "mbarriers are 8-byte aligned");
+    static_assert(KV_READY_OFFSET % 8 == 0 && PARK_OFFSET % 8 == 0, "mbarriers are 8-byte aligned");
     static_assert(DQ_OFFSET % 1024 == 0, "dq_tma panels are 1024-byte aligned (128B swizzle atoms)");
 };
 
@@ -205,9 +203,14 @@ struct BwdSmem {
     CF_DEVICE u32 tile_empty(int s) const { return base + Cfg::BAR_OFFSET + 8 * (4 + 2 * Cfg::STAGES + s); }
     CF_DEVICE u32 tile_slot(int s) const { return base + Cfg::BAR_OFFSET + 8 * (6 + 2 * Cfg::STAGES) + 4 * s; }
     CF_DEVICE u32 park_slot(int consumer_warp) const { return base + Cfg::PARK_OFFSET + consumer_warp * Cfg::PARK_SLOT_BYTES; }
-    // park, non-causal varlen: the tile's K and V have landed and their rows past the sequence's
-    // end are zeroed (tail_zeroer.cuh); the consumers wait for it after kv_full
+    // varlen: the tile's K and V have landed and the tail zeroer has zeroed what it zeroes of them
+    // (tail_zeroer.cuh); the consumers wait for it after kv_full
     CF_DEVICE u32 kv_ready() const { return base + Cfg::KV_READY_OFFSET; }
+    // varlen: every tail zeroer thread has zeroed its share of a Q/dO stage (its meeting)
+    CF_DEVICE u32 zero_done() const { return base + Cfg::KV_READY_OFFSET + 8; }
+    // varlen: stage s's Q/dO block reaching rows past the last sequence has landed (instead of
+    // q_full / do_full, which the tail zeroer completes once it has zeroed those rows)
+    CF_DEVICE u32 q_pad(int s) const { return base + Cfg::KV_READY_OFFSET + 8 * (2 + s); }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
@@ -260,6 +263,30 @@ struct BwdSeq {
         } else {
             return {p.seq_len_q, p.seq_len_k, 0, 0, 0, b};
         }
+    }
+    // VARLEN: the packed arrays may hold rows past the last sequence (`total` > cu_seqlens[batch]),
+    // which no sequence owns and which may hold anything (a padded buffer never written: NaN,
+    // inf). A block of a sequence's rows reaching packed row `end` - 1 reads them when this is
+    // true; its rows past the sequence's end are then zeroed before any GEMM reads them
+    // (tail_zeroer.cuh): the masks and lse2 = +inf (dvec 0) give them P = 0 and dS = 0, but the
+    // GEMMs would still add 0 * NaN.
+    CF_DEVICE static bool reaches_pad(const int* cu_seqlens, int batch, int end, int total) {
+        const int last = cu_seqlens[batch];
+        return end > last && last < total;
+    }
+    // The query block from row0 of the sequence: its rows (those from there on are zeroed) when it
+    // reaches rows past the last sequence, else -1.
+    CF_DEVICE int pad_query_rows(const HopperBackwardParams& p, int row0) const {
+        if constexpr (!VARLEN) return -1;
+        if (row0 + BR <= len_q) return -1;
+        return reaches_pad(p.cu_seqlens_q, p.batch, tok_q + row0 + BR, p.total_q) ? len_q - row0 : -1;
+    }
+    // The key block from key0 (BC keys): its keys when it reaches rows past the last sequence, else -1.
+    template <int BC>
+    CF_DEVICE int pad_key_rows(const HopperBackwardParams& p, int key0) const {
+        if constexpr (!VARLEN) return -1;
+        if (key0 + BC <= len_k) return -1;
+        return reaches_pad(p.cu_seqlens_k, p.batch, tok_k + key0 + BC, p.total_k) ? len_k - key0 : -1;
     }
     // First workspace row (lse2, dvec; times D for dq_accum) of query row 0 of `head`.
     CF_DEVICE long long ws_row(const HopperBackwardParams& p, int head) const {

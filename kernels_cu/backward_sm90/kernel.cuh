@@ -1,8 +1,8 @@
 // Hopper (sm_90a) FlashAttention backward, dK/dV kernel: one CTA per (key block, kv head,
 // batch); warpgroup 0 is the TMA producer (one thread, registers given away with setmaxnreg),
 // warpgroups 1.. are consumers of 64 keys each (mainloop.cuh); with dq_tma, warp 1 of the
-// producer warpgroup adds dQ to the workspace (dq_writer.cuh); with park, non-causal varlen, warps
-// 2-3 zero K/V rows past a sequence's end (tail_zeroer.cuh). The preprocess (dvec, lse2,
+// producer warpgroup adds dQ to the workspace (dq_writer.cuh); varlen, warps 2-3 zero K/V and Q/dO
+// rows past a sequence's end (tail_zeroer.cuh). The preprocess (dvec, lse2,
 // dq_accum zeroed), the dQ conversion and the deterministic dQ pass are backward_sm80's kernels,
 // instantiated in the same module. With persistent, one CTA per SM walks tiles (kernel below).
 #pragma once
@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
     const BwdSmem<Cfg> smem{(shared_address(smem_raw) + 1023u) & ~1023u};
     const int warpgroup = threadIdx.x / 128;
     constexpr bool WRITER = Cfg::DQ_TMA && !DETERMINISTIC;
-    constexpr bool ZEROER = zeroes_tail_keys<Cfg, CAUSAL, VARLEN>;  // warps 2-3 (tail_zeroer.cuh)
+    constexpr bool ZEROER = VARLEN;  // warps 2-3 (tail_zeroer.cuh)
+    using Zeroer = BwdTailZeroer<Cfg, CAUSAL>;
 
     if (threadIdx.x == 0) {
         tma_prefetch_descriptor(&params.tma_q);
@@ -40,12 +41,16 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         if constexpr (WRITER) tma_prefetch_descriptor(&params.tma_dq);
         mbarrier_init(smem.kv_full(), 1);
         if constexpr (Cfg::PERSISTENT) mbarrier_init(smem.kv_empty(), 128 * Cfg::CONSUMERS);
-        if constexpr (ZEROER) mbarrier_init(smem.kv_ready(), BwdTailZeroer<Cfg>::THREADS);
+        if constexpr (ZEROER) {
+            mbarrier_init(smem.kv_ready(), Zeroer::THREADS);
+            mbarrier_init(smem.zero_done(), Zeroer::THREADS);
+            for (int s = 0; s < Cfg::STAGES; ++s) mbarrier_init(smem.q_pad(s), Cfg::QDO_SPLIT ? 2 : 1);  // the producer's arrivals
+        }
         if constexpr (Cfg::DYNAMIC) {
             for (int s = 0; s < 2; ++s) {
                 mbarrier_init(smem.tile_full(s), 1);
                 mbarrier_init(smem.tile_empty(s),
-                              128 * Cfg::CONSUMERS + (WRITER ? 1 : 0) + (ZEROER ? BwdTailZeroer<Cfg>::THREADS : 0));
+                              128 * Cfg::CONSUMERS + (WRITER ? 1 : 0) + (ZEROER ? Zeroer::THREADS : 0));
             }
         }
         for (int s = 0; s < Cfg::STAGES; ++s) {
@@ -85,7 +90,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
             }
             if constexpr (ZEROER) {
                 if (threadIdx.x >= 64) {
-                    BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.template run_tiles<true>();
+                    Zeroer{params, smem, (int)threadIdx.x - 64}.template run_tiles<true>();
                     return;
                 }
             }
@@ -120,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
             }
             if constexpr (ZEROER) {
                 if (threadIdx.x >= 64) {
-                    BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.template run_tiles<false>();
+                    Zeroer{params, smem, (int)threadIdx.x - 64}.template run_tiles<false>();
                     return;
                 }
             }
@@ -144,7 +149,11 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         if (threadIdx.x == 0) BwdProducer<Cfg, CAUSAL, VARLEN>{params, smem, sched}.run();
         if constexpr (ZEROER) {
             if (threadIdx.x >= 64) {
-                BwdTailZeroer<Cfg>{params, smem, (int)threadIdx.x - 64}.tile(sched, 0);
+                // (its own schedule: the shared one, kept from before the roles split, was spilled
+                // at d_head 256)
+                u32 q_phases = 0;
+                Zeroer{params, smem, (int)threadIdx.x - 64}.tile(
+                    BwdSchedule::make<Cfg, CAUSAL, VARLEN>(params, BwdTile::of_block()), 0, 0, q_phases);
                 return;
             }
         }

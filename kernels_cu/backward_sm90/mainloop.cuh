@@ -236,7 +236,7 @@ struct BwdConsumer {
     template <bool KEY_TAIL>
     CF_DEVICE void walk() {
         mbarrier_wait(smem.kv_full(), kv_phase);
-        if constexpr (ZERO_TAIL) mbarrier_wait(smem.kv_ready(), kv_phase);
+        if constexpr (VARLEN) mbarrier_wait(smem.kv_ready(), kv_phase);  // the tail zeroer's (tail_zeroer.cuh)
         const int n = sched.iterations();
         // the walk's length (park: loaded, not held). A parked loop tests a bound loaded at the
         // start of the block before the test (early_bound below): loaded at the test itself, the

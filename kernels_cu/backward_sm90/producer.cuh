@@ -79,19 +79,21 @@ struct BwdProducer {
         const int head = sched.q_head(it);
         const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         const Seq seq = Seq::of(p, sched.batch);
-        mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::STAGE_LOAD_BYTES);
         // (VARLEN: rows past the sequence's queries belong to the next one; their lse2 is the
-        // preprocess's +inf padding, so P and dS are 0 there)
+        // preprocess's +inf padding, so P and dS are 0 there; a block reaching rows past the last
+        // sequence lands on q_pad, and the tail zeroer zeroes them and completes q_full)
+        const u32 full = seq.pad_query_rows(p, row0) >= 0 ? smem.q_pad(s) : smem.q_full(s);
+        mbarrier_arrive_expect_tx(full, Cfg::STAGE_LOAD_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
-            tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, smem.q_full(s), c * Cfg::COL_BLOCK,
-                        seq.tok_q + row0, head, seq.coord);
-            tma_load_4d(smem.dout(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_do, smem.q_full(s), c * Cfg::COL_BLOCK,
+            tma_load_4d(smem.q(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_q, full, c * Cfg::COL_BLOCK, seq.tok_q + row0,
+                        head, seq.coord);
+            tma_load_4d(smem.dout(s) + c * Cfg::BR * Cfg::ROW_BYTES, &p.tma_do, full, c * Cfg::COL_BLOCK,
                         seq.tok_q + row0, head, seq.coord);
         }
         const long long stat = seq.ws_row(p, head) + row0;
-        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
-        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.q_full(s));
+        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, full);
+        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, full);
     }
 
     // qdo_split: dO and dvec once dO's slot of the stage is free (dV done), then Q and lse2 once
@@ -104,14 +106,17 @@ struct BwdProducer {
         const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         const Seq seq = Seq::of(p, sched.batch);
         const long long stat = seq.ws_row(p, head) + row0;
+        // (VARLEN: a block reaching rows past the last sequence lands both halves on q_pad)
+        const bool pad = seq.pad_query_rows(p, row0) >= 0;
+        const u32 do_full = pad ? smem.q_pad(s) : smem.do_full(s), q_full = pad ? smem.q_pad(s) : smem.q_full(s);
         mbarrier_wait(smem.do_empty(s), free_phase);
-        mbarrier_arrive_expect_tx(smem.do_full(s), Cfg::HALF_LOAD_BYTES);
-        load_rows(smem.dout(s), &p.tma_do, smem.do_full(s), seq, row0, head);
-        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, smem.do_full(s));
+        mbarrier_arrive_expect_tx(do_full, Cfg::HALF_LOAD_BYTES);
+        load_rows(smem.dout(s), &p.tma_do, do_full, seq, row0, head);
+        bulk_load(smem.dvec(s), p.dvec + stat, Cfg::STAT_BYTES, do_full);
         mbarrier_wait(smem.q_empty(s), free_phase);
-        mbarrier_arrive_expect_tx(smem.q_full(s), Cfg::HALF_LOAD_BYTES);
-        load_rows(smem.q(s), &p.tma_q, smem.q_full(s), seq, row0, head);
-        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, smem.q_full(s));
+        mbarrier_arrive_expect_tx(q_full, Cfg::HALF_LOAD_BYTES);
+        load_rows(smem.q(s), &p.tma_q, q_full, seq, row0, head);
+        bulk_load(smem.lse2(s), p.lse2 + stat, Cfg::STAT_BYTES, q_full);
     }
 
     // B_r rows of Q or dO (from query row0 of `head`) into the tile at `dst`, completing on `bar`.

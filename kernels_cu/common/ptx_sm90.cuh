@@ -39,6 +39,22 @@ struct SwizzledTiles {
     static constexpr int CORE_GROUP_BYTES = 8 * ROW_BYTES;    // between 8-row core groups (SBO)
     static_assert(D % COL_BLOCK == 0 && (ROW_BYTES == 128 || D == 96),
                   "d_head a multiple of 64 (128-byte swizzled rows) or 96 (three 64-byte ones)");
+
+    // Rows first .. ROWS - 1 of the ROWS-row tile at `tile` zeroed, by threads tid, tid + threads,
+    // ... a 16-byte chunk at a time. A row is whole chunks of every column block and the swizzles
+    // permute chunks within a row, so its bytes are the row's elements wherever they lie. (Not
+    // unrolled: callers run it beside live accumulators or within a producer's few registers.)
+    template <int ROWS>
+    CF_DEVICE static void zero_rows(u32 tile, int first, int tid, int threads) {
+        constexpr int CHUNKS = ROW_BYTES / 16;  // of one row in one column block
+        const int count = (ROWS - first) * D_BLOCKS * CHUNKS;
+#pragma unroll 1
+        for (int i = tid; i < count; i += threads) {
+            const int chunk = i % CHUNKS, rest = i / CHUNKS;
+            st_shared_16(tile + (rest % D_BLOCKS) * ROWS * ROW_BYTES + (first + rest / D_BLOCKS) * ROW_BYTES + 16 * chunk,
+                         make_uint4(0u, 0u, 0u, 0u));
+        }
+    }
 };
 
 // `desc` with its start address moved on by `bytes` (a multiple of 16). The start-address field is
@@ -128,6 +144,23 @@ CF_DEVICE void mbarrier_wait(u32 bar, u32 phase) {
         "@!done bra WAIT_%=;\n"
         "}\n" ::"r"(bar),
         "r"(phase)
+        : "memory");
+}
+
+// Arrive on `bar` and wait until the phase arrived on completes: a meeting of the barrier's
+// arrival count of threads, each on its own (the phase is the arrival's state, so no parity is
+// kept; that phase's next one cannot complete before this thread arrives again). Unlike bar.sync
+// it takes threads of a warp that arrive split.
+CF_DEVICE void mbarrier_meet(u32 bar) {
+    asm volatile(
+        "{\n"
+        ".reg .b64 state;\n"
+        ".reg .pred done;\n"
+        "mbarrier.arrive.shared::cta.b64 state, [%0];\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.shared::cta.b64 done, [%0], state;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar)
         : "memory");
 }
 

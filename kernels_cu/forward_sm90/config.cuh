@@ -67,9 +67,10 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
     static constexpr int P_OFFSET = V_OFFSET + STAGES * KV_BYTES;
     static constexpr int BAR_OFFSET = P_OFFSET + P_BYTES;
-    // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty: 8 bytes each
+    // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty, then pad_ready:
+    // 8 bytes each
     static constexpr int Q_BARS = 2 * Q_BUFFERS;
-    static constexpr int BAR_BYTES = 8 * (Q_BARS + 4 * STAGES);
+    static constexpr int BAR_BYTES = 8 * (Q_BARS + 4 * STAGES + 1);
     // + 1024: the kernel rounds the dynamic shared memory base up to a 1024-byte boundary (the
     // 128B swizzle pattern repeats every 1024 bytes and wgmma/TMA assume atoms aligned to it).
     static constexpr int SMEM_BYTES = BAR_OFFSET + BAR_BYTES + 1024;
@@ -129,6 +130,8 @@ struct SmemLayout {
     CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + Cfg::STAGES + stage); }
     CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 2 * Cfg::STAGES + stage); }
     CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 3 * Cfg::STAGES + stage); }
+    // VARLEN: every consumer thread has zeroed its share of a pad block's V (mainloop.cuh)
+    CF_DEVICE u32 pad_ready() const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 4 * Cfg::STAGES); }
 };
 
 // Q tile of a CTA's `tile_iter`-th tile, and the parity of that tile's use of it.

@@ -122,7 +122,6 @@ ACCUMULATOR_BUDGET = 200
 _ROW_KERNEL_ROWS = 64  # backward_sm80's preprocess/convert rows per CTA (the padding unit)
 DQ_TMA_COLS = 32  # fp32 columns of one dq_tma panel: 128 bytes, the 128B swizzle span
 PARK_SLOT_BYTES = 40  # park: a consumer warp's varlen tile values (ten 32-bit words; config.cuh)
-PARK_BARRIER_BYTES = 8  # park: the tail zeroer's kv_ready mbarrier, behind the slots (config.cuh)
 DQ_ROW_PAD = 8  # fp32 padding of each staged dQ row (dq_bulk): 8 banks between rows, conflict-free stores
 
 
@@ -255,8 +254,8 @@ class HopperBackwardKernelConfig(KernelConfig):
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
         if self.qdo_split:
             barriers += 8 * 2 * self.n_stages  # do_full and do_empty per stage
-        # a slot per consumer warp and kv_ready
-        parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES + PARK_BARRIER_BYTES if self.park else 0
+        barriers += 8 * (2 + self.n_stages)  # varlen's tail zeroer: kv_ready, zero_done, q_pad per stage
+        parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES if self.park else 0  # a slot per consumer warp
         return kv + self.n_stages * stage + ds + dq + stats + barriers + parked + 1024
 
     @property

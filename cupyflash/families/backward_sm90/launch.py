@@ -55,9 +55,11 @@ def pack_dkdv(plan: BackwardPlan, q, k, v, dout, dk_ptr: int, dv_ptr: int, dq_ac
              for view, rows in ((q, cfg.B_r), (k, cfg.B_c), (v, cfg.B_c), (dout, cfg.B_r))]
     descs.append(dq_descriptor(cfg, plan, dq_accum_ptr))
     dk_strides, dv_strides = plan.strides[6], plan.strides[7]
+    totals = (q.shape[1], k.shape[1]) if plan.varlen else (0, 0)  # the packed arrays' tokens
     return pack_params(*descs, dk_ptr, dv_ptr, dq_accum_ptr, lse2_ptr, dvec_ptr, *cu_seqlens, *dk_strides, *dv_strides,
                        plan.seq_len_q, plan.seq_len_k, plan.seq_len_q_pad, plan.n_heads, plan.n_kv_heads,
-                       plan.n_heads // plan.n_kv_heads, plan.batch, plan.softmax_scale, plan.softmax_scale * LOG2_E)
+                       plan.n_heads // plan.n_kv_heads, plan.batch, plan.softmax_scale, plan.softmax_scale * LOG2_E,
+                       *totals)
 
 
 _FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32

@@ -47,6 +47,10 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("batch", "int", "i"),  # persistent: the tile grid is (key blocks, n_kv_heads, batch)
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),
+    # varlen: the packed arrays' token counts (rows past the last sequence, which no sequence owns,
+    # exist when they exceed cu_seqlens[batch]: the consumers zero what they read of them); 0 otherwise
+    ("total_q", "int", "i"),
+    ("total_k", "int", "i"),
 )
 _unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
 _pad = -_unpadded % _ALIGN

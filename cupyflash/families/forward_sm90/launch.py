@@ -135,7 +135,7 @@ def make_repack(plan: Sm90Plan, q: TensorView, k: TensorView, v: TensorView) -> 
     dtype, descriptor = cfg.dtype, operand_encoder(cfg)  # tensor maps, or plain records for cp_async
     (qs, qst), (ks, kst), (vs, vst) = ((x.shape, x.strides) for x in (q, k, v))
     tail = (*b.o_strides, b.seq_len_q, b.seq_len_k, b.n_heads, b.n_kv_heads, b.softmax_scale, b.softmax_scale_log2,
-            b.kv_group_size, b.out_shape[0], 0, 0)
+            b.kv_group_size, b.out_shape[0], 0, 0, 0)
 
     def repack(q_ptr: int, k_ptr: int, v_ptr: int, o_ptr: int, lse_ptr: int = 0) -> bytes:
         return pack_params(descriptor(q_ptr, dtype, qs, qst, cfg.B_r), descriptor(k_ptr, dtype, ks, kst, cfg.B_c),
