@@ -264,29 +264,22 @@ struct BwdSeq {
             return {p.seq_len_q, p.seq_len_k, 0, 0, 0, b};
         }
     }
-    // VARLEN: the packed arrays may hold rows past the last sequence (`total` > cu_seqlens[batch]),
-    // which no sequence owns and which may hold anything (a padded buffer never written: NaN,
-    // inf). A block of a sequence's rows reaching packed row `end` - 1 reads them when this is
-    // true; its rows past the sequence's end are then zeroed before any GEMM reads them
-    // (tail_zeroer.cuh): the masks and lse2 = +inf (dvec 0) give them P = 0 and dS = 0, but the
-    // GEMMs would still add 0 * NaN.
-    CF_DEVICE static bool reaches_pad(const int* cu_seqlens, int batch, int end, int total) {
-        const int last = cu_seqlens[batch];
-        return end > last && last < total;
-    }
+    // VARLEN, a block reading rows past the last sequence (varlen_tail.cuh): its rows past the
+    // sequence's end are zeroed before any GEMM reads them (tail_zeroer.cuh); the masks and lse2 =
+    // +inf (dvec 0) give them P = 0 and dS = 0, but the GEMMs would still add 0 * NaN.
     // The query block from row0 of the sequence: its rows (those from there on are zeroed) when it
     // reaches rows past the last sequence, else -1.
     CF_DEVICE int pad_query_rows(const HopperBackwardParams& p, int row0) const {
         if constexpr (!VARLEN) return -1;
         if (row0 + BR <= len_q) return -1;
-        return reaches_pad(p.cu_seqlens_q, p.batch, tok_q + row0 + BR, p.total_q) ? len_q - row0 : -1;
+        return reads_rows_past_last_sequence(p.cu_seqlens_q, p.batch, tok_q + row0 + BR, p.total_q) ? len_q - row0 : -1;
     }
     // The key block from key0 (BC keys): its keys when it reaches rows past the last sequence, else -1.
     template <int BC>
     CF_DEVICE int pad_key_rows(const HopperBackwardParams& p, int key0) const {
         if constexpr (!VARLEN) return -1;
         if (key0 + BC <= len_k) return -1;
-        return reaches_pad(p.cu_seqlens_k, p.batch, tok_k + key0 + BC, p.total_k) ? len_k - key0 : -1;
+        return reads_rows_past_last_sequence(p.cu_seqlens_k, p.batch, tok_k + key0 + BC, p.total_k) ? len_k - key0 : -1;
     }
     // First workspace row (lse2, dvec; times D for dq_accum) of query row 0 of `head`.
     CF_DEVICE long long ws_row(const HopperBackwardParams& p, int head) const {

@@ -8,7 +8,7 @@
 //   K rows add nothing to dQ and zero V rows make dP^T 0, in one instance of the loop (a second
 //   instance comparing every key with the parked end made ptxas serialise the wgmma chain of
 //   the consumers' build with dq_mid, C7512, NOTES.md items 342 and 347). Other builds mask those
-//   keys and zero only a block that reaches rows past the last sequence (BwdSeq::reaches_pad).
+//   keys and zero only a block that reaches rows past the last sequence (varlen_tail.cuh).
 //   Once the tile's K and V have landed (kv_full) the zeroer zeroes, fences and arrives on
 //   kv_ready, which the consumers wait for, every tile.
 // - Q/dO. A query block reaching rows past the last sequence lands on its stage's q_pad instead of

@@ -5,6 +5,15 @@
 // and step; usually there are none, and each thread only reads the last offset.
 #pragma once
 
+// Whether a block of packed rows ending before row `end` reads rows past the last sequence
+// (cu_seqlens[batch] ..) that the arrays hold (`total` rows). No sequence owns those and they may
+// hold anything (a padded buffer never written: NaN, inf); the masks give them P = 0, but a GEMM
+// still adds 0 * NaN, so the Hopper kernels zero them in shared memory first.
+CF_DEVICE bool reads_rows_past_last_sequence(const int* cu_seqlens, int batch, int end, int total) {
+    const int last = cu_seqlens[batch];
+    return end > last && last < total;
+}
+
 // This thread's index among all threads of the grid, and their count (the stride of zero_rows).
 CF_DEVICE long long grid_thread_index() {
     const long long cta = blockIdx.x + (long long)gridDim.x * (blockIdx.y + (long long)gridDim.y * blockIdx.z);
