@@ -1,10 +1,12 @@
-"""GPU tests: values outside the sequences never reach the sequences' results.
+"""GPU tests: values outside a sequence never reach its results.
 
 The rows past the last sequence of a packed batch (forward_varlen, backward_varlen: q, k, v, dout,
-out) and the cache rows past a sequence's keys (forward_kvcache: a contiguous cache's capacity, a
-paged cache's unused slots and pages) hold NaN or +-inf here. Each output and gradient of the
-sequences must equal, bit for bit, the one computed with zeros there (deterministic dQ; atomic dQ
-within its rounding), for each family that serves the call. Skipped cleanly without a GPU."""
+out), one sequence's own rows (its neighbours' results must not see them: a sequence's last
+block reads the next one's rows) and the cache rows past a sequence's keys (forward_kvcache: a
+contiguous cache's capacity, a paged cache's unused slots and pages) hold NaN or +-inf here. Each
+output and gradient of the other sequences must equal, bit for bit, the one computed with zeros
+there (deterministic dQ; atomic dQ within its rounding), for each family that serves the call.
+Skipped cleanly without a GPU."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,24 +44,44 @@ def pad_bits(shape, kind: str | None):
     return cp.where(index % 2 == 0, even, odd).astype(cp.uint16)
 
 
-def with_pad(arrays, start: int, kind: str | None):
-    """Copies of the bf16 `arrays` with rows start.. zeroed (kind None) or filled with `kind`."""
+# Where the poison goes: the rows past the last sequence, or sequence 1's own rows (sequence 0's
+# last blocks read them; in "short_last" sequence 1 is the last, followed by the rows past it).
+POISONED = ["past_last", "sequence_1"]
+
+
+def with_rows(arrays, rows: tuple[int, int | None], kind: str | None):
+    """Copies of the bf16 `arrays` with rows rows[0] .. rows[1] - 1 (None: to the end) zeroed (kind
+    None) or filled with `kind`."""
     copies = [a.copy() for a in arrays]
     for c in copies:
         bits = c.view(cp.uint16)
-        bits[start:] = pad_bits(bits[start:].shape, kind)
+        bits[rows[0]:rows[1]] = pad_bits(bits[rows[0]:rows[1]].shape, kind)
     return copies
 
 
-def assert_same(context: str, clean, dirty, rows: int, exact: bool = True) -> None:
-    """The first `rows` rows of each pair: finite where the clean one is, and equal."""
+def poisoned_rows(where: str, offsets) -> tuple[int, int | None]:
+    """The rows `where` names, of a packed array with host offsets `offsets`."""
+    return (int(offsets[-1]), None) if where == "past_last" else (int(offsets[1]), int(offsets[2]))
+
+
+def kept_rows(where: str, offsets):
+    """The rows of the sequences whose results must not change: every sequence's but the poisoned."""
+    poisoned = poisoned_rows(where, offsets)
+    rows = np.arange(int(offsets[-1]))
+    if poisoned[1] is not None:
+        rows = rows[(rows < poisoned[0]) | (rows >= poisoned[1])]
+    return cp.asarray(rows)
+
+
+def assert_same(context: str, clean, dirty, rows, exact: bool = True) -> None:
+    """Rows `rows` (an index array) of each pair: finite where the clean one is, and equal."""
     for name, (a, b) in enumerate(zip(clean, dirty)):
-        a32, b32 = to_float32(cp, a[:rows]), to_float32(cp, b[:rows])
+        a32, b32 = to_float32(cp, a)[rows], to_float32(cp, b)[rows]
         bad = int((cp.isfinite(a32) & ~cp.isfinite(b32)).any(axis=tuple(range(1, a32.ndim))).sum())
-        assert bad == 0, f"{context}: output {name}: {bad} of {rows} rows non-finite"
+        assert bad == 0, f"{context}: output {name}: {bad} of {len(rows)} rows non-finite"
         if exact:
-            assert bool((a[:rows].view(cp.uint16) == b[:rows].view(cp.uint16)).all()), \
-                f"{context}: output {name} differs from the zero-pad call"
+            assert bool((a.view(cp.uint16)[rows] == b.view(cp.uint16)[rows]).all()), \
+                f"{context}: output {name} differs from the call with zeros there"
         else:
             assert bool(cp.allclose(a32, b32, rtol=2e-2, atol=2e-3)), f"{context}: output {name}"
 
@@ -146,7 +168,8 @@ def rng():
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("family", ["auto", "sm80"])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_forward_varlen(rng, lengths, family, d, causal, kind):
+@pytest.mark.parametrize("where", POISONED)
+def test_forward_varlen(rng, where, lengths, family, d, causal, kind):
     if family == "sm80" and d != 128:
         pytest.skip("one d_head for the mma.sync family")
     lens_q, lens_k = LENGTHS[lengths]
@@ -154,13 +177,14 @@ def test_forward_varlen(rng, lengths, family, d, causal, kind):
     cfg = forward_cfg(family, d, causal)
     results = []
     for pad in (None, kind):
-        qq, = with_pad([q], int(hq[-1]), pad)
-        kk, vv = with_pad([k, v], int(hk[-1]), pad)
+        qq, = with_rows([q], poisoned_rows(where, hq), pad)
+        kk, vv = with_rows([k, v], poisoned_rows(where, hk), pad)
         results.append(cupyflash.forward_varlen(qq, kk, vv, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
                                                 return_lse=True, cfg=cfg))
     (o0, l0), (o1, l1) = results
-    assert_same(f"{lengths} {family} d{d} causal={causal} {kind}", [o0], [o1], int(hq[-1]))
-    assert bool((l0[:, :int(hq[-1])] == l1[:, :int(hq[-1])]).all())
+    rows = kept_rows(where, hq)
+    assert_same(f"{where} {lengths} {family} d{d} causal={causal} {kind}", [o0], [o1], rows)
+    assert bool((l0[:, rows] == l1[:, rows]).all())
 
 
 @pytest.mark.parametrize("kind", ["nan", "inf"])
@@ -169,7 +193,8 @@ def test_forward_varlen(rng, lengths, family, d, causal, kind):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("family", ["auto", "sm80", "sm90_plain"])
 @pytest.mark.parametrize("lengths", list(LENGTHS))
-def test_backward_varlen(rng, lengths, family, d, causal, deterministic, kind):
+@pytest.mark.parametrize("where", POISONED)
+def test_backward_varlen(rng, where, lengths, family, d, causal, deterministic, kind):
     if family != "auto" and d != 128:
         pytest.skip("one d_head for the named families")
     lens_q, lens_k = LENGTHS[lengths]
@@ -178,16 +203,19 @@ def test_backward_varlen(rng, lengths, family, d, causal, deterministic, kind):
     dout = random_inputs(cp, DType.BF16, q.shape, rng)
     out, lse = cupyflash.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
     cfg = backward_cfg(family, d, causal, max_q)
-    tq, tk = int(hq[-1]), int(hk[-1])
+    rows_q, rows_k = poisoned_rows(where, hq), poisoned_rows(where, hk)
     results = []
     for pad in (None, kind):
-        qq, oo, dd = with_pad([q, out, dout], tq, pad)
-        kk, vv = with_pad([k, v], tk, pad)
-        results.append(cupyflash.backward_varlen(dd, qq, kk, vv, oo, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+        qq, oo, dd = with_rows([q, out, dout], rows_q, pad)
+        kk, vv = with_rows([k, v], rows_k, pad)
+        ll = lse.copy()
+        if pad is not None:  # (the poisoned sequence's own log-sum-exp too)
+            ll[:, rows_q[0]:rows_q[1]] = cp.nan
+        results.append(cupyflash.backward_varlen(dd, qq, kk, vv, oo, ll, cu_q, cu_k, max_q, max_k, causal=causal,
                                                  deterministic=deterministic, cfg=cfg))
-    context = f"{lengths} {family} d{d} causal={causal} det={deterministic} {kind}"
-    assert_same(context + " dq", results[0][:1], results[1][:1], tq, exact=deterministic)
-    assert_same(context + " dk dv", results[0][1:], results[1][1:], tk, exact=deterministic)
+    context = f"{where} {lengths} {family} d{d} causal={causal} det={deterministic} {kind}"
+    assert_same(context + " dq", results[0][:1], results[1][:1], kept_rows(where, hq), exact=deterministic)
+    assert_same(context + " dk dv", results[0][1:], results[1][1:], kept_rows(where, hk), exact=deterministic)
 
 
 def kvcache_problem(rng, d: int, paged: bool, seq_q: int):
@@ -238,5 +266,5 @@ def test_forward_kvcache(rng, d, paged, seq_q, appended, kind):
                                                  return_lse=True, **extra))
     (o0, l0), (o1, l1) = results
     context = f"d{d} paged={paged} seq_q={seq_q} k_new={appended} {kind}"
-    assert_same(context, [o0], [o1], q.shape[0])
+    assert_same(context, [o0], [o1], cp.arange(q.shape[0]))
     assert bool((l0 == l1).all()), context

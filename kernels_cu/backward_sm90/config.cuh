@@ -208,7 +208,7 @@ struct BwdSmem {
     CF_DEVICE u32 kv_ready() const { return base + Cfg::KV_READY_OFFSET; }
     // varlen: every tail zeroer thread has zeroed its share of a Q/dO stage (its meeting)
     CF_DEVICE u32 zero_done() const { return base + Cfg::KV_READY_OFFSET + 8; }
-    // varlen: stage s's Q/dO block reaching rows past the last sequence has landed (instead of
+    // varlen: stage s's Q/dO block reading rows past its sequence's end has landed (instead of
     // q_full / do_full, which the tail zeroer completes once it has zeroed those rows)
     CF_DEVICE u32 q_pad(int s) const { return base + Cfg::KV_READY_OFFSET + 8 * (2 + s); }
 };
@@ -264,22 +264,23 @@ struct BwdSeq {
             return {p.seq_len_q, p.seq_len_k, 0, 0, 0, b};
         }
     }
-    // VARLEN, a block reading rows past the last sequence (varlen_tail.cuh): its rows past the
-    // sequence's end are zeroed before any GEMM reads them (tail_zeroer.cuh); the masks and lse2 =
-    // +inf (dvec 0) give them P = 0 and dS = 0, but the GEMMs would still add 0 * NaN.
+    // VARLEN, a block reading packed rows past the sequence's end (the next sequences' tokens, rows
+    // past the last sequence: varlen_tail.cuh): those rows are zeroed before any GEMM reads them
+    // (tail_zeroer.cuh); the masks and lse2 = +inf (dvec 0) give them P = 0 and dS = 0, but the
+    // GEMMs would still add 0 * NaN.
     // The query block from row0 of the sequence: its rows (those from there on are zeroed) when it
-    // reaches rows past the last sequence, else -1.
+    // reads rows past the sequence's end, else -1.
     CF_DEVICE int pad_query_rows(const HopperBackwardParams& p, int row0) const {
         if constexpr (!VARLEN) return -1;
         if (row0 + BR <= len_q) return -1;
-        return reads_rows_past_last_sequence(p.cu_seqlens_q, p.batch, tok_q + row0 + BR, p.total_q) ? len_q - row0 : -1;
+        return reads_rows_past_sequence_end(tok_q + len_q, p.total_q) ? len_q - row0 : -1;
     }
-    // The key block from key0 (BC keys): its keys when it reaches rows past the last sequence, else -1.
+    // The key block from key0 (BC keys): its keys when it reads rows past the sequence's end, else -1.
     template <int BC>
     CF_DEVICE int pad_key_rows(const HopperBackwardParams& p, int key0) const {
         if constexpr (!VARLEN) return -1;
         if (key0 + BC <= len_k) return -1;
-        return reads_rows_past_last_sequence(p.cu_seqlens_k, p.batch, tok_k + key0 + BC, p.total_k) ? len_k - key0 : -1;
+        return reads_rows_past_sequence_end(tok_k + len_k, p.total_k) ? len_k - key0 : -1;
     }
     // First workspace row (lse2, dvec; times D for dq_accum) of query row 0 of `head`.
     CF_DEVICE long long ws_row(const HopperBackwardParams& p, int head) const {

@@ -106,7 +106,7 @@ struct BwdProducer {
         const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         const Seq seq = Seq::of(p, sched.batch);
         const long long stat = seq.ws_row(p, head) + row0;
-        // (VARLEN: a block reaching rows past the last sequence lands both halves on q_pad)
+        // (VARLEN: a block reading rows past its sequence's end lands both halves on q_pad)
         const bool pad = seq.pad_query_rows(p, row0) >= 0;
         const u32 do_full = pad ? smem.q_pad(s) : smem.do_full(s), q_full = pad ? smem.q_pad(s) : smem.q_full(s);
         mbarrier_wait(smem.do_empty(s), free_phase);

@@ -8,10 +8,11 @@
 //   K rows add nothing to dQ and zero V rows make dP^T 0, in one instance of the loop (a second
 //   instance comparing every key with the parked end made ptxas serialise the wgmma chain of
 //   the consumers' build with dq_mid, C7512, NOTES.md items 342 and 347). Other builds mask those
-//   keys and zero only a block that reaches rows past the last sequence (varlen_tail.cuh).
+//   keys and zero a sequence's last key block's rows past its end when the arrays hold some
+//   (varlen_tail.cuh: the next sequences' tokens, rows past the last sequence).
 //   Once the tile's K and V have landed (kv_full) the zeroer zeroes, fences and arrives on
 //   kv_ready, which the consumers wait for, every tile.
-// - Q/dO. A query block reaching rows past the last sequence lands on its stage's q_pad instead of
+// - Q/dO. A query block reading rows past its sequence's end lands on its stage's q_pad instead of
 //   q_full (and do_full) (producer.cuh); the zeroer waits for it, zeroes the rows past the
 //   sequence's end, meets its other threads on zero_done and completes q_full (and do_full),
 //   which the consumers wait for as for any stage. The stage's next load follows the consumers'

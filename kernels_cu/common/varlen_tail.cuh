@@ -5,14 +5,14 @@
 // and step; usually there are none, and each thread only reads the last offset.
 #pragma once
 
-// Whether a block of packed rows ending before row `end` reads rows past the last sequence
-// (cu_seqlens[batch] ..) that the arrays hold (`total` rows). No sequence owns those and they may
-// hold anything (a padded buffer never written: NaN, inf); the masks give them P = 0, but a GEMM
-// still adds 0 * NaN, so the Hopper kernels zero them in shared memory first.
-CF_DEVICE bool reads_rows_past_last_sequence(const int* cu_seqlens, int batch, int end, int total) {
-    const int last = cu_seqlens[batch];
-    return end > last && last < total;
-}
+// Whether a sequence's partial last block, whose sequence ends before packed row `seq_end`, reads
+// rows past that end: the arrays (`total` rows) hold some (TMA zero-fills only past the arrays).
+// They are the next sequence's tokens or rows past the last sequence, which no sequence owns and
+// may hold anything (a padded buffer never written: NaN, inf). The masks give them P = 0, but a
+// GEMM still adds 0 * NaN, so the Hopper kernels zero them in shared memory first: no value of one
+// sequence reaches another's results, and the rows past the last reach none (as the mma.sync
+// families' predicated loads, which zero-fill past each sequence).
+CF_DEVICE bool reads_rows_past_sequence_end(int seq_end, int total) { return seq_end < total; }
 
 // This thread's index among all threads of the grid, and their count (the stride of zero_rows).
 CF_DEVICE long long grid_thread_index() {

@@ -10,10 +10,11 @@
 // turns issuing their GEMMs, in a ring of named barriers (0 -> 1 [-> 2] -> 0), so one
 // warpgroup's softmax overlaps the others' GEMMs.
 //
-// VARLEN: the packed k/v rows past the last sequence belong to no sequence and may hold anything
-// (a padded buffer never written: NaN, inf). A sequence's partial last key block may read them
-// (the tile's pad block, tile_scheduler.cuh); its mask gives those keys P = 0, which hides any K
-// there, but P V adds 0 * V, NaN for a NaN row. So before that block's P V every consumer
+// VARLEN: a sequence's partial last key block reads the packed k/v rows past its end (the tile's
+// pad block, tile_scheduler.cuh): the next sequences' tokens, or rows past the last sequence, which
+// belong to no sequence and may hold anything (a padded buffer never written: NaN, inf). Its mask
+// gives those keys P = 0, which hides any K there, but P V adds 0 * V, NaN for a NaN row (one
+// sequence's values would reach another's output). So before that block's P V every consumer
 // thread zeroes its share of the V rows past the sequence's end and the consumer warpgroups meet
 // on pad_ready: each arrives after its turn of the block's Q K^T and before its turn of P V
 // (idle WG_BLOCKS warpgroups at the same turn), so no turn is held while waiting there. (A

@@ -47,8 +47,8 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     ("batch", "int", "i"),  # persistent: the tile grid is (key blocks, n_kv_heads, batch)
     ("softmax_scale", "float", "f"),
     ("softmax_scale_log2", "float", "f"),
-    # varlen: the packed arrays' token counts (rows past the last sequence, which no sequence owns,
-    # exist when they exceed cu_seqlens[batch]: the consumers zero what they read of them); 0 otherwise
+    # varlen: the packed arrays' token counts (a sequence's last blocks read rows past its end, the
+    # next sequences' or rows no sequence owns, when they exist: the tail zeroer zeroes them); 0 otherwise
     ("total_q", "int", "i"),
     ("total_k", "int", "i"),
 )

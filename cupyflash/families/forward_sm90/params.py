@@ -43,8 +43,8 @@ _FIELDS: tuple[tuple[str, str, str], ...] = (
     # varlen: the packed arrays' token count when o's rows (and lse's columns) past the last
     # sequence are to be zeroed by the kernel (cupyflash.jax's output buffers); 0: left as they are
     ("tail_total_q", "int", "i"),
-    # varlen: the packed k/v arrays' token count (rows past the last sequence, which no sequence
-    # owns, exist when it exceeds cu_seqlens_k[batch]: the kernel zeroes what it reads of them); 0 otherwise
+    # varlen: the packed k/v arrays' token count (a sequence's last block reads rows past its end,
+    # the next sequences' or rows no sequence owns, when they exist: the kernel zeroes them); 0 otherwise
     ("total_k", "int", "i"),
 )
 _unpadded = struct.calcsize("<" + "".join(f for _, _, f in _FIELDS))
