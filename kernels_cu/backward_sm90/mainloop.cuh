@@ -145,14 +145,15 @@ struct BwdConsumer {
 
     // Non-causal CTAs whose key block reaches past seq_len_k clamp the exponent (probabilities);
     // the others (all but the last key block of each head) run the loop without the clamp.
-    // (VARLEN: the sequence's last key block masks the keys past its end instead; with the tail
-    // zeroer every block clamps: a second instance of the loop was what made ptxas serialise the
-    // wgmma chain of dq_mid's build, C7512, and the clamp changes no visible key's exponent.)
+    // (VARLEN: the tail zeroer zeroed the K/V rows past the sequence's end, so its last key block
+    // runs the dense kernel's tail; park: every block clamps, since a second instance of the loop
+    // was what made ptxas serialise the wgmma chain of dq_mid's build, C7512, and the clamp
+    // changes no visible key's exponent.)
     CF_DEVICE void run() {
         park_tile();
         if constexpr (CAUSAL) {
             walk<false>();
-        } else if constexpr (ZERO_TAIL) {
+        } else if constexpr (CLAMP_EVERY_BLOCK) {
             walk<true>();
         } else {
             if ((sched.n_block + 1) * Cfg::BC > seq().len_k)
@@ -172,7 +173,7 @@ struct BwdConsumer {
     static constexpr bool PARKED = VARLEN && Cfg::PARK;
     // (non-causal: every block clamps the exponent as the dense kernel's last key block does, on
     // K/V rows the tail zeroer zeroed past a sequence's end, tail_zeroer.cuh)
-    static constexpr bool ZERO_TAIL = zeroes_tail_keys<Cfg, CAUSAL, VARLEN>;
+    static constexpr bool CLAMP_EVERY_BLOCK = PARKED && !CAUSAL;
     enum Parked { LEN_Q, LEN_K, TOK_Q, TOK_K, WS_ROW0, M_BEGIN, M_BLOCKS, ROT, MASK_OFFSET, PARKED_VALUES };
     static_assert(PARKED_VALUES * 4 <= Cfg::PARK_SLOT_BYTES, "a consumer warp's parked values fit its slot");
     CF_DEVICE u32 parked_address(Parked i) const {
@@ -205,7 +206,7 @@ struct BwdConsumer {
             park(M_BEGIN, sched.m_begin);
             park(M_BLOCKS, sched.m_blocks);
             park(ROT, sched.rot);
-            if constexpr (!ZERO_TAIL) park(MASK_OFFSET, CAUSAL ? s.len_k - s.len_q : s.len_k - sched.n_block * Cfg::BC);
+            if constexpr (CAUSAL) park(MASK_OFFSET, s.len_k - s.len_q);
             __syncwarp();
         }
     }
@@ -226,8 +227,7 @@ struct BwdConsumer {
             return sched;
         }
     }
-    // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
-    // (park: the parked one; else `offset`, which walk derived).
+    // causal: the diagonal's shift (park: the parked one; else `offset`, which walk derived).
     CF_DEVICE int mask_offset(int offset) const {
         if constexpr (PARKED) return parked(MASK_OFFSET);
         else return offset;
@@ -245,9 +245,8 @@ struct BwdConsumer {
         auto iterations = [&] { return PARKED ? schedule().iterations() : n; };
         const int key_base = sched.n_block * Cfg::BC;
         const Seq seq = Seq::of(p, sched.batch);
-        // causal: the diagonal's shift; VARLEN non-causal tail: the keys of this block that exist
-        // (park: mask_offset reads the parked one where it is used)
-        const int causal_offset = PARKED ? 0 : (!CAUSAL && VARLEN) ? seq.len_k - key_base : seq.len_k - seq.len_q;
+        // causal: the diagonal's shift (park: mask_offset reads the parked one where it is used)
+        const int causal_offset = PARKED ? 0 : seq.len_k - seq.len_q;
         if constexpr (CAUSAL && Cfg::NOMASK) {
             // Each query head's walk (causal: no rotate) starts at the diagonal: its first
             // `masked` blocks cut the CTA's keys, the rest see all of them. Two loops, each with
@@ -687,8 +686,8 @@ struct BwdConsumer {
     // where the key is after the query's diagonal.
     // The tails need no mask: rows past seq_len_q (and rows whose forward saw no key) carry lse2
     // = +inf (the preprocess), so their P^T, and dS^T = P^T (dP^T - dvec) with dvec 0 there, are
-    // exactly 0; keys past seq_len_k are TMA's zero fill in K and V (varlen: with park the tail
-    // zeroer's zeros, else each key is compared with the sequence's end), so their P^T and dS^T reach
+    // exactly 0; keys past seq_len_k are TMA's zero fill in K and V (varlen: the tail zeroer's zeros,
+    // where the packed arrays hold rows past the sequence's end), so their P^T and dS^T reach
     // only their own dK/dV rows, which the epilogue never stores, and dQ = dS K through K's zero
     // rows. That keeps two compares and a select per element off the consumers' critical path.
     // Those keys' score is 0, which may lie far above a row's lse (a row whose every logit is
@@ -703,7 +702,7 @@ struct BwdConsumer {
         // one compare with an immediate per element; a hidden score's exponent becomes -inf
         // (ex2.approx gives +0), so every element runs the same FFMA (scale read from the
         // parameter bank) and MUFU, with one select between them.
-        if constexpr (CAUSAL || (KEY_TAIL && VARLEN && !ZERO_TAIL)) causal_offset = mask_offset(causal_offset);
+        if constexpr (CAUSAL) causal_offset = mask_offset(causal_offset);
         const int g = key_base + key_row(0) - q0 - causal_offset - 2 * (lane & 3);
         // lse2 of the thread's two query columns per n-tile: one 8-byte load each
 #pragma unroll
@@ -712,9 +711,7 @@ struct BwdConsumer {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const float x = fmaf(st[j][e], p.softmax_scale_log2, -((e & 1) ? l2.y : l2.x));
-                if constexpr (!CAUSAL && KEY_TAIL && VARLEN && !ZERO_TAIL)  // keys past the sequence are the next one's
-                    st[j][e] = fast_exp2(key_row(e) < causal_offset ? x : CF_NEG_INF);
-                else if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
+                if constexpr (!CAUSAL && KEY_TAIL)  // (causal: the diagonal masks every key past seq_len_k)
                     st[j][e] = fast_exp2(fminf(x, 0.f));
                 else if constexpr (MASK && CAUSAL)
                     st[j][e] = fast_exp2(g <= 8 * j - 8 * (e >> 1) + (e & 1) ? x : CF_NEG_INF);

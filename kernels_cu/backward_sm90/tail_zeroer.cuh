@@ -2,14 +2,13 @@
 // 1 writes dQ). It walks the same tiles and Q/dO ring positions as the consumers (dynamic: it
 // takes every hand-over too, as the writer warp does) and zeroes rows of the shared tiles before
 // the consumers' GEMMs read them:
-// - K/V. With park, non-causal: a sequence's last key block's rows past its end, the next
-//   sequence's keys where the dense kernel's TMA zero fill leaves zeros. Every block then runs
-//   the dense kernel's tail (the exponent clamped at 0, mainloop.cuh's probabilities), whose zero
-//   K rows add nothing to dQ and zero V rows make dP^T 0, in one instance of the loop (a second
-//   instance comparing every key with the parked end made ptxas serialise the wgmma chain of
-//   the consumers' build with dq_mid, C7512, NOTES.md items 342 and 347). Other builds mask those
-//   keys and zero a sequence's last key block's rows past its end when the arrays hold some
-//   (varlen_tail.cuh: the next sequences' tokens, rows past the last sequence).
+// - K/V. A sequence's last key block's rows past its end, when the packed arrays hold some
+//   (varlen_tail.cuh: the next sequences' tokens, rows past the last sequence; past the arrays
+//   TMA zero-fills). The consumers then run the dense kernel's tail on them (non-causal: the
+//   exponent clamped at 0, mainloop.cuh's probabilities; causal: the diagonal), whose zero K
+//   rows add nothing to dQ and zero V rows make dP^T 0. With park, non-causal, every block
+//   clamps, in one instance of the loop (a second instance made ptxas serialise the wgmma chain
+//   of the consumers' build with dq_mid, C7512, NOTES.md items 342 and 347).
 //   Once the tile's K and V have landed (kv_full) the zeroer zeroes, fences and arrives on
 //   kv_ready, which the consumers wait for, every tile.
 // - Q/dO. A query block reading rows past its sequence's end lands on its stage's q_pad instead of
@@ -20,10 +19,6 @@
 // So the producer's next K/V or Q/dO load, which follows the consumers' release, never meets its
 // stores.
 #pragma once
-
-// park, non-causal varlen: every sequence's key tail is zeroed (the consumers clamp, not mask).
-template <class Cfg, bool CAUSAL, bool VARLEN>
-constexpr bool zeroes_tail_keys = Cfg::PARK && VARLEN && !CAUSAL;
 
 template <class Cfg, bool CAUSAL>
 struct BwdTailZeroer {
@@ -41,9 +36,7 @@ struct BwdTailZeroer {
         mbarrier_wait(smem.kv_full(), (u32)index & 1u);
         const int key0 = sched.n_block * Cfg::BC;
         // (a block with no query block runs no GEMM: nothing to zero)
-        const int keys = n == 0                                      ? Cfg::BC
-                         : zeroes_tail_keys<Cfg, CAUSAL, true>       ? min(s.len_k - key0, Cfg::BC)
-                                                                     : s.template pad_key_rows<Cfg::BC>(p, key0);
+        const int keys = n == 0 ? Cfg::BC : s.template pad_key_rows<Cfg::BC>(p, key0);
         if (keys >= 0 && keys < Cfg::BC) {
             Cfg::template zero_rows<Cfg::BC>(smem.k(), max(keys, 0), tid, THREADS);
             Cfg::template zero_rows<Cfg::BC>(smem.v(), max(keys, 0), tid, THREADS);
