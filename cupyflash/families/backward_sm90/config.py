@@ -88,12 +88,12 @@ cu_seqlens) in a 40-byte shared-memory slot and loads them where they are used (
 lane 0, so loop bounds stay provably warp-uniform), instead of holding them in registers across
 the loop. Those registers tipped the d_head 128 causal consumers with dq_frag into serialised
 wgmma (ptxas C7512); parked, they compile without it, and backward_varlen's d_head 128 causal
-default takes dq_frag again (+4-7% on the H200, NOTES.md item 340). Non-causal, warps 2-3 of the
-producer warpgroup (idle otherwise) zero the K/V rows of a sequence's last key block past its end
-(the next sequence's keys in the packed tensors) once they land, and every block clamps the
-exponent as the dense kernel's last key block does: one instance of the loop, not a second one
-comparing each key with the end, which had tipped the consumers with dq_mid into C7512; so the
-d_head 128 non-causal default takes dq_mid back (NOTES.md item 347).
+default takes dq_frag again (+4-7% on the H200, NOTES.md item 340). Non-causal, every block then
+clamps the exponent as the dense kernel's last key block does, on the K/V rows past a sequence's
+end that the tail zeroer (warps 2-3 of the producer warpgroup, in every varlen build) zeroed: one
+instance of the loop, not a second one for the sequence's last key block, which had tipped the
+consumers with dq_mid into C7512; so the d_head 128 non-causal default takes dq_mid back (NOTES.md
+items 347 and 368).
 """
 from __future__ import annotations
 
