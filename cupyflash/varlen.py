@@ -114,7 +114,9 @@ def forward_varlen(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
     """Attention over a packed batch of sequences of different lengths.
 
     Sequence b's queries are q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]] and its keys/values
-    k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]; each sequence attends only to its own keys.
+    k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]; each sequence attends only to its own keys, and no
+    value of another sequence, nor of the tokens past the last one (which may hold anything, NaN
+    included), reaches its results.
 
     Args:
         q: (total_q, n_heads, d_head) fp16 or bf16, d_head one of config.SUPPORTED_D_HEADS.
