@@ -53,7 +53,7 @@ def test_default_config_text():
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
     # K, V (64 KiB) + 2 stages of Q, dO (32 KiB each) + two dS^T buffers (16 KiB each) + the dQ
     # panels (32 KiB) + 2 stages of lse2, dvec (512 bytes each) + barriers (varlen's tail zeroer's
-    # kv_ready, zero_done and q_pad per stage among them) + 1 KiB
+    # kv_ready, zero_done and q_tail per stage among them) + 1 KiB
     assert cfg.smem_bytes() == 65536 + 2 * 32768 + 2 * 16384 + 32768 + 2 * 512 + 48 + 40 + 32 + 1024
     # three stages fit beside the dQ panels (lse2/dvec are not in the 1 KiB-rounded stages)
     assert cfg.replace(n_stages=3).smem_bytes() == 65536 + 3 * 32768 + 2 * 16384 + 32768 + 3 * 512 + 64 + 40 + 40 + 1024

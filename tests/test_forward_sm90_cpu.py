@@ -129,7 +129,7 @@ def test_configs_are_ordered_hashable_keys():
 def test_smem_and_threads():
     cfg = H(DType.FP16, 128, 128, 128, 2, True, True, True, False)
     assert cfg.n_threads == 384 and cfg.consumer_warpgroups == 2
-    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 11 + 1024  # 11 mbarriers (pad_ready)
+    assert cfg.smem_bytes() == (128 + 2 * 2 * 128) * 128 * 2 + 8 * 11 + 1024  # 11 mbarriers (tail_cleared)
     assert H(DType.FP16, 128, 128, 128, 2, False, False, False, False).n_threads == 256
     assert H(DType.FP16, 128, 64, 128, 2, True, False, True, False).n_threads == 256
 

@@ -128,7 +128,7 @@ struct StaticHopperBackwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL
     static constexpr int BAR_OFFSET = STATS_OFFSET + STAGES * 2 * STAT_BYTES;
     // kv_full, q_full[s], q_empty[s], kv_empty; dynamic: tile_full[2], tile_empty[2], two tile
     // slots; qdo_split: do_full[s], do_empty[s]; varlen (the tail zeroer's, tail_zeroer.cuh):
-    // kv_ready, zero_done, q_pad[s]
+    // kv_ready, zero_done, q_tail[s]
     static constexpr int DO_BAR_OFFSET = BAR_OFFSET + 8 * (2 + 2 * STAGES) + (DYNAMIC ? 8 * 4 + 8 : 0);
     static constexpr int KV_READY_OFFSET = DO_BAR_OFFSET + (QDO_SPLIT ? 8 * 2 * STAGES : 0);
     static constexpr int BAR_BYTES = KV_READY_OFFSET + 8 * (2 + STAGES) - BAR_OFFSET;
@@ -210,7 +210,7 @@ struct BwdSmem {
     CF_DEVICE u32 zero_done() const { return base + Cfg::KV_READY_OFFSET + 8; }
     // varlen: stage s's Q/dO block reading rows past its sequence's end has landed (instead of
     // q_full / do_full, which the tail zeroer completes once it has zeroed those rows)
-    CF_DEVICE u32 q_pad(int s) const { return base + Cfg::KV_READY_OFFSET + 8 * (2 + s); }
+    CF_DEVICE u32 q_tail(int s) const { return base + Cfg::KV_READY_OFFSET + 8 * (2 + s); }
 };
 
 // Query blocks of one CTA: every query head of the GQA group times the query blocks that see at
@@ -270,14 +270,14 @@ struct BwdSeq {
     // GEMMs would still add 0 * NaN.
     // The query block from row0 of the sequence: its rows (those from there on are zeroed) when it
     // reads rows past the sequence's end, else -1.
-    CF_DEVICE int pad_query_rows(const HopperBackwardParams& p, int row0) const {
+    CF_DEVICE int tail_query_rows(const HopperBackwardParams& p, int row0) const {
         if constexpr (!VARLEN) return -1;
         if (row0 + BR <= len_q) return -1;
         return reads_rows_past_sequence_end(tok_q + len_q, p.total_q) ? len_q - row0 : -1;
     }
     // The key block from key0 (BC keys): its keys when it reads rows past the sequence's end, else -1.
     template <int BC>
-    CF_DEVICE int pad_key_rows(const HopperBackwardParams& p, int key0) const {
+    CF_DEVICE int tail_key_rows(const HopperBackwardParams& p, int key0) const {
         if constexpr (!VARLEN) return -1;
         if (key0 + BC <= len_k) return -1;
         return reads_rows_past_sequence_end(tok_k + len_k, p.total_k) ? len_k - key0 : -1;

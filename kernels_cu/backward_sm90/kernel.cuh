@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(Cfg::N_THREADS, 1)
         if constexpr (ZEROER) {
             mbarrier_init(smem.kv_ready(), Zeroer::THREADS);
             mbarrier_init(smem.zero_done(), Zeroer::THREADS);
-            for (int s = 0; s < Cfg::STAGES; ++s) mbarrier_init(smem.q_pad(s), Cfg::QDO_SPLIT ? 2 : 1);  // the producer's arrivals
+            for (int s = 0; s < Cfg::STAGES; ++s) mbarrier_init(smem.q_tail(s), Cfg::QDO_SPLIT ? 2 : 1);  // the producer's arrivals
         }
         if constexpr (Cfg::DYNAMIC) {
             for (int s = 0; s < 2; ++s) {

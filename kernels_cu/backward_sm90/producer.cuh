@@ -81,8 +81,8 @@ struct BwdProducer {
         const Seq seq = Seq::of(p, sched.batch);
         // (VARLEN: rows past the sequence's queries belong to the next one; their lse2 is the
         // preprocess's +inf padding, so P and dS are 0 there; a block reaching rows past the last
-        // sequence lands on q_pad, and the tail zeroer zeroes them and completes q_full)
-        const u32 full = seq.pad_query_rows(p, row0) >= 0 ? smem.q_pad(s) : smem.q_full(s);
+        // sequence lands on q_tail, and the tail zeroer zeroes them and completes q_full)
+        const u32 full = seq.tail_query_rows(p, row0) >= 0 ? smem.q_tail(s) : smem.q_full(s);
         mbarrier_arrive_expect_tx(full, Cfg::STAGE_LOAD_BYTES);
 #pragma unroll
         for (int c = 0; c < Cfg::D_BLOCKS; ++c) {
@@ -106,9 +106,9 @@ struct BwdProducer {
         const int row0 = sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR;
         const Seq seq = Seq::of(p, sched.batch);
         const long long stat = seq.ws_row(p, head) + row0;
-        // (VARLEN: a block reading rows past its sequence's end lands both halves on q_pad)
-        const bool pad = seq.pad_query_rows(p, row0) >= 0;
-        const u32 do_full = pad ? smem.q_pad(s) : smem.do_full(s), q_full = pad ? smem.q_pad(s) : smem.q_full(s);
+        // (VARLEN: a block reading rows past its sequence's end lands both halves on q_tail)
+        const bool tail = seq.tail_query_rows(p, row0) >= 0;
+        const u32 do_full = tail ? smem.q_tail(s) : smem.do_full(s), q_full = tail ? smem.q_tail(s) : smem.q_full(s);
         mbarrier_wait(smem.do_empty(s), free_phase);
         mbarrier_arrive_expect_tx(do_full, Cfg::HALF_LOAD_BYTES);
         load_rows(smem.dout(s), &p.tma_do, do_full, seq, row0, head);

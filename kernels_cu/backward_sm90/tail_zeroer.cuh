@@ -11,11 +11,11 @@
 //   of the consumers' build with dq_mid, C7512, NOTES.md items 342 and 347).
 //   Once the tile's K and V have landed (kv_full) the zeroer zeroes, fences and arrives on
 //   kv_ready, which the consumers wait for, every tile.
-// - Q/dO. A query block reading rows past its sequence's end lands on its stage's q_pad instead of
+// - Q/dO. A query block reading rows past its sequence's end lands on its stage's q_tail instead of
 //   q_full (and do_full) (producer.cuh); the zeroer waits for it, zeroes the rows past the
 //   sequence's end, meets its other threads on zero_done and completes q_full (and do_full),
 //   which the consumers wait for as for any stage. The stage's next load follows the consumers'
-//   q_empty, which follows that q_full: each q_pad is one use behind at most.
+//   q_empty, which follows that q_full: each q_tail is one use behind at most.
 // So the producer's next K/V or Q/dO load, which follows the consumers' release, never meets its
 // stores.
 #pragma once
@@ -29,31 +29,31 @@ struct BwdTailZeroer {
     int tid;  // 0 .. THREADS - 1
 
     // Tile `index` of the CTA (kv_full's and kv_ready's phase index & 1), its query blocks from
-    // ring position `ring` on; `q_phases` bit s: the phase of stage s's next q_pad use.
+    // ring position `ring` on; `q_phases` bit s: the phase of stage s's next q_tail use.
     CF_DEVICE void tile(const BwdSchedule& sched, int index, int ring, u32& q_phases) const {
         const Seq s = Seq::of(p, sched.batch);
         const int n = sched.iterations();
         mbarrier_wait(smem.kv_full(), (u32)index & 1u);
         const int key0 = sched.n_block * Cfg::BC;
         // (a block with no query block runs no GEMM: nothing to zero)
-        const int keys = n == 0 ? Cfg::BC : s.template pad_key_rows<Cfg::BC>(p, key0);
+        const int keys = n == 0 ? Cfg::BC : s.template tail_key_rows<Cfg::BC>(p, key0);
         if (keys >= 0 && keys < Cfg::BC) {
-            Cfg::template zero_rows<Cfg::BC>(smem.k(), max(keys, 0), tid, THREADS);
-            Cfg::template zero_rows<Cfg::BC>(smem.v(), max(keys, 0), tid, THREADS);
+            Cfg::template zero_rows<Cfg::BC>(smem.k(), keys, tid, THREADS);
+            Cfg::template zero_rows<Cfg::BC>(smem.v(), keys, tid, THREADS);
             fence_proxy_async_shared();  // the consumers' wgmma read K and V through the async proxy
         }
         mbarrier_arrive(smem.kv_ready());
 #pragma unroll 1
         for (int it = 0; it < n; ++it) {
-            const int rows = s.pad_query_rows(p, sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR);
+            const int rows = s.tail_query_rows(p, sched.template m_block<Cfg::ROTATE>(it) * Cfg::BR);
             if (rows >= 0) finish_stage(bwd_stage(ring + it, Cfg::STAGES), rows, q_phases);
         }
     }
 
-    // Stage `stage`'s Q/dO block, landed on q_pad: rows `rows` .. B_r - 1 zeroed, then q_full (and
+    // Stage `stage`'s Q/dO block, landed on q_tail: rows `rows` .. B_r - 1 zeroed, then q_full (and
     // with qdo_split do_full) completed by one thread once every zeroer thread is done.
     CF_DEVICE void finish_stage(int stage, int rows, u32& q_phases) const {
-        mbarrier_wait(smem.q_pad(stage), (q_phases >> stage) & 1u);
+        mbarrier_wait(smem.q_tail(stage), (q_phases >> stage) & 1u);
         q_phases ^= 1u << stage;
         Cfg::template zero_rows<Cfg::BR>(smem.q(stage), rows, tid, THREADS);
         Cfg::template zero_rows<Cfg::BR>(smem.dout(stage), rows, tid, THREADS);

@@ -67,7 +67,7 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
     static constexpr int V_OFFSET = K_OFFSET + STAGES * KV_BYTES;
     static constexpr int P_OFFSET = V_OFFSET + STAGES * KV_BYTES;
     static constexpr int BAR_OFFSET = P_OFFSET + P_BYTES;
-    // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty, then pad_ready:
+    // q_full, q_empty per Q tile, then per stage k_full, v_full, k_empty, v_empty, then tail_cleared:
     // 8 bytes each
     static constexpr int Q_BARS = 2 * Q_BUFFERS;
     static constexpr int BAR_BYTES = 8 * (Q_BARS + 4 * STAGES + 1);
@@ -130,8 +130,8 @@ struct SmemLayout {
     CF_DEVICE u32 v_full(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + Cfg::STAGES + stage); }
     CF_DEVICE u32 k_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 2 * Cfg::STAGES + stage); }
     CF_DEVICE u32 v_empty(int stage) const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 3 * Cfg::STAGES + stage); }
-    // VARLEN: every consumer thread has zeroed its share of a pad block's V (mainloop.cuh)
-    CF_DEVICE u32 pad_ready() const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 4 * Cfg::STAGES); }
+    // VARLEN: every consumer thread has zeroed its share of a tail block's V rows past the sequence's end (mainloop.cuh)
+    CF_DEVICE u32 tail_cleared() const { return base + Cfg::BAR_OFFSET + 8 * (Cfg::Q_BARS + 4 * Cfg::STAGES); }
 };
 
 // Q tile of a CTA's `tile_iter`-th tile, and the parity of that tile's use of it.

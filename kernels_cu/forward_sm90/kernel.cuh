@@ -51,7 +51,7 @@ CF_DEVICE void flash_forward_sm90(const HopperForwardParams& params) {
             mbarrier_init(smem.k_empty(s), releases);
             mbarrier_init(smem.v_empty(s), releases);
         }
-        if constexpr (VARLEN) mbarrier_init(smem.pad_ready(), 128 * Cfg::CONSUMERS);
+        if constexpr (VARLEN) mbarrier_init(smem.tail_cleared(), 128 * Cfg::CONSUMERS);
         fence_barrier_init();
     }
     __syncthreads();

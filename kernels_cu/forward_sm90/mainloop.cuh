@@ -11,12 +11,12 @@
 // warpgroup's softmax overlaps the others' GEMMs.
 //
 // VARLEN: a sequence's partial last key block reads the packed k/v rows past its end (the tile's
-// pad block, tile_scheduler.cuh): the next sequences' tokens, or rows past the last sequence, which
+// tail block, tile_scheduler.cuh tail_reads_past_end): the next sequences' tokens, or rows past the last sequence, which
 // belong to no sequence and may hold anything (a padded buffer never written: NaN, inf). Its mask
 // gives those keys P = 0, which hides any K there, but P V adds 0 * V, NaN for a NaN row (one
 // sequence's values would reach another's output). So before that block's P V every consumer
 // thread zeroes its share of the V rows past the sequence's end and the consumer warpgroups meet
-// on pad_ready: each arrives after its turn of the block's Q K^T and before its turn of P V
+// on tail_cleared: each arrives after its turn of the block's Q K^T and before its turn of P V
 // (idle WG_BLOCKS warpgroups at the same turn), so no turn is held while waiting there. (A
 // zeroing role in the producer warpgroup made ptxas spill the producer at any register budget.)
 #pragma once
@@ -173,18 +173,18 @@ struct Consumer {
             if (warpgroup == 0) named_barrier_sync(TURN_BARRIER, 256);
     }
 
-    // VARLEN, block `block` of the tile's `n_blocks`, its V landed in `stage`: when it is the pad
-    // block, this thread's share of the rows past the sequence's end zeroed (fenced for the
-    // wgmma's async-proxy reads), then every consumer thread meets on pad_ready (an mbarrier, not
-    // a named one: warps leave the v_full spin split). The pad block is the same for every
+    // VARLEN, block `block` of the tile's `n_blocks`, its V landed in `stage`: when it is the tail
+    // block that reads rows past the sequence's end, this thread's share of those rows zeroed
+    // (fenced for the wgmma's async-proxy reads), then every consumer thread meets on tail_cleared
+    // (an mbarrier, not a named one: warps leave the v_full spin split). The tail block is the same for every
     // consumer warpgroup, and each calls this for it exactly once.
-    CF_DEVICE void clear_pad_rows(int block, int n_blocks, int stage) const {
+    CF_DEVICE void clear_rows_past_end(int block, int n_blocks, int stage) const {
         if constexpr (Cfg::VARLEN) {
-            if (block != n_blocks - 1 || tile.pad_block(p, n_blocks) < 0) return;
+            if (block != n_blocks - 1 || !tile.tail_reads_past_end(p, n_blocks)) return;
             Cfg::template zero_rows<Cfg::BC>(smem.v(stage), tile.seq_len_k(p) - block * Cfg::BC, wg * 128 + tid,
                                              128 * Cfg::CONSUMERS);
             fence_proxy_async_shared();
-            mbarrier_meet(smem.pad_ready());
+            mbarrier_meet(smem.tail_cleared());
         }
     }
 
@@ -274,7 +274,7 @@ struct Consumer {
                 pass_turn(false);
             }
             for (int j = mine; j < n_blocks; ++j) {
-                if (j == n_blocks - 1) clear_unused_pad(j, n_blocks);  // before the turn of its P V
+                if (j == n_blocks - 1) clear_unused_tail(j, n_blocks);  // before the turn of its P V
                 wait_turn();
                 pass_turn(j == n_blocks - 1);
                 release_unused(j);
@@ -283,7 +283,7 @@ struct Consumer {
             for (int j = mine; j < n_blocks; ++j) {
                 wait_turn();
                 pass_turn(false);
-                if (j == n_blocks - 1) clear_unused_pad(j, n_blocks);
+                if (j == n_blocks - 1) clear_unused_tail(j, n_blocks);
                 wait_turn();
                 pass_turn(j == n_blocks - 1);
                 release_unused(j);
@@ -298,13 +298,13 @@ struct Consumer {
         mbarrier_wait(smem.v_full(stage), phase);
         release_v(stage);
     }
-    // An idle warpgroup's share of the pad block (clear_pad_rows), at the turn where the others
+    // An idle warpgroup's share of the tail block (clear_rows_past_end), at the turn where the others
     // have theirs.
-    CF_DEVICE void clear_unused_pad(int j, int n_blocks) const {
+    CF_DEVICE void clear_unused_tail(int j, int n_blocks) const {
         if constexpr (Cfg::VARLEN) {
             const int stage = ring_stage(ring_base + j, Cfg::STAGES);
             mbarrier_wait(smem.v_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
-            clear_pad_rows(j, n_blocks, stage);
+            clear_rows_past_end(j, n_blocks, stage);
         }
     }
 
@@ -326,7 +326,7 @@ struct Consumer {
             if (j == n_blocks - 1) release_q_early();
             softmax_block(s, j);
             mbarrier_wait(smem.v_full(stage), phase);
-            if (ends_tile) clear_pad_rows(j, n_blocks, stage);
+            if (ends_tile) clear_rows_past_end(j, n_blocks, stage);
             wait_turn();
             issue_pv(stage);
             pass_turn(ends_tile && j == n_blocks - 1);
@@ -387,7 +387,7 @@ struct Consumer {
     CF_DEVICE void last_pv(int n_blocks, bool ends_tile = true) {
         const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
         mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
-        if (ends_tile) clear_pad_rows(n_blocks - 1, n_blocks, last);
+        if (ends_tile) clear_rows_past_end(n_blocks - 1, n_blocks, last);
         wait_turn();
         issue_pv(last);
         pass_turn(ends_tile);
@@ -445,7 +445,7 @@ struct Consumer {
         mbarrier_wait(smem.k_full(stage), ring_phase(next_slot, Cfg::STAGES));
         if constexpr (Cfg::VARLEN) {  // outside the turn, which the GEMMs below take
             mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
-            clear_pad_rows(n_blocks - 1, n_blocks, last);
+            clear_rows_past_end(n_blocks - 1, n_blocks, last);
         }
         wait_turn();
         issue_qk(s, stage, next_iter);

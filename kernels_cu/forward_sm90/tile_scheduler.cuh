@@ -149,16 +149,16 @@ struct TileScheduler {
         else return ((long long)batch * p.n_heads + head) * p.seq_len_q;
     }
 
-    // VARLEN: the key block that reads packed k/v rows past the sequence's end (varlen_tail.cuh;
-    // the mask gives those keys P = 0, but P V then adds 0 * V): the tile's last block when it
-    // visits its sequence's last, partial block and the arrays hold rows past that end (the next
-    // sequences' tokens, rows past the last sequence). -1 when there is none. Its rows past the
-    // sequence's end are all masked, whichever sequence they belong to: the consumers zero them
-    // all (mainloop.cuh clear_pad_rows).
-    CF_DEVICE int pad_block(const HopperForwardParams& p, int n_blocks) const {
-        if constexpr (!Cfg::VARLEN) return -1;
-        if (n_blocks * Cfg::BC <= len_k) return -1;
-        return reads_rows_past_sequence_end(tok_k + len_k, p.total_k) ? n_blocks - 1 : -1;
+    // VARLEN: whether the tile's last key block (of `n_blocks`) reads packed k/v rows past the
+    // sequence's end (varlen_tail.cuh; the mask gives those keys P = 0, but P V then adds 0 * V):
+    // it is the sequence's last, partial block and the arrays hold rows past that end (the next
+    // sequences' tokens, rows past the last sequence). Its rows past the sequence's end are all
+    // masked, whichever sequence they belong to: the consumers zero them all (mainloop.cuh
+    // clear_rows_past_end).
+    CF_DEVICE bool tail_reads_past_end(const HopperForwardParams& p, int n_blocks) const {
+        if constexpr (!Cfg::VARLEN) return false;
+        if (n_blocks * Cfg::BC <= len_k) return false;
+        return reads_rows_past_sequence_end(tok_k + len_k, p.total_k);
     }
 
     // Key blocks to visit: all, or under (bottom-right) causal masking those up to the last row's

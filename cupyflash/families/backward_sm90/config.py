@@ -254,7 +254,7 @@ class HopperBackwardKernelConfig(KernelConfig):
             barriers += 8 * 4 + 8  # tile_full and tile_empty per slot, two slots of a tile index
         if self.qdo_split:
             barriers += 8 * 2 * self.n_stages  # do_full and do_empty per stage
-        barriers += 8 * (2 + self.n_stages)  # varlen's tail zeroer: kv_ready, zero_done, q_pad per stage
+        barriers += 8 * (2 + self.n_stages)  # varlen's tail zeroer: kv_ready, zero_done, q_tail per stage
         parked = 4 * self.consumer_warpgroups * PARK_SLOT_BYTES if self.park else 0  # a slot per consumer warp
         return kv + self.n_stages * stage + ds + dq + stats + barriers + parked + 1024
 

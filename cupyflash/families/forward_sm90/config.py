@@ -202,7 +202,7 @@ class HopperForwardKernelConfig(KernelConfig):
         tiles = (self.q_buffers * self.B_r + 2 * self.n_stages * self.B_c) * self.d_head * itemsize
         if self.p_smem:  # per consumer warpgroup, ceil(B_c / 64) column blocks of 64 rows x 128 bytes
             tiles += self.consumer_warpgroups * -(-self.B_c // 64) * WG_ROWS * 128
-        # per Q tile full/empty; per stage k/v full and empty; pad_ready
+        # per Q tile full/empty; per stage k/v full and empty; tail_cleared
         barriers = 8 * (2 * self.q_buffers + 4 * self.n_stages + 1)
         return tiles + barriers + 1024
 
