@@ -20,6 +20,8 @@ SS_TRANS_N_VALUES = (64, 96, 128, 256)
 # A and B from shared memory, both K-major, only: backward_sm90's S^T = K Q^T and dP^T = V dO^T at
 # d_head 256, where each of the two warpgroups sharing the CTA's 64 keys takes 32 of the queries
 SS_ONLY_N_VALUES = (32,)
+# S = Q K^T with Q's fragments in registers (forward_sm90's `qreg`): B (K) K-major, N = B_c
+RS_K_MAJOR_N_VALUES = (64, 80, 128, 176, 192)
 DTYPES = (("FP16", "f16"), ("BF16", "bf16"))
 HEADER = Path(__file__).resolve().parent.parent / "kernels_cu" / "common" / "wgmma_sm90.cuh"
 
@@ -89,6 +91,8 @@ def render() -> str:
         for n in N_VALUES:
             parts.append(_ss(dtype, ptx, n))
             parts.append(_rs(dtype, ptx, n, 1))
+            if n in RS_K_MAJOR_N_VALUES:
+                parts.append(_rs(dtype, ptx, n, 0))
             if n in SS_TRANS_N_VALUES:
                 parts.append(_ss(dtype, ptx, n, 1))
     return "".join(parts)

@@ -29,6 +29,9 @@ def _modules():
     # CTAs add registers
     knobs = [c for c in tune if c.double_q and c.n_stages == 2]
     knobs += [c.replace(exp_emulation=1) for c in knobs if c.d_head == 64]
+    # Q's fragments in registers (qreg, autotune's d_head 64 twin) on the two-consumer d_head 64
+    # tiles, where its d_head / 4 registers fit beside the overlapped S, P and O
+    knobs += [c.replace(q_regs=True) for c in tune if c.d_head == 64 and c.B_r == 128 and c.n_stages == 2]
     configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog") + knobs
                                  + [c for c in tune if c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
     # the cp.async loads (the progressions' first step) at every d_head, and with the FMA-unit exp2

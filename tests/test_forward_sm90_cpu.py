@@ -57,6 +57,24 @@ def test_cp_async_loads_in_the_short_form():
     assert cfg != tma_twin and sorted([cfg, tma_twin]) == [tma_twin, cfg]
 
 
+def test_q_registers_in_the_short_form_and_rules():
+    """`qreg`: Q K^T's A from registers, d_head / 4 more registers per consumer thread (so d_head
+    64's three overlapped consumer warpgroups need psmem); TMA loads, no xtile, d_head <= 128."""
+    text = "forward_sm90(BF16, 64, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg"
+    cfg = H.parse(text)
+    assert cfg.q_regs and cfg.short_form() == text
+    assert cfg.accumulator_registers() == cfg.replace(q_regs=False).accumulator_registers() + 16
+    assert cfg.smem_bytes() == cfg.replace(q_regs=False).smem_bytes()
+    assert H.parse("forward_sm90(FP16, 64, 192, 128, 2): tma+ws+pingpong+overlap+lazy+psmem+qreg").q_regs
+    for bad, rule in [("forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+lazy+qreg", "accumulator registers"),
+                      ("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile+qreg",
+                       "q_regs needs"),
+                      ("forward_sm90(BF16, 128, 128, 128, 2): cpasync+qreg", "q_regs needs"),
+                      ("forward_sm90(BF16, 256, 128, 64, 2): tma+ws+pingpong+overlap+qreg", "q_regs needs")]:
+        with pytest.raises(ValueError, match=rule):
+            H.parse(bad)
+
+
 def test_shipped_table_parses_unchanged():
     import json
 
@@ -225,7 +243,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false, 0}>, "
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false, 0, false}>, "
         "true, false>")
 
 
@@ -398,10 +416,10 @@ def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
     """autotune's knob twins of a winner (FORWARD_SM90.knob_twins): the winner with ring / oreg
-    and xtile or (causal only) wgblocks added, never both of those two, on causal rows of one CTA
-    per tile also lpt16 / lpt32, never the winner itself; every twin is a valid config that keeps
-    the winner's other fields; sorted."""
-    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib"}
+    (and at d_head 64 qreg) and xtile or (causal only) wgblocks added, never both of those two,
+    on causal rows of one CTA per tile also lpt16 / lpt32, never the winner itself; every twin is
+    a valid config that keeps the winner's other fields; sorted."""
+    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib", "q_regs"}
     winners = [c for c in config_sets.autotune_configs() if c.dtype is DType.BF16]
     seen = set()
     for cfg in winners:
@@ -411,9 +429,14 @@ def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
             changed = {f.name for f in dataclasses.fields(cfg) if getattr(t, f.name) != getattr(cfg, f.name)}
             assert changed and changed <= knobs and all(getattr(t, k) for k in changed)
             assert not (t.cross_tile and t.wg_blocks) and t.lpt_mib in (0, 16, 32)
+            assert not t.q_regs or (t.d_head == 64 and not t.cross_tile)
             seen |= changed
     assert seen == (knobs if causal else knobs - {"wg_blocks", "lpt_mib"})
     x = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
     assert len(FORWARD_SM90.knob_twins(x, True)) == 9 and len(FORWARD_SM90.knob_twins(x, False)) == 5
     plain = x.replace(persistent=False, double_q=False)  # one CTA per tile: oreg, wgblocks, lpt16/32
     assert len(FORWARD_SM90.knob_twins(plain, True)) == 11 and len(FORWARD_SM90.knob_twins(plain, False)) == 1
+    # d_head 64's two consumer warpgroups take qreg too; three overlapped ones have no registers for it
+    d64 = x.replace(d_head=64, lazy_rescale=True)
+    assert any(t.q_regs for t in FORWARD_SM90.knob_twins(d64, False))
+    assert not any(t.q_regs for t in FORWARD_SM90.knob_twins(d64.replace(B_r=192), False))

@@ -2,7 +2,8 @@
 tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turns carried across
 a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
 visible key block), `psmem` (P V reads P from shared memory), `cluster2` (K/V multicast to CTA
-pairs), `lptN` (causal grids longest tiles first, in chunks of heads) and the 192-column key tile,
+pairs), `lptN` (causal grids longest tiles first, in chunks of heads), `qreg` (Q K^T reads Q's fragments
+from registers) and the 192-column key tile,
 against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
@@ -83,7 +84,18 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(FP16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+lpt32",
                 "forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+lpt4",
                 "forward_sm90(FP16, 96, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+lpt16",
-                "forward_sm90(BF16, 256, 128, 64, 2): tma+ws+pingpong+overlap+lazy+lpt64")
+                "forward_sm90(BF16, 256, 128, 64, 2): tma+ws+pingpong+overlap+lazy+lpt64",
+                # qreg: Q K^T reads Q's fragments from registers - d_head 64's two-consumer picks
+                # (persistent, the early Q release after block 0 with oreg, the ring), the plain
+                # loop on three consumers with per-warpgroup blocks, P through shared memory, and
+                # the 64-byte swizzled d_head 96 and two column blocks of d_head 128
+                "forward_sm90(BF16, 64, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg",
+                "forward_sm90(FP16, 64, 128, 128, 2): tma+ws+pingpong+overlap+lazy+qreg",
+                "forward_sm90(BF16, 64, 128, 176, 3): tma+ws+pingpong+overlap+persistent+oreg+qreg",
+                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+qreg",
+                "forward_sm90(BF16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg",
+                "forward_sm90(FP16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+wgblocks+qreg",
+                "forward_sm90(BF16, 128, 128, 80, 2): tma+overlap+qreg")
 
 if _is_sm90():
     import cupy as cp

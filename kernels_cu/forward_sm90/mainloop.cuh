@@ -21,6 +21,15 @@
 // zeroing role in the producer warpgroup made ptxas spill the producer at any register budget.)
 #pragma once
 
+// Q_REGS: Q K^T's A operand per k-step (the mma.m16n8k16 A-fragment layout); empty otherwise, so
+// configs without it build as before.
+template <int STEPS>
+struct QFragments {
+    u32 a[STEPS][4];
+};
+template <>
+struct QFragments<0> {};
+
 template <class Cfg, bool CAUSAL>
 struct Consumer {
     using Softmax = WarpgroupSoftmax<Cfg, CAUSAL>;
@@ -43,6 +52,7 @@ struct Consumer {
 
     float o[Cfg::D / 8][4];
     typename Softmax::Probabilities pa;  // P of the next P V (unused with P_SMEM)
+    QFragments<Cfg::Q_REGS ? QK_STEPS : 0> q_frag;  // Q_REGS: the warp's 16 rows of Q, Q K^T's A per k-step
     Softmax softmax;
 
     CF_DEVICE Consumer(const HopperForwardParams& params, SmemLayout<Cfg> layout, TileScheduler<Cfg, CAUSAL> t,
@@ -68,18 +78,43 @@ struct Consumer {
     CF_DEVICE void issue_qk(Scores& s, int stage) const { issue_qk(s, stage, tile_iter); }
     CF_DEVICE void issue_qk(Scores& s, int stage, int q_iter) const {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
-        const u64 q0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(
+        const u64 q0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(  // unused with Q_REGS
             sm.q(q_buffer<Cfg>(q_iter)) + wg * Cfg::WG_ROWS * Cfg::ROW_BYTES, 16, Cfg::CORE_GROUP_BYTES);
         const u64 k0 = smem_descriptor_swizzled<Cfg::ROW_BYTES>(sm.k(stage), 16, Cfg::CORE_GROUP_BYTES);
         wgmma_fence();
+        if constexpr (Cfg::Q_REGS) {
 #pragma unroll
-        for (int k = 0; k < QK_STEPS; ++k) {
-            // 4 (2) k-steps of 16 elements per 128-byte (64-byte) row
-            const int c = k / Cfg::K_STEPS_PER_BLOCK, kk = k % Cfg::K_STEPS_PER_BLOCK;
-            wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], descriptor_advance(q0, c * Cfg::BR * Cfg::ROW_BYTES + 32 * kk),
-                                             descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
+            for (int k = 0; k < QK_STEPS; ++k) {
+                const int c = k / Cfg::K_STEPS_PER_BLOCK, kk = k % Cfg::K_STEPS_PER_BLOCK;
+                wgmma_rs<Cfg::dtype, Cfg::BC, 0>(s[0], q_frag.a[k], descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk),
+                                                 k > 0);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < QK_STEPS; ++k) {
+                // 4 (2) k-steps of 16 elements per 128-byte (64-byte) row
+                const int c = k / Cfg::K_STEPS_PER_BLOCK, kk = k % Cfg::K_STEPS_PER_BLOCK;
+                wgmma_ss<Cfg::dtype, Cfg::BC, 0>(s[0], descriptor_advance(q0, c * Cfg::BR * Cfg::ROW_BYTES + 32 * kk),
+                                                 descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
+            }
         }
         wgmma_commit();
+    }
+
+    // Q_REGS: the warp's 16 rows of the tile's Q into `q_frag`, k-step k = elements 16k .. 16k + 15 of
+    // each row: ldmatrix.x4's matrices (rows 0-7 | 8-15) x (elements 0-7 | 8-15) are the A
+    // fragment's four registers; lane L addresses row L % 16 at element 8 (L / 16).
+    CF_DEVICE void load_q_fragments() {
+        if constexpr (Cfg::Q_REGS) {
+            const int r = wg * Cfg::WG_ROWS + 16 * warp + (lane & 15);
+#pragma unroll
+            for (int k = 0; k < QK_STEPS; ++k) {
+                const int element = 16 * k + 8 * (lane >> 4);
+                const int c = element / Cfg::COL_BLOCK, chunk = element % Cfg::COL_BLOCK / 8;
+                ldmatrix_x4(q_frag.a[k], q_tile() + c * Cfg::BR * Cfg::ROW_BYTES + r * Cfg::ROW_BYTES
+                                       + 16 * swizzled_chunk<Cfg>(r, chunk));
+            }
+        }
     }
 
     CF_DEVICE void issue_pv(int stage) {
@@ -137,6 +172,11 @@ struct Consumer {
     CF_DEVICE void release_q_early() const {
         if constexpr (Cfg::EARLY_Q_RELEASE)
             if (lane == 0) mbarrier_arrive(smem.q_empty(q_buffer<Cfg>(tile_iter)));
+    }
+    // After block j's Q K^T has completed: the Q tile's last read. With Q_REGS that is block 0's
+    // (its wgmmas consumed the fragments, so every ldmatrix of the tile has returned).
+    CF_DEVICE void q_read(int j, int n_blocks) const {
+        if (j == (Cfg::Q_REGS ? 0 : n_blocks - 1)) release_q_early();
     }
 
     // A turn barrier counts 256 threads: the 128 of the warpgroup waiting for its turn and the
@@ -230,6 +270,7 @@ struct Consumer {
         start_tile_turns();
         const int mine = own_blocks(n_blocks);
         if (mine > 0) {
+            load_q_fragments();
             if constexpr (Cfg::OVERLAP) run_overlapped(mine, refill, mine == n_blocks);
             else run_sequential(mine, refill, mine == n_blocks);
         } else {
@@ -323,7 +364,7 @@ struct Consumer {
             wgmma_wait<0>();
             fence_registers(s[0]);
             release_k(stage);
-            if (j == n_blocks - 1) release_q_early();
+            q_read(j, n_blocks);
             softmax_block(s, j);
             mbarrier_wait(smem.v_full(stage), phase);
             if (ends_tile) clear_rows_past_end(j, n_blocks, stage);
@@ -348,7 +389,7 @@ struct Consumer {
         wgmma_wait<0>();
         fence_registers(s[0]);
         release_k(first);
-        if (n_blocks == 1) release_q_early();
+        q_read(0, n_blocks);
         Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
         softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
     }
@@ -372,7 +413,7 @@ struct Consumer {
             wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
             fence_registers(s[0]);
             release_k(stage);
-            if (j == n_blocks - 1) release_q_early();
+            q_read(j, n_blocks);
             Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
             softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
             wgmma_wait<0>();

@@ -18,7 +18,8 @@ tile's last P V issued behind the next tile's first Q K^T), `wgblocks` (each con
 warpgroup stops at its own last needed key block: none past the sequence's end, causal its own
 diagonal), `psmem` (P V reads P from shared memory, not registers), `cluster2` (CTAs in clusters
 of two that share each K/V tile's loads by TMA multicast), `lptN` (causal grids start the longest
-tiles of chunks of heads whose K and V fit N MiB first) and `emuN` (exp2 of N quarters of the
+tiles of chunks of heads whose K and V fit N MiB first), `qreg` (Q K^T reads Q's fragments from
+registers) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -47,7 +48,7 @@ MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
 _LOADS = {"tma": False, "cpasync": True}  # first feature of the short form -> cp_async
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
-# (BC/4) unless P is staged in shared memory, by consumer warpgroups: above these the consumers
+# (BC/4) unless P is staged in shared memory, plus Q's fragments (d/4) with q_regs, by consumer warpgroups: above these the consumers
 # (setmaxnreg 256 / 240 / 160 registers) spill.
 ACCUMULATOR_BUDGET = {1: 200, 2: 200, 3: 128}
 
@@ -136,6 +137,13 @@ class HopperForwardKernelConfig(KernelConfig):
     # tile's time later), so the chunk bounds what L2 must hold. Persistent CTAs balance by pairs
     # of tiles already; non-causal tiles are equal. 0: off.
     lpt_mib: int = 0
+    # Q's fragments in registers: each consumer warp loads its 16 rows of the tile's Q once
+    # (ldmatrix, d_head / 4 registers per thread) and Q K^T reads A from registers, B (K) from
+    # shared memory. Each Q K^T k-step then reads 4 KiB of shared memory instead of 6 (m64n128k16):
+    # at d_head 64 the GEMMs read 96 (Q K^T) and 64 (P V) bytes per tensor-core clock of the
+    # 128 an SM's shared memory serves, besides the K/V stores. With o_direct on a persistent CTA
+    # the Q tile is released after the tile's first Q K^T instead of its last.
+    q_regs: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -171,10 +179,13 @@ class HopperForwardKernelConfig(KernelConfig):
         yield ("lpt needs one CTA per tile (no persistent: its pairs of tiles balance already; no cluster: "
                "a cluster's CTAs are query blocks 2i and 2i + 1 of one head)",
                not self.lpt_mib or not (self.persistent or self.cluster))
+        yield ("q_regs needs TMA loads and no cross_tile (the next tile's first Q K^T would read the other "
+               "Q tile's fragments) and d_head <= 128 (d_head / 4 registers per consumer thread)",
+               not self.q_regs or (not self.cp_async and not self.cross_tile and self.d_head <= 128))
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
-        yield (f"accumulator registers B_c/2 + d_head/2 (+ B_c/4 without psmem) <= {budget} per consumer thread "
+        yield (f"accumulator registers B_c/2 + d_head/2 (+ B_c/4 without psmem, + d_head/4 with qreg) <= {budget} per consumer thread "
                f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
         yield (f"shared memory (Q tile(s) + n_stages K and V tiles + psmem's P tiles + 1 KiB) <= "
                f"{MAX_SMEM_PER_BLOCK} bytes",
@@ -194,7 +205,8 @@ class HopperForwardKernelConfig(KernelConfig):
         return 2 if self.double_q else 1
 
     def accumulator_registers(self) -> int:
-        return self.B_c // 2 + self.d_head // 2 + (0 if self.p_smem else self.B_c // 4)
+        return (self.B_c // 2 + self.d_head // 2 + (0 if self.p_smem else self.B_c // 4)
+                + (self.d_head // 4 if self.q_regs else 0))
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; must equal StaticHopperForwardConfig::SMEM_BYTES."""
@@ -211,8 +223,8 @@ class HopperForwardKernelConfig(KernelConfig):
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
                                         "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
-                                        "psmem": "p_smem", "cluster2": "cluster"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2")  # after emuN
+                                        "psmem": "p_smem", "cluster2": "cluster", "qreg": "q_regs"}
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2", "qreg")  # after emuN
     _NUMBERED: ClassVar[dict[str, re.Pattern]] = {"emu": re.compile(r"^emu(?P<n>\d)$"),  # exp_emulation
                                                   "lpt": re.compile(r"^lpt(?P<n>\d+)$")}  # lpt_mib
 
@@ -268,4 +280,5 @@ class HopperForwardKernelConfig(KernelConfig):
                    flags["persistent"], flags["double_q"], numbers.get("emu", 0), _LOADS[feats[0]],
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
                    cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"],
-                   p_smem=flags["p_smem"], cluster=flags["cluster"], lpt_mib=numbers.get("lpt", 0))
+                   p_smem=flags["p_smem"], cluster=flags["cluster"], lpt_mib=numbers.get("lpt", 0),
+                   q_regs=flags["q_regs"])

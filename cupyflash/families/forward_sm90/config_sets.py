@@ -166,6 +166,11 @@ def autotune_configs(dtypes=tuple(DType), d_heads=D_HEADS) -> list[HopperForward
 # (NOTES.md items 133, 157, 184), so autotune tries them on each row's winner instead of
 # multiplying the whole set by them. `cross_tile` and `wg_blocks` exclude each other.
 _TWIN_KNOBS = ("turn_ring", "o_direct")
+# `qreg` (Q K^T's A from registers) at d_head 64 only: there the GEMMs' shared-memory reads bind
+# (96 + 64 bytes per tensor clock of 128); on an H200 (2026-11-29, NOTES.md item 372) it gained
+# 0.2-4.7% on d_head 64's two-consumer tiles and lost 0.5-2.8% at d_head 128. Its registers
+# (d_head / 4) do not fit three overlapped consumer warpgroups without psmem.
+_Q_REGS_D_HEADS = (64,)
 _XTILE = {"turn_ring": True, "cross_tile": True}
 _WG_BLOCKS = {"wg_blocks": True}
 # lptN on causal rows of one CTA per tile: on an H200 (2026-11-29, NOTES.md item 321) 16 and 32 MiB
@@ -174,7 +179,7 @@ _LPT = ({}, {"lpt_mib": 16}, {"lpt_mib": 32})
 
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
-    """`cfg` with every combination of `ring` and `oreg` added, each also with `xtile` or (causal
+    """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`) added, each also with `xtile` or (causal
     rows only) `wgblocks`, and on causal rows each of those with `lpt16` or `lpt32`; those the
     family's rules refuse for this config are left out, as is `cfg` itself. Sorted, so the order
     never depends on the caller. Unmasked, `wgblocks` only idles the warpgroups of a last tile
@@ -183,8 +188,9 @@ def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwa
     long and short tiles for `lpt` to order, so non-causal rows do not spend autotune time on them."""
     out = set()
     exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal else [])
-    for n in range(len(_TWIN_KNOBS) + 1):
-        for knobs in itertools.combinations(_TWIN_KNOBS, n):
+    names = _TWIN_KNOBS + (("q_regs",) if cfg.d_head in _Q_REGS_D_HEADS else ())
+    for n in range(len(names) + 1):
+        for knobs in itertools.combinations(names, n):
             for extra, order in itertools.product(exclusive, _LPT if causal else ({},)):
                 try:
                     twin = dataclasses.replace(cfg, **{**{k: True for k in knobs}, **extra, **order})
