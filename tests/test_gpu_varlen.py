@@ -33,7 +33,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
     default, or forward_sm90's default made persistent (its tile scheduler skips empty tiles), or
     with the cross-tile overlap as well, or with each warpgroup stopping at its own last visible
     key block (wg_blocks: per-sequence lengths decide it), or the default with causal grids
-    started longest tiles first (lpt)."""
+    started longest tiles first (lpt), or a persistent two-consumer tile whose Q K^T reads Q's
+    fragments from registers (qreg)."""
     if family == "auto":
         return None
     if family == "sm80":
@@ -57,6 +58,14 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
         return dataclasses.replace(default_config(dtype, d, causal), lpt_mib=16)
     if family == "sm90_wgblocks":
         return dataclasses.replace(default_config(dtype, d, causal), persistent=True, wg_blocks=True)
+    if family == "sm90_qreg":  # Q's fragments in registers on the two-consumer tile (the table's d64 causal 512-1k pick)
+        from cupyflash.families.forward_sm90.config import HopperForwardKernelConfig
+
+        try:
+            return HopperForwardKernelConfig(dtype, d, 128, 128, 2, True, True, True, True, True, o_direct=True,
+                                             lazy_rescale=True, turn_ring=True, q_regs=True)
+        except ValueError:
+            pytest.skip("Q's fragments do not fit beside the accumulators at this d_head")
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
 
 
@@ -87,7 +96,8 @@ RAGGED = [
 ]
 
 
-@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks", "sm90_lpt"])
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks", "sm90_lpt",
+                                    "sm90_qreg"])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
