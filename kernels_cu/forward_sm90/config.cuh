@@ -32,8 +32,8 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
     static constexpr bool TURN_RING = C.turn_ring;  // ping-pong turns run on across a persistent CTA's tiles
     static constexpr bool CROSS_TILE = C.cross_tile;  // a tile's last P V behind the next tile's first Q K^T
     static constexpr bool WG_BLOCKS = C.wg_blocks;    // a warpgroup stops at its own last needed block
-    static constexpr bool P_SMEM = C.p_smem;
-    static constexpr bool Q_REGS = C.q_regs;  // Q K^T reads Q's fragments from registers (ldmatrix once per tile)  // P V reads P from a shared tile per consumer warpgroup
+    static constexpr bool P_SMEM = C.p_smem;  // P V reads P from a shared tile per consumer warpgroup
+    static constexpr bool Q_REGS = C.q_regs;  // Q K^T reads Q's fragments from registers (ldmatrix once per tile)
     // CTAs launched in clusters of two (query blocks 2i and 2i + 1 of one head); see kv_multicast.
     static constexpr bool CLUSTER = C.cluster;
     // lpt: causal grids start the longest tiles of a chunk of heads first, a chunk the (head, batch)

@@ -1,6 +1,7 @@
 // Consumer mainloop: one warpgroup computes 64 query rows of the tile against every key block.
 //
-// Per key block j: S = Q K_j^T (wgmma, both operands in shared memory), mask, online softmax in
+// Per key block j: S = Q K_j^T (wgmma, both operands in shared memory; with Q_REGS Q's fragments
+// are loaded to registers once per tile and A comes from there), mask, online softmax in
 // fp32 registers, P converted in registers to the A operand of O += P V_j (V from shared memory,
 // MN-major, so the transpose bit is set); with P_SMEM, P is stored to the warpgroup's shared P
 // tile instead and P V reads both operands from shared memory, which frees the B_c/4 registers
@@ -86,8 +87,8 @@ struct Consumer {
 #pragma unroll
             for (int k = 0; k < QK_STEPS; ++k) {
                 const int c = k / Cfg::K_STEPS_PER_BLOCK, kk = k % Cfg::K_STEPS_PER_BLOCK;
-                wgmma_rs<Cfg::dtype, Cfg::BC, 0>(s[0], q_frag.a[k], descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk),
-                                                 k > 0);
+                wgmma_rs<Cfg::dtype, Cfg::BC, 0>(s[0], q_frag.a[k],
+                                                 descriptor_advance(k0, c * Cfg::BC * Cfg::ROW_BYTES + 32 * kk), k > 0);
             }
         } else {
 #pragma unroll
@@ -101,8 +102,8 @@ struct Consumer {
         wgmma_commit();
     }
 
-    // Q_REGS: the warp's 16 rows of the tile's Q into `q_frag`, k-step k = elements 16k .. 16k + 15 of
-    // each row: ldmatrix.x4's matrices (rows 0-7 | 8-15) x (elements 0-7 | 8-15) are the A
+    // Q_REGS: the warp's 16 rows of the tile's Q into `q_frag`, k-step k = elements 16k .. 16k + 15
+    // of each row: ldmatrix.x4's matrices (rows 0-7 | 8-15) x (elements 0-7 | 8-15) are the A
     // fragment's four registers; lane L addresses row L % 16 at element 8 (L / 16).
     CF_DEVICE void load_q_fragments() {
         if constexpr (Cfg::Q_REGS) {

@@ -48,8 +48,8 @@ MAX_SMEM_PER_BLOCK = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 WG_ROWS = 64
 _LOADS = {"tma": False, "cpasync": True}  # first feature of the short form -> cp_async
 # fp32 registers of the S and O accumulators a consumer thread holds (BC/2 + d/2), plus P
-# (BC/4) unless P is staged in shared memory, plus Q's fragments (d/4) with q_regs, by consumer warpgroups: above these the consumers
-# (setmaxnreg 256 / 240 / 160 registers) spill.
+# (BC/4) unless P is staged in shared memory, plus Q's fragments (d/4) with q_regs, by consumer
+# warpgroups: above these the consumers (setmaxnreg 256 / 240 / 160 registers) spill.
 ACCUMULATOR_BUDGET = {1: 200, 2: 200, 3: 128}
 
 
@@ -185,8 +185,9 @@ class HopperForwardKernelConfig(KernelConfig):
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
-        yield (f"accumulator registers B_c/2 + d_head/2 (+ B_c/4 without psmem, + d_head/4 with qreg) <= {budget} per consumer thread "
-               f"({self.consumer_warpgroups} consumer warpgroups)", self.accumulator_registers() <= budget)
+        yield (f"accumulator registers B_c/2 + d_head/2 (+ B_c/4 without psmem, + d_head/4 with qreg) <= {budget} "
+               f"per consumer thread ({self.consumer_warpgroups} consumer warpgroups)",
+               self.accumulator_registers() <= budget)
         yield (f"shared memory (Q tile(s) + n_stages K and V tiles + psmem's P tiles + 1 KiB) <= "
                f"{MAX_SMEM_PER_BLOCK} bytes",
                self.smem_bytes() <= MAX_SMEM_PER_BLOCK)
@@ -224,7 +225,8 @@ class HopperForwardKernelConfig(KernelConfig):
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
                                         "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
                                         "psmem": "p_smem", "cluster2": "cluster", "qreg": "q_regs"}
-    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2", "qreg")  # after emuN
+    _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2",
+                                              "qreg")  # after emuN
     _NUMBERED: ClassVar[dict[str, re.Pattern]] = {"emu": re.compile(r"^emu(?P<n>\d)$"),  # exp_emulation
                                                   "lpt": re.compile(r"^lpt(?P<n>\d+)$")}  # lpt_mib
 

@@ -179,8 +179,9 @@ _LPT = ({}, {"lpt_mib": 16}, {"lpt_mib": 32})
 
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
-    """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`) added, each also with `xtile` or (causal
-    rows only) `wgblocks`, and on causal rows each of those with `lpt16` or `lpt32`; those the
+    """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`) added, each also
+    with `xtile` or (causal rows only) `wgblocks`, and on causal rows each of those with `lpt16` or
+    `lpt32`; those the
     family's rules refuse for this config are left out, as is `cfg` itself. Sorted, so the order
     never depends on the caller. Unmasked, `wgblocks` only idles the warpgroups of a last tile
     that lie past the sequence's end; on the H100 that was level with the d_head 64 picks
