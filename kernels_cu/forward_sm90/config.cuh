@@ -106,6 +106,14 @@ CF_DEVICE int swizzled_chunk(int row, int chunk) {
         return chunk ^ ((row >> 1) % 4);
 }
 
+// Shared address of the 16-bit element (row, col) of a Q tile at `q_tile`: column block
+// col / COL_BLOCK (BR rows each), its row's swizzled 16-byte chunk.
+template <class Cfg>
+CF_DEVICE u32 q_tile_element(u32 q_tile, int row, int col) {
+    const int chunk = swizzled_chunk<Cfg>(row, (col % Cfg::COL_BLOCK) / 8);
+    return q_tile + (col / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES + row * Cfg::ROW_BYTES + chunk * 16 + (col % 8) * 2;
+}
+
 // Whether the two CTAs of a cluster share their K/V loads: each loads every other 64-column
 // block of each K and V tile and multicasts it into both CTAs' stage, so every block crosses
 // from L2 once per pair. Only where both tiles of a pair visit the same key blocks in the same

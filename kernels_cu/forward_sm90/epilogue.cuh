@@ -9,9 +9,7 @@ template <class Cfg, bool CAUSAL>
 struct Epilogue {
     // Shared address of the 16-bit element (r, col) of the warpgroup's rows in the Q tile.
     CF_DEVICE static u32 q_tile_address(u32 q_base, int wg, int r, int col) {
-        const int rr = wg * Cfg::WG_ROWS + r;
-        const int chunk = swizzled_chunk<Cfg>(rr, (col % Cfg::COL_BLOCK) / 8);
-        return q_base + (col / Cfg::COL_BLOCK) * Cfg::BR * Cfg::ROW_BYTES + rr * Cfg::ROW_BYTES + chunk * 16 + (col % 8) * 2;
+        return q_tile_element<Cfg>(q_base, wg * Cfg::WG_ROWS + r, col);
     }
 
     CF_DEVICE static void store_lse(const Consumer<Cfg, CAUSAL>& c, const float (&total)[1][2]) {

@@ -109,12 +109,7 @@ struct Consumer {
         if constexpr (Cfg::Q_REGS) {
             const int r = wg * Cfg::WG_ROWS + 16 * warp + (lane & 15);
 #pragma unroll
-            for (int k = 0; k < QK_STEPS; ++k) {
-                const int element = 16 * k + 8 * (lane >> 4);
-                const int c = element / Cfg::COL_BLOCK, chunk = element % Cfg::COL_BLOCK / 8;
-                ldmatrix_x4(q_frag.a[k], q_tile() + c * Cfg::BR * Cfg::ROW_BYTES + r * Cfg::ROW_BYTES
-                                       + 16 * swizzled_chunk<Cfg>(r, chunk));
-            }
+            for (int k = 0; k < QK_STEPS; ++k) ldmatrix_x4(q_frag.a[k], q_tile_element<Cfg>(q_tile(), r, 16 * k + 8 * (lane >> 4)));
         }
     }
 
