@@ -21,6 +21,14 @@ pytestmark = pytest.mark.compile
 _WARNING = re.compile(r"warning|C75\d\d", re.IGNORECASE)
 
 
+def _valid(cfg, **changes) -> list:
+    """[cfg with `changes`], or [] where the family's rules refuse the combination."""
+    try:
+        return [cfg.replace(**changes)]
+    except ValueError:
+        return []
+
+
 def _modules():
     defaults = config_sets.get_kernel_configs("defaults")
     tune = [c for c in config_sets.get_kernel_configs("tune") if c.dtype is DType.BF16]
@@ -32,6 +40,9 @@ def _modules():
     # Q's fragments in registers (qreg, autotune's d_head 64 twin) on the two-consumer d_head 64
     # tiles, where its d_head / 4 registers fit beside the overlapped S, P and O
     knobs += [c.replace(q_regs=True) for c in tune if c.d_head == 64 and c.B_r == 128 and c.n_stages == 2]
+    # the narrow last block (halflast): its own copy of the last loop step and a P V of half the
+    # k-steps, on the two-stage tune configs whose rules allow it (B_c halves into whole k-steps)
+    knobs += [twin for c in tune if c.n_stages == 2 for twin in _valid(c, half_last=True)]
     configs = list(dict.fromkeys(defaults + config_sets.get_kernel_configs("prog") + knobs
                                  + [c for c in tune if c.pingpong and c.persistent and c.n_stages == 2 and c.B_c != 64]))
     # the cp.async loads (the progressions' first step) at every d_head, and with the FMA-unit exp2

@@ -75,6 +75,26 @@ def test_q_registers_in_the_short_form_and_rules():
             H.parse(bad)
 
 
+def test_half_last_in_the_short_form_and_rules():
+    """`halflast`: the overlapped mainloop's last block cut to its first half; no registers or shared
+    memory of its own; B_c a multiple of 32 (whole P V k-steps per half), no xtile."""
+    text = "forward_sm90(BF16, 64, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg+halflast"
+    cfg = H.parse(text)
+    assert cfg.half_last and cfg.short_form() == text
+    assert cfg.accumulator_registers() == cfg.replace(half_last=False).accumulator_registers()
+    assert cfg.smem_bytes() == cfg.replace(half_last=False).smem_bytes()
+    assert H.parse("forward_sm90(FP16, 64, 128, 192, 2): tma+ws+pingpong+overlap+halflast").half_last
+    for bad in ("forward_sm90(BF16, 128, 128, 176, 2): tma+ws+pingpong+overlap+halflast",
+                "forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+halflast",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+halflast",
+                "forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+xtile+halflast"):
+        with pytest.raises(ValueError, match="half_last needs"):
+            H.parse(bad)
+    with pytest.raises(ValueError, match="half_last at d_head 128"):
+        H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+persistent+psmem+halflast")
+    assert H.parse("forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+halflast").half_last
+
+
 def test_shipped_table_parses_unchanged():
     import json
 
@@ -243,7 +263,7 @@ def test_rendered_source_checks_the_struct_and_names_the_kernel():
     cfg = H(DType.FP16, 64, 128, 128, 2, True, True, True, True)
     assert render.name_expression(cfg, True) == (
         "flash_forward_sm90_kernel<StaticHopperForwardConfig<HopperForwardKernelConfig"
-        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false, 0, false}>, "
+        "{DType::FP16, 64, 128, 128, 2, true, true, true, true, false, 0, false, false, false, false, false, false, false, false, 0, false, false}>, "
         "true, false>")
 
 
@@ -416,10 +436,10 @@ def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
     """autotune's knob twins of a winner (FORWARD_SM90.knob_twins): the winner with ring / oreg
-    (and at d_head 64 qreg) and xtile or (causal only) wgblocks added, never both of those two,
+    (and at d_head 64 qreg, causal halflast) and xtile or (causal only) wgblocks added, never both of those two,
     on causal rows of one CTA per tile also lpt16 / lpt32, never the winner itself; every twin is
     a valid config that keeps the winner's other fields; sorted."""
-    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib", "q_regs"}
+    knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib", "q_regs", "half_last"}
     winners = [c for c in config_sets.autotune_configs() if c.dtype is DType.BF16]
     seen = set()
     for cfg in winners:
@@ -430,8 +450,9 @@ def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
             assert changed and changed <= knobs and all(getattr(t, k) for k in changed)
             assert not (t.cross_tile and t.wg_blocks) and t.lpt_mib in (0, 16, 32)
             assert not t.q_regs or (t.d_head == 64 and not t.cross_tile)
+            assert not t.half_last or (causal and t.d_head == 64 and not t.cross_tile)
             seen |= changed
-    assert seen == (knobs if causal else knobs - {"wg_blocks", "lpt_mib"})
+    assert seen == (knobs if causal else knobs - {"wg_blocks", "lpt_mib", "half_last"})
     x = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
     assert len(FORWARD_SM90.knob_twins(x, True)) == 9 and len(FORWARD_SM90.knob_twins(x, False)) == 5
     plain = x.replace(persistent=False, double_q=False)  # one CTA per tile: oreg, wgblocks, lpt16/32

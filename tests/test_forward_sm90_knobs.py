@@ -60,16 +60,18 @@ def test_rendered_struct_carries_the_knobs():
     from cupyflash.render import name_expression
 
     cfg = H.parse("forward_sm90(FP16, 256, 128, 80, 2): tma+ws+pingpong+overlap+persistent+oreg+lazy")
-    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false, false, 0, false}>, false, false>")
+    assert name_expression(cfg, False).endswith("0, false, true, true, false, false, false, false, false, 0, false, false}>, false, false>")
     ring = cfg.replace(o_direct=False, turn_ring=True)
-    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false, false, 0, false}>, true, false>")
-    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false, false, 0, false}>, true, false>")
+    assert name_expression(ring, True).endswith("0, false, false, true, true, false, false, false, false, 0, false, false}>, true, false>")
+    assert name_expression(ring.replace(wg_blocks=True), True).endswith("true, false, true, false, false, 0, false, false}>, true, false>")
     pair = cfg.replace(persistent=False, o_direct=False, cluster=True)
-    assert name_expression(pair, False).endswith("false, false, false, true, 0, false}>, false, false>")
+    assert name_expression(pair, False).endswith("false, false, false, true, 0, false, false}>, false, false>")
     assert name_expression(cfg.replace(persistent=False, o_direct=False, lpt_mib=16), True).endswith(
-        "false, false, false, false, 16, false}>, true, false>")
+        "false, false, false, false, 16, false, false}>, true, false>")
     assert name_expression(cfg.replace(d_head=64, B_c=128, q_regs=True), False).endswith(
-        "0, false, true, true, false, false, false, false, false, 0, true}>, false, false>")
+        "0, false, true, true, false, false, false, false, false, 0, true, false}>, false, false>")
+    assert name_expression(cfg.replace(B_c=64, persistent=False, o_direct=False, half_last=True), True).endswith(
+        "false, false, false, false, 0, false, true}>, true, false>")
 
 
 def test_wg_blocks_needs_a_producer_and_no_cross_tile():

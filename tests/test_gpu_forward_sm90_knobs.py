@@ -3,7 +3,8 @@ tile after the last Q K^T), `lazy` (threshold rescaling), `ring` (ping-pong turn
 a persistent CTA's tiles), `xtile`, `wgblocks` (causal: each warpgroup stops at its own last
 visible key block), `psmem` (P V reads P from shared memory), `cluster2` (K/V multicast to CTA
 pairs), `lptN` (causal grids longest tiles first, in chunks of heads), `qreg` (Q K^T reads Q's fragments
-from registers) and the 192-column key tile,
+from registers), `halflast` (a warpgroup's last key block cut to its first half when no row of it
+sees the second) and the 192-column key tile,
 against
 the SPEC §5 rule: several key blocks, many tiles per persistent CTA, ragged edges with LSE,
 S_q != S_k both ways, GQA/MQA, and scores whose running max grows past the lazy threshold
@@ -95,7 +96,21 @@ KNOB_CONFIGS = ("forward_sm90(BF16, 256, 128, 80, 2): tma+ws+pingpong+overlap+pe
                 "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+qreg",
                 "forward_sm90(BF16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg",
                 "forward_sm90(FP16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+ring+wgblocks+qreg",
-                "forward_sm90(BF16, 128, 128, 80, 2): tma+overlap+qreg")
+                "forward_sm90(BF16, 128, 128, 80, 2): tma+overlap+qreg",
+                # halflast: a warpgroup's last key block cut to its first half when no row of the
+                # warpgroup sees the second (causal diagonals, key ends) - the d_head 64 causal
+                # picks (two consumers persistent with qreg; three with per-warpgroup blocks and
+                # lpt), the plain tile (every warpgroup visits the tile's blocks, so the lower one's
+                # last block may be wholly masked), P through shared memory, d_head 96's 64-byte
+                # swizzle, d_head 256's B_c 64 (two P V k-steps) and B_c 192 (halves of 96 keys)
+                "forward_sm90(BF16, 64, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+qreg+halflast",
+                "forward_sm90(FP16, 64, 192, 128, 3): tma+ws+pingpong+overlap+wgblocks+halflast",
+                "forward_sm90(BF16, 64, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+halflast+lpt8",
+                "forward_sm90(FP16, 64, 128, 128, 2): tma+ws+pingpong+overlap+halflast",
+                "forward_sm90(BF16, 128, 192, 128, 2): tma+ws+pingpong+overlap+lazy+wgblocks+psmem+halflast",
+                "forward_sm90(FP16, 96, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+oreg+lazy+ring+halflast",
+                "forward_sm90(BF16, 256, 128, 64, 2): tma+ws+pingpong+overlap+lazy+halflast",
+                "forward_sm90(FP16, 64, 128, 192, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy+halflast")
 
 if _is_sm90():
     import cupy as cp
@@ -178,3 +193,22 @@ def test_lpt_chunks_of_heads(cfg, rng):
         lse = cp.full((batch, h, sq), np.nan, dtype=cp.float32)
         forward_sm90(cfg, q, k, v, out=out, causal=True, return_lse=True, lse=lse)
         check_attention(cp, cfg.dtype, q, k, v, out, causal=True, lse=lse, context=f"{cfg} {(batch, sq, sk, h, hkv)}")
+
+
+HALF_LAST_CONFIGS = [c for c in CONFIGS if c.half_last]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("cfg", HALF_LAST_CONFIGS, ids=str)
+def test_half_last_block_at_each_side_of_the_half(cfg, causal, rng):
+    """Key lengths and causal shifts that put each warpgroup's last visible key just before, at and
+    just after the middle of its last key block (narrow or not, by one key), and at a block's first
+    and last key; S_q below, equal to and above S_k (causal rows before the first key)."""
+    half = cfg.B_c // 2
+    for sk in (2 * cfg.B_c + half - 1, 2 * cfg.B_c + half, 2 * cfg.B_c + half + 1, 2 * cfg.B_c + 1, 3 * cfg.B_c):
+        for sq in (sk, sk - 33, sk + 17, cfg.B_r + 1):
+            q, k, v = _inputs(rng, cfg.dtype, 2, sq, sk, 4, 2, cfg.d_head)
+            out = poisoned(cp, cfg.dtype, q.shape)
+            lse = cp.full((2, 4, sq), np.nan, dtype=cp.float32)
+            forward_sm90(cfg, q, k, v, out=out, causal=causal, return_lse=True, lse=lse)
+            check_attention(cp, cfg.dtype, q, k, v, out, causal=causal, lse=lse, context=f"{cfg} {(sq, sk)}")

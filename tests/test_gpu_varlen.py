@@ -34,7 +34,8 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
     with the cross-tile overlap as well, or with each warpgroup stopping at its own last visible
     key block (wg_blocks: per-sequence lengths decide it), or the default with causal grids
     started longest tiles first (lpt), or a persistent two-consumer tile whose Q K^T reads Q's
-    fragments from registers (qreg)."""
+    fragments from registers (qreg), or the default with each warpgroup's last key block cut to its
+    first half when none of its rows sees the second (halflast: per-sequence lengths decide it)."""
     if family == "auto":
         return None
     if family == "sm80":
@@ -66,6 +67,11 @@ def family_config(family: str, dtype: DType, d: int, causal: bool):
                                              lazy_rescale=True, turn_ring=True, q_regs=True)
         except ValueError:
             pytest.skip("Q's fragments do not fit beside the accumulators at this d_head")
+    if family == "sm90_halflast":
+        cfg = default_config(dtype, d, causal)
+        if not cfg.intra_wg_overlap or cfg.cross_tile or cfg.B_c % 32:
+            cfg = dataclasses.replace(cfg, B_c=64 if d == 256 else 128, cross_tile=False)
+        return dataclasses.replace(cfg, half_last=True)
     return dataclasses.replace(default_config(dtype, d, causal), persistent=True)
 
 
@@ -97,7 +103,7 @@ RAGGED = [
 
 
 @pytest.mark.parametrize("family", ["auto", "sm80", "sm90_persistent", "sm90_xtile", "sm90_wgblocks", "sm90_lpt",
-                                    "sm90_qreg"])
+                                    "sm90_qreg", "sm90_halflast"])
 @pytest.mark.parametrize("dtype", list(DType))
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

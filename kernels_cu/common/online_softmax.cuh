@@ -48,15 +48,17 @@ struct OnlineSoftmax {
 
     // Turn the scores of one key block into unnormalised probabilities in place and return in
     // `rescale` the factor by which the running output rows must be multiplied. FIRST (only
-    // used by the optimized path) skips the rescale: nothing has been accumulated yet.
-    template <bool FIRST>
-    CF_DEVICE void update(float (&s)[M_TILES][N_TILES][4], float (&rescale)[M_TILES][2], float scale,
+    // used by the optimized path) skips the rescale: nothing has been accumulated yet. `s` holds
+    // N_TILES column tiles, or fewer (N) for a block whose later columns are masked for every row.
+    template <bool FIRST, int N>
+    CF_DEVICE void update(float (&s)[M_TILES][N][4], float (&rescale)[M_TILES][2], float scale,
                           float scale_log2) {
+        static_assert(N <= N_TILES, "a block has at most N_TILES column tiles");
         if constexpr (!OPTIMIZED) {
 #pragma unroll
             for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-                for (int n = 0; n < N_TILES; ++n)
+                for (int n = 0; n < N; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[m][n][e] *= scale;
         }
@@ -66,7 +68,7 @@ struct OnlineSoftmax {
             for (int h = 0; h < 2; ++h) {
                 float block_max = row_max[m][h];
 #pragma unroll
-                for (int n = 0; n < N_TILES; ++n) block_max = fmaxf(block_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
+                for (int n = 0; n < N; ++n) block_max = fmaxf(block_max, fmaxf(s[m][n][2 * h], s[m][n][2 * h + 1]));
                 block_max = quad_max(block_max);
                 // Lazy: keep the old max unless the block's exceeds it by more than 2^LAZY_LOG2 (an
                 // all-masked row's -inf is replaced by any finite max). A select, not a branch:
@@ -90,7 +92,7 @@ struct OnlineSoftmax {
                     }
                     float sum = 0.f;
 #pragma unroll
-                    for (int n = 0; n < N_TILES; ++n)
+                    for (int n = 0; n < N; ++n)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const float x = fmaf(s[m][n][2 * h + e], scale_log2, -max_scaled);
@@ -104,7 +106,7 @@ struct OnlineSoftmax {
                     row_sum[m][h] *= rescale[m][h];
                     float sum = 0.f;
 #pragma unroll
-                    for (int n = 0; n < N_TILES; ++n)
+                    for (int n = 0; n < N; ++n)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const float p = fast_exp2((s[m][n][2 * h + e] - safe_max) * CF_LOG2E);

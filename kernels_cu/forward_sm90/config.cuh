@@ -34,6 +34,8 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
     static constexpr bool WG_BLOCKS = C.wg_blocks;    // a warpgroup stops at its own last needed block
     static constexpr bool P_SMEM = C.p_smem;  // P V reads P from a shared tile per consumer warpgroup
     static constexpr bool Q_REGS = C.q_regs;  // Q K^T reads Q's fragments from registers (ldmatrix once per tile)
+    // a warpgroup's last block, when its second half is masked for all its rows: softmax and P V on the first half
+    static constexpr bool HALF_LAST = C.half_last;
     // CTAs launched in clusters of two (query blocks 2i and 2i + 1 of one head); see kv_multicast.
     static constexpr bool CLUSTER = C.cluster;
     // lpt: causal grids start the longest tiles of a chunk of heads first, a chunk the (head, batch)
@@ -89,6 +91,8 @@ struct StaticHopperForwardConfig : SwizzledTiles<C.d_head> {  // ROW_BYTES, COL_
                   "cross_tile: the next tile's Q in the other Q tile, its first turn merged into the ring");
     static_assert(!CP_ASYNC || (!WARP_SPECIALIZED && !OVERLAP), "cp.async loads run in the plain mainloop");
     static_assert(!Q_REGS || (!CP_ASYNC && !CROSS_TILE), "qreg: Q from its TMA tile, one tile's fragments at a time");
+    static_assert(!HALF_LAST || (OVERLAP && !CROSS_TILE && BC % 32 == 0),
+                  "halflast: the overlapped mainloop's last block, whole k-steps of P V in each half");
     static_assert(EXP_EMULATION >= 0 && EXP_EMULATION <= 2, "at most half of the exponentials on the FMA units");
     static_assert(!CLUSTER || (WARP_SPECIALIZED && !PERSISTENT && SwizzledTiles<D>::D_BLOCKS % 2 == 0),
                   "cluster: the producer warpgroup's TMA, one tile per CTA, whole 64-column blocks per CTA");

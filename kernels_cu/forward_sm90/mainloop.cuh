@@ -113,6 +113,8 @@ struct Consumer {
         }
     }
 
+    // P V over the first STEPS k-steps (keys 0 .. 16 STEPS - 1 of the block).
+    template <int STEPS = PV_STEPS>
     CF_DEVICE void issue_pv(int stage) {
         const SmemLayout<Cfg> sm{opaque(smem.base)};
         // k-step k covers keys 16k..16k+15: 16 rows of every column block; the N blocks of the
@@ -124,13 +126,13 @@ struct Consumer {
             // P's k-step k: 32 bytes into each 128-byte row of column block k / 4 (as Q in Q K^T)
             const u64 p0 = smem_descriptor_sw128(sm.p(wg), 16, 8 * Cfg::P_ROW_BYTES);
 #pragma unroll
-            for (int k = 0; k < PV_STEPS; ++k)
+            for (int k = 0; k < STEPS; ++k)
                 wgmma_ss<Cfg::dtype, Cfg::D, 1>(
                     o, descriptor_advance(p0, (k / 4) * Cfg::WG_ROWS * Cfg::P_ROW_BYTES + 32 * (k % 4)),
                     descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
         } else {
 #pragma unroll
-            for (int k = 0; k < PV_STEPS; ++k)
+            for (int k = 0; k < STEPS; ++k)
                 wgmma_rs<Cfg::dtype, Cfg::D, 1>(o, pa[k], descriptor_advance(v0, 16 * k * Cfg::ROW_BYTES), 1);
         }
         wgmma_commit();
@@ -141,14 +143,17 @@ struct Consumer {
     // The stores are generic-proxy writes that the P V wgmma reads through the async proxy:
     // fence them; a warp's wgmma reads only its own 16 rows of P, so the warp's own barrier
     // suffices.
+    // HALF: the block's first B_c / 2 columns only (HALF_LAST).
+    template <bool HALF = false>
     CF_DEVICE void stage_p(const Scores& s) {
+        constexpr int STEPS = HALF ? PV_STEPS / 2 : PV_STEPS;
         if constexpr (Cfg::P_SMEM) {
             const SmemLayout<Cfg> sm{opaque(smem.base)};
-            Softmax::store(s, Softmax::store_address(sm.p(wg), warp, lane));
+            Softmax::template store<STEPS>(s, Softmax::store_address(sm.p(wg), warp, lane));
             fence_proxy_async_shared();
             __syncwarp();
         } else {
-            Softmax::convert(s, pa);
+            Softmax::template convert<STEPS>(s, pa);
         }
     }
 
@@ -374,6 +379,31 @@ struct Consumer {
         }
     }
 
+    // Block j's scores masked and turned into probabilities (FIRST: block 0, whose statistics
+    // start); HALF: its first B_c / 2 columns only.
+    template <bool FIRST, bool HALF>
+    CF_DEVICE void probabilities(Scores& s, int j, float (&rescale)[1][2]) {
+        auto& columns = Softmax::template columns<HALF>(s);
+        Softmax::mask(columns, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
+        softmax.stats.template update<FIRST>(columns, rescale, p.softmax_scale, p.softmax_scale_log2);
+    }
+
+    // HALF_LAST: no row of this warpgroup sees a key in the second half of its last block (n_blocks
+    // - 1): causal, the warpgroup's last diagonal falls in the first half (every other warpgroup
+    // of a 64-row-aligned tile with B_c 128), or the keys end there. That block's mask, softmax,
+    // P conversion and P V then take its first B_c / 2 columns only: its masked second half's
+    // probabilities are zeros. Q K^T keeps one width (a second wgmma shape in the loop makes
+    // ptxas serialise the kernel's wgmmas, NOTES.md item 233).
+    CF_DEVICE bool narrow_last(int n_blocks) const {
+        if constexpr (Cfg::HALF_LAST) {
+            const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
+            int last_key = tile.seq_len_k(p) - 1;
+            if constexpr (CAUSAL) last_key = min(last_key, last_row + tile.seq_len_k(p) - tile.seq_len_q(p));
+            return warp_uniform(last_key - (n_blocks - 1) * Cfg::BC < Cfg::BC / 2);
+        }
+        return false;
+    }
+
     // Block 0 of the tile: S_0 = Q K_0^T, masked, its statistics started; `s` holds its
     // probabilities.
     CF_DEVICE void first_block(Scores& s, int n_blocks, float (&rescale)[1][2]) {
@@ -386,47 +416,54 @@ struct Consumer {
         fence_registers(s[0]);
         release_k(first);
         q_read(0, n_blocks);
-        Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), 0, wg_row0(), row(), lane);
-        softmax.stats.template update<true>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
+        probabilities<true, false>(s, 0, rescale);
     }
 
     // Blocks 1 .. n_blocks - 1, P_0 in `pa`: S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued
     // back to back; the softmax of S_j runs while P V is on the tensor cores. O is rescaled by
     // block j-1's factor between the two issues (P V_{j-2} has completed, and the Q K^T just
     // issued does not touch O). Leaves P of the last block in `pa`, its factor in `rescale`.
+    // `half` (narrow_last): the last block takes its own copy of the step, whole (a branch that
+    // merges while a wgmma is in flight serialises them, C7515).
     template <class Refill>
-    CF_DEVICE void middle_blocks(Scores& s, int n_blocks, float (&rescale)[1][2], Refill& refill) {
-        for (int j = 1; j < n_blocks; ++j) {
-            const int stage = ring_stage(ring_base + j, Cfg::STAGES);
-            const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
-            mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
-            wait_turn();
-            issue_qk(s, stage);
-            if (j > 1) rescale_output(rescale);  // block j-1's factor (block 0 has none)
-            mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
-            issue_pv(prev);
-            pass_turn(false);
-            wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
-            fence_registers(s[0]);
-            release_k(stage);
-            q_read(j, n_blocks);
-            Softmax::mask(s, tile.seq_len_q(p), tile.seq_len_k(p), j, wg_row0(), row(), lane);
-            softmax.stats.template update<false>(s, rescale, p.softmax_scale, p.softmax_scale_log2);
-            wgmma_wait<0>();
-            fence_registers(o);
-            release_v(prev);
-            refill(j - 1);
-            stage_p(s);
-        }
+    CF_DEVICE void middle_blocks(Scores& s, int n_blocks, float (&rescale)[1][2], Refill& refill, bool half = false) {
+        const int full = Cfg::HALF_LAST && half ? n_blocks - 1 : n_blocks;
+        for (int j = 1; j < full; ++j) middle_block<false>(s, j, n_blocks, rescale, refill);
+        if constexpr (Cfg::HALF_LAST)
+            if (half && n_blocks > 1) middle_block<true>(s, n_blocks - 1, n_blocks, rescale, refill);
+    }
+    template <bool HALF, class Refill>
+    CF_DEVICE void middle_block(Scores& s, int j, int n_blocks, float (&rescale)[1][2], Refill& refill) {
+        const int stage = ring_stage(ring_base + j, Cfg::STAGES);
+        const int prev = ring_stage(ring_base + j - 1, Cfg::STAGES);
+        mbarrier_wait(smem.k_full(stage), ring_phase(ring_base + j, Cfg::STAGES));
+        wait_turn();
+        issue_qk(s, stage);
+        if (j > 1) rescale_output(rescale);  // block j-1's factor (block 0 has none)
+        mbarrier_wait(smem.v_full(prev), ring_phase(ring_base + j - 1, Cfg::STAGES));
+        issue_pv(prev);
+        pass_turn(false);
+        wgmma_wait<1>();  // S_j is ready; P V_{j-1} may still run
+        fence_registers(s[0]);
+        release_k(stage);
+        q_read(j, n_blocks);
+        probabilities<false, HALF>(s, j, rescale);
+        wgmma_wait<0>();
+        fence_registers(o);
+        release_v(prev);
+        refill(j - 1);
+        stage_p<HALF>(s);
     }
 
-    // The last block's P V, issued in its own turn, then completed (O final).
+    // The last block's P V, issued in its own turn, then completed (O final). HALF: its first
+    // B_c / 2 keys (narrow_last).
+    template <bool HALF = false>
     CF_DEVICE void last_pv(int n_blocks, bool ends_tile = true) {
         const int last_slot = ring_base + n_blocks - 1, last = ring_stage(last_slot, Cfg::STAGES);
         mbarrier_wait(smem.v_full(last), ring_phase(last_slot, Cfg::STAGES));
         if (ends_tile) clear_rows_past_end(n_blocks - 1, n_blocks, last);
         wait_turn();
-        issue_pv(last);
+        issue_pv<HALF ? PV_STEPS / 2 : PV_STEPS>(last);
         pass_turn(ends_tile);
         complete_pv(last);
     }
@@ -440,11 +477,16 @@ struct Consumer {
     CF_DEVICE void run_overlapped(int n_blocks, Refill& refill, bool ends_tile = true) {
         Scores s;
         float rescale[1][2];
+        // narrow_last: a tile's only block keeps its whole softmax (its P past the first half is 0
+        // all the same; a narrow first block in a branch serialises the kernel's wgmmas, C7511)
+        // and takes the narrow P V.
+        const bool half = narrow_last(n_blocks);
         first_block(s, n_blocks, rescale);
         stage_p(s);
-        middle_blocks(s, n_blocks, rescale, refill);
+        middle_blocks(s, n_blocks, rescale, refill, half);
         if (n_blocks > 1) rescale_output(rescale);
-        last_pv(n_blocks, ends_tile);
+        if (Cfg::HALF_LAST && half) last_pv<true>(n_blocks, ends_tile);
+        else last_pv(n_blocks, ends_tile);
         refill(n_blocks - 1);
     }
 

@@ -10,6 +10,11 @@ struct WarpgroupSoftmax {
     static constexpr int PV_STEPS = Cfg::BC / 16;
     using Scores = float[1][S_TILES][4];
     using Probabilities = u32[PV_STEPS][4];
+    // The first B_c / 2 columns of a block's scores (HALF_LAST): a view of Scores' leading half.
+    template <bool HALF>
+    using Columns = float[1][HALF ? S_TILES / 2 : S_TILES][4];
+    template <bool HALF>
+    CF_DEVICE static Columns<HALF>& columns(Scores& s) { return reinterpret_cast<Columns<HALF>&>(s); }
 
     OnlineSoftmax<1, S_TILES, true, Cfg::EXP_EMULATION, Cfg::LAZY_RESCALE ? 8 : 0> stats;
 
@@ -18,7 +23,9 @@ struct WarpgroupSoftmax {
     // Scores that must not count become -inf: keys at or past seq_len_k and, under causal
     // masking, keys after the row's diagonal. `wg_row0` is the warpgroup's first query row,
     // `row` this lane's first row (the second is row + 8); both absolute.
-    CF_DEVICE static void mask(Scores& s, int seq_len_q, int seq_len_k, int block, int wg_row0, int row, int lane) {
+    template <int N>
+    CF_DEVICE static void mask(float (&s)[1][N][4], int seq_len_q, int seq_len_k, int block, int wg_row0, int row,
+                               int lane) {
         const int key0 = block * Cfg::BC;
         const int keys_valid = seq_len_k - key0;
         bool cut = keys_valid < Cfg::BC;
@@ -46,19 +53,21 @@ struct WarpgroupSoftmax {
         a[3] = pack_pair<Cfg::dtype>(s[0][2 * k + 1][2], s[0][2 * k + 1][3]);
     }
 
-    // Probabilities -> A fragments of P in registers, one per k-step.
+    // Probabilities -> A fragments of P in registers, one per k-step (the first STEPS).
+    template <int STEPS = PV_STEPS>
     CF_DEVICE static void convert(const Scores& s, Probabilities& pa) {
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) fragment(s, k, pa[k]);
+        for (int k = 0; k < STEPS; ++k) fragment(s, k, pa[k]);
     }
 
     // P_SMEM: probabilities -> the warpgroup's shared P tile (K-major, 128B-swizzled like the Q
     // tile), one stmatrix.x4 per k-step: the four A-fragment registers of convert() are the 8x8
     // matrices (rows 0-7 | 8-15) x (keys 0-7 | 8-15) of the k-step, and lane 8 i + r gives the
     // address of row r of matrix i. `lane_row` is store_address()'s value for this lane.
+    template <int STEPS = PV_STEPS>
     CF_DEVICE static void store(const Scores& s, u32 lane_row) {
 #pragma unroll
-        for (int k = 0; k < PV_STEPS; ++k) {
+        for (int k = 0; k < STEPS; ++k) {
             u32 a[4];
             fragment(s, k, a);
             // key chunk 2k + (i >> 1) of the row: column block k / 4, chunk (2k) % 8 XOR the lane's

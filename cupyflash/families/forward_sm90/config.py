@@ -19,7 +19,8 @@ warpgroup stops at its own last needed key block: none past the sequence's end, 
 diagonal), `psmem` (P V reads P from shared memory, not registers), `cluster2` (CTAs in clusters
 of two that share each K/V tile's loads by TMA multicast), `lptN` (causal grids start the longest
 tiles of chunks of heads whose K and V fit N MiB first), `qreg` (Q K^T reads Q's fragments from
-registers) and `emuN` (exp2 of N quarters of the
+registers), `halflast` (a warpgroup's last key block, when no row of it sees the block's second
+half, runs its softmax and P V on the first half) and `emuN` (exp2 of N quarters of the
 scores on the FMA units)
 are the optional features. Invalid combinations raise
 ValueError naming the rule.
@@ -144,6 +145,12 @@ class HopperForwardKernelConfig(KernelConfig):
     # 128 an SM's shared memory serves, besides the K/V stores. With o_direct on a persistent CTA
     # the Q tile is released after the tile's first Q K^T instead of its last.
     q_regs: bool = False
+    # A consumer warpgroup's last key block whose second half no row of the warpgroup sees (causal:
+    # its last row's diagonal lies in the first half, which with B_c 128 is every other
+    # warpgroup's last block; or the keys end there) has its mask, softmax, P conversion and P V
+    # cut to the first B_c / 2 columns: half of that block's exponentials and of its P V. Q K^T
+    # keeps its one width (a second wgmma shape serialises the kernel's wgmmas, NOTES.md item 233).
+    half_last: bool = False
 
     # ------------------------------------------------------------------ rules
     def _rules(self) -> Iterator[tuple[str, bool]]:
@@ -182,6 +189,12 @@ class HopperForwardKernelConfig(KernelConfig):
         yield ("q_regs needs TMA loads and no cross_tile (the next tile's first Q K^T would read the other "
                "Q tile's fragments) and d_head <= 128 (d_head / 4 registers per consumer thread)",
                not self.q_regs or (not self.cp_async and not self.cross_tile and self.d_head <= 128))
+        yield ("half_last needs intra_wg_overlap, no cross_tile (it cuts the overlapped mainloop's last block; "
+               "xtile issues that block's P V elsewhere) and B_c a multiple of 32 (whole P V k-steps per half)",
+               not self.half_last or (self.intra_wg_overlap and not self.cross_tile and self.B_c % 32 == 0))
+        yield ("half_last at d_head 128 on three consumer warpgroups needs one CTA per tile (the persistent build's "
+               "second copy of the last loop step spills 76-108 bytes at 160 registers)",
+               not (self.half_last and self.d_head >= 128 and self.consumer_warpgroups == 3 and self.persistent))
         yield ("intra_wg_overlap needs n_stages >= 2 (K of block j and V of block j-1 are in use together)",
                not self.intra_wg_overlap or self.n_stages >= 2)
         budget = ACCUMULATOR_BUDGET.get(self.consumer_warpgroups, 0)
@@ -224,9 +237,10 @@ class HopperForwardKernelConfig(KernelConfig):
                                         "overlap": "intra_wg_overlap", "persistent": "persistent",
                                         "qbuf2": "double_q", "oreg": "o_direct", "lazy": "lazy_rescale",
                                         "ring": "turn_ring", "xtile": "cross_tile", "wgblocks": "wg_blocks",
-                                        "psmem": "p_smem", "cluster2": "cluster", "qreg": "q_regs"}
+                                        "psmem": "p_smem", "cluster2": "cluster", "qreg": "q_regs",
+                                        "halflast": "half_last"}
     _LATE_FLAGS: ClassVar[tuple[str, ...]] = ("oreg", "lazy", "ring", "xtile", "wgblocks", "psmem", "cluster2",
-                                              "qreg")  # after emuN
+                                              "qreg", "halflast")  # after emuN
     _NUMBERED: ClassVar[dict[str, re.Pattern]] = {"emu": re.compile(r"^emu(?P<n>\d)$"),  # exp_emulation
                                                   "lpt": re.compile(r"^lpt(?P<n>\d+)$")}  # lpt_mib
 
@@ -283,4 +297,4 @@ class HopperForwardKernelConfig(KernelConfig):
                    o_direct=flags["o_direct"], lazy_rescale=flags["lazy_rescale"], turn_ring=flags["turn_ring"],
                    cross_tile=flags["cross_tile"], wg_blocks=flags["wg_blocks"],
                    p_smem=flags["p_smem"], cluster=flags["cluster"], lpt_mib=numbers.get("lpt", 0),
-                   q_regs=flags["q_regs"])
+                   q_regs=flags["q_regs"], half_last=flags["half_last"])

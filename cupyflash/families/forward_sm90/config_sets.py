@@ -171,6 +171,10 @@ _TWIN_KNOBS = ("turn_ring", "o_direct")
 # 0.2-4.7% on d_head 64's two-consumer tiles and lost 0.5-2.8% at d_head 128. Its registers
 # (d_head / 4) do not fit three overlapped consumer warpgroups without psmem.
 _Q_REGS_D_HEADS = (64,)
+# `halflast` (a warpgroup's last key block cut to its first half) on causal rows at d_head 64 only:
+# on an H200 (2026-11-29, NOTES.md item 379) it gained 2.1-2.7% at 1k-2k in two runs, was level at
+# 4k-16k, and at d_head 96 / 256 moved -3.8..+1.5%.
+_HALF_LAST_D_HEADS = (64,)
 _XTILE = {"turn_ring": True, "cross_tile": True}
 _WG_BLOCKS = {"wg_blocks": True}
 # lptN on causal rows of one CTA per tile: on an H200 (2026-11-29, NOTES.md item 321) 16 and 32 MiB
@@ -179,9 +183,9 @@ _LPT = ({}, {"lpt_mib": 16}, {"lpt_mib": 32})
 
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
-    """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`) added, each also
-    with `xtile` or (causal rows only) `wgblocks`, and on causal rows each of those with `lpt16` or
-    `lpt32`; those the
+    """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`, on causal rows
+    `halflast` too) added, each also with `xtile` or (causal rows only) `wgblocks`, and on causal rows
+    each of those with `lpt16` or `lpt32`; those the
     family's rules refuse for this config are left out, as is `cfg` itself. Sorted, so the order
     never depends on the caller. Unmasked, `wgblocks` only idles the warpgroups of a last tile
     that lie past the sequence's end; on the H100 that was level with the d_head 64 picks
@@ -189,7 +193,8 @@ def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwa
     long and short tiles for `lpt` to order, so non-causal rows do not spend autotune time on them."""
     out = set()
     exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal else [])
-    names = _TWIN_KNOBS + (("q_regs",) if cfg.d_head in _Q_REGS_D_HEADS else ())
+    names = (_TWIN_KNOBS + (("q_regs",) if cfg.d_head in _Q_REGS_D_HEADS else ())
+             + (("half_last",) if causal and cfg.d_head in _HALF_LAST_D_HEADS else ()))
     for n in range(len(names) + 1):
         for knobs in itertools.combinations(names, n):
             for extra, order in itertools.product(exclusive, _LPT if causal else ({},)):
