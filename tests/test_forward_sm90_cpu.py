@@ -436,9 +436,10 @@ def test_tuning_problem_takes_any_length_and_cfg_none_reads_the_table(tmp_path, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
     """autotune's knob twins of a winner (FORWARD_SM90.knob_twins): the winner with ring / oreg
-    (and at d_head 64 qreg, causal halflast) and xtile or (causal only) wgblocks added, never both of those two,
-    on causal rows of one CTA per tile also lpt16 / lpt32, never the winner itself; every twin is
-    a valid config that keeps the winner's other fields; sorted."""
+    (and at d_head 64 qreg, causal halflast) and xtile or (causal rows and 192-row tiles only)
+    wgblocks added, never both of those two, on causal rows of one CTA per tile also lpt16 / lpt32,
+    never the winner itself; every twin is a valid config that keeps the winner's other fields;
+    sorted."""
     knobs = {"turn_ring", "o_direct", "cross_tile", "wg_blocks", "lpt_mib", "q_regs", "half_last"}
     winners = [c for c in config_sets.autotune_configs() if c.dtype is DType.BF16]
     seen = set()
@@ -451,8 +452,9 @@ def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
             assert not (t.cross_tile and t.wg_blocks) and t.lpt_mib in (0, 16, 32)
             assert not t.q_regs or (t.d_head == 64 and not t.cross_tile)
             assert not t.half_last or (causal and t.d_head == 64 and not t.cross_tile)
+            assert not t.wg_blocks or causal or t.B_r == 192
             seen |= changed
-    assert seen == (knobs if causal else knobs - {"wg_blocks", "lpt_mib", "half_last"})
+    assert seen == (knobs if causal else knobs - {"lpt_mib", "half_last"})
     x = H.parse("forward_sm90(BF16, 128, 128, 128, 2): tma+ws+pingpong+overlap+persistent+qbuf2+lazy")
     assert len(FORWARD_SM90.knob_twins(x, True)) == 9 and len(FORWARD_SM90.knob_twins(x, False)) == 5
     plain = x.replace(persistent=False, double_q=False)  # one CTA per tile: oreg, wgblocks, lpt16/32
@@ -461,3 +463,6 @@ def test_knob_twins_add_only_launch_knobs_the_rules_allow(causal):
     d64 = x.replace(d_head=64, lazy_rescale=True)
     assert any(t.q_regs for t in FORWARD_SM90.knob_twins(d64, False))
     assert not any(t.q_regs for t in FORWARD_SM90.knob_twins(d64.replace(B_r=192), False))
+    # unmasked, wgblocks only where a tile can have warpgroups past the end at power-of-two lengths
+    assert not any(t.wg_blocks for t in FORWARD_SM90.knob_twins(d64, False))
+    assert any(t.wg_blocks for t in FORWARD_SM90.knob_twins(d64.replace(B_r=192), False))

@@ -4,8 +4,14 @@
 // masking each head's query blocks go last to first (longest first), and with `lpt` the longest
 // tiles of a chunk of heads first (longest_first). Persistent, no masking: a
 // grid of G (about one CTA per SM) takes the tile list in rounds of G tiles, CTA c taking tile
-// c of even rounds and G-1-c of odd ones; consecutive tiles are the query blocks of one (head,
-// batch), so CTAs running at the same time share its K/V in L2.
+// (c + r) mod G of round r; consecutive tiles are the query blocks of one (head, batch), so CTAs
+// running at the same time share its K/V in L2. The rotation spreads each head's partial last
+// query block (seq_len_q not a multiple of B_r) over the CTAs. With a fixed position per round
+// (the earlier snake, c / G-1-c) and a block count dividing G (d_head 64's 192-row tiles: 3, 6,
+// 11 or 22 blocks at 512, 1k, 2k, 4k against G = 132) the partial blocks all fell to the same
+// few CTAs and the others ran whole tiles only, so `wgblocks` (a partial tile's warpgroups
+// without rows skip their GEMMs) could not shorten the longest CTA; rotated, it does (d_head 64
+// at 512 / 1k: +2-4.5%).
 // Persistent, causal: the unit of work is a pair of one (head, batch)'s query blocks i and
 // nqb-1-i (the longer first), whose key blocks add up to the same count for every i; CTA c
 // takes pairs c, c+G, c+2G, ... Equal units dealt round-robin balance the CTAs to within one
@@ -60,7 +66,7 @@ struct TileScheduler {
                 t.q_block = (round & 1) ? i : nqb - 1 - i;
                 rest = pair / per;
             } else {
-                const int index = round * g + ((round & 1) ? g - 1 - c : c);
+                const int index = round * g + (c + round) % g;
                 t.index = index;
                 t.valid = index < tiles(p);
                 t.q_block = index % nqb;

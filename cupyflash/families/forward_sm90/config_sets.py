@@ -184,15 +184,17 @@ _LPT = ({}, {"lpt_mib": 16}, {"lpt_mib": 32})
 
 def knob_twins(cfg: HopperForwardKernelConfig, causal: bool) -> list[HopperForwardKernelConfig]:
     """`cfg` with every combination of `ring` and `oreg` (and at d_head 64 `qreg`, on causal rows
-    `halflast` too) added, each also with `xtile` or (causal rows only) `wgblocks`, and on causal rows
-    each of those with `lpt16` or `lpt32`; those the
+    `halflast` too) added, each also with `xtile` or `wgblocks` (causal rows, and 192-row tiles
+    on any row), and on causal rows each of those with `lpt16` or `lpt32`; those the
     family's rules refuse for this config are left out, as is `cfg` itself. Sorted, so the order
     never depends on the caller. Unmasked, `wgblocks` only idles the warpgroups of a last tile
-    that lie past the sequence's end; on the H100 that was level with the d_head 64 picks
-    (192-row tiles, S 512-16k: -3.8% to +1.0%, NOTES.md item 190), and non-causal grids have no
-    long and short tiles for `lpt` to order, so non-causal rows do not spend autotune time on them."""
+    that lie past the sequence's end, which only a B_r that does not divide a power of two
+    leaves at the grid's lengths: with the rotated persistent rounds it gained 1.5-4.5% on d_head
+    64's 192-row picks at 512 / 1k / 4k on an H200 (NOTES.md item 394; level at 2k, -1..-2% at
+    8k-16k), where the snake's rounds had left it level (item 190). Non-causal grids have no long
+    and short tiles for `lpt` to order, so non-causal rows do not spend autotune time on it."""
     out = set()
-    exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal else [])
+    exclusive = [{}, _XTILE] + ([_WG_BLOCKS] if causal or cfg.B_r % 128 else [])
     names = (_TWIN_KNOBS + (("q_regs",) if cfg.d_head in _Q_REGS_D_HEADS else ())
              + (("half_last",) if causal and cfg.d_head in _HALF_LAST_D_HEADS else ()))
     for n in range(len(names) + 1):
