@@ -68,6 +68,8 @@ struct Consumer {
     }
 
     CF_DEVICE int wg_row0() const { return tile.first_row() + wg * Cfg::WG_ROWS; }
+    // The warpgroup's last row inside the sequence (below wg_row0() when it has none).
+    CF_DEVICE int wg_last_row() const { return min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1; }
     CF_DEVICE int row() const { return wg_row0() + 16 * warp + (lane >> 2); }
 
     // ---- GEMM issue ----
@@ -288,7 +290,7 @@ struct Consumer {
     // Otherwise every warpgroup visits n_blocks.
     CF_DEVICE int own_blocks(int n_blocks) const {
         if constexpr (Cfg::WG_BLOCKS) {
-            const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
+            const int last_row = wg_last_row();
             int mine = n_blocks;
             if constexpr (CAUSAL) {
                 const int last_key = last_row + tile.seq_len_k(p) - tile.seq_len_q(p);
@@ -396,7 +398,7 @@ struct Consumer {
     // ptxas serialise the kernel's wgmmas, NOTES.md item 233).
     CF_DEVICE bool narrow_last(int n_blocks) const {
         if constexpr (Cfg::HALF_LAST) {
-            const int last_row = min(tile.seq_len_q(p), wg_row0() + Cfg::WG_ROWS) - 1;
+            const int last_row = wg_last_row();
             int last_key = tile.seq_len_k(p) - 1;
             if constexpr (CAUSAL) last_key = min(last_key, last_row + tile.seq_len_k(p) - tile.seq_len_q(p));
             return warp_uniform(last_key - (n_blocks - 1) * Cfg::BC < Cfg::BC / 2);
